@@ -1,0 +1,261 @@
+"""The codec interface: the three places a codec runs, and what crosses the wire between them.
+
+A round of aggregation for one partition of a gradient, with n workers::
+
+    worker i:    x_i' = codec.precondition(x_i, ctx_i)       # error feedback, momentum (stateful)
+                 s_i  = codec.summarize(x_i')                # preliminary round, if any
+    aggregator:  s    = elementwise max over s_i             # integer MAX on the switch
+    worker i:    p_i  = codec.encode(x_i', ctx_i, s)         # wire payload (packed)
+    aggregator:  P    = codec.aggregate([p_1 .. p_m], ctx)   # m <= n contributors
+    worker i:    avg  = codec.decode(P, s)                   # divides by P.contributors
+
+Every preliminary round is an elementwise MAX (a minimum is sent negated), so a switch that can
+only add and compare integers serves all of them (see ``float_to_ordered_int``).
+
+How the aggregator may combine payloads is declared by ``Codec.aggregation``:
+
+* ``INTEGER_SUM`` and ``LOOKUP_SUM``: homomorphic and integer-only; a switch can run them.
+  ``integer_op(workers)`` describes the operation exactly (table, wire widths).
+* ``FLOAT_SUM``: homomorphic over floats; a parameter server sums without decoding.
+* ``DECODE_SUM_ENCODE``: not homomorphic; a parameter server decodes every payload, sums and
+  re-encodes the sum for the downstream, which costs time and adds a second compression error.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+class NonFiniteGradientError(ValueError):
+    """A gradient holds NaN or Inf; compressing it would produce a garbage aggregate."""
+
+
+class WidthOverflowError(ValueError):
+    """An integer does not fit the wire width it must be sent in."""
+
+
+class Aggregation(enum.Enum):
+    INTEGER_SUM = "integer-sum"
+    LOOKUP_SUM = "lookup-sum"
+    FLOAT_SUM = "float-sum"
+    DECODE_SUM_ENCODE = "decode-sum-encode"
+
+    @property
+    def homomorphic(self) -> bool:
+        return self is not Aggregation.DECODE_SUM_ENCODE
+
+    @property
+    def integer_only(self) -> bool:
+        return self in (Aggregation.INTEGER_SUM, Aggregation.LOOKUP_SUM)
+
+
+# Worker id used for the aggregator's own randomness (re-encoding at a parameter server).
+AGGREGATOR = -1
+
+
+@dataclass(frozen=True)
+class CodecContext:
+    """Identifies one encode: which randomness streams it draws from and which state it uses.
+
+    Randomness that must differ between workers (stochastic rounding) is seeded from
+    (seed, worker, step, partition); randomness all workers must share (THC's rotation signs)
+    from (seed, partition) only. ``key`` names the tensor/partition for stateful codecs.
+    """
+
+    seed: int = 0
+    worker: int = 0
+    step: int = 0
+    partition: int = 0
+    key: Hashable = None
+
+    @property
+    def state_key(self) -> Hashable:
+        """Per-worker state key, so one codec object can also stand for many workers."""
+        return (self.worker, self.partition if self.key is None else self.key)
+
+    def worker_seed(self) -> int:
+        return _derive_seed("worker", self.seed, self.worker, self.step, self.partition)
+
+    def uniform(
+        self, count: int, device: torch.device | str = "cpu", out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``count`` float32 draws from U[0, 1) from this worker's own stream."""
+        return draw_uniform(self.worker_seed(), count, device, out)
+
+    def shared_seed(self) -> int:
+        return _derive_seed("shared", self.seed, self.partition)
+
+
+def aggregator_context(ctx: CodecContext) -> CodecContext:
+    """The context of the aggregator's side of the same round."""
+    return CodecContext(ctx.seed, AGGREGATOR, ctx.step, ctx.partition, ctx.key)
+
+
+def _derive_seed(*parts: object) -> int:
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def draw_uniform(
+    seed: int, count: int, device: torch.device | str = "cpu", out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Seeded U[0, 1) float32 draws. On the CPU numpy's PCG64 fills the buffer in place (about
+    twice as fast as torch's generator); elsewhere torch's device generator is used."""
+    device = torch.device(device)
+    if out is None:
+        out = torch.empty(count, dtype=torch.float32, device=device)
+    if device.type == "cpu":
+        np.random.Generator(np.random.PCG64(seed)).random(out=out.numpy(), dtype=np.float32)
+    else:
+        generator = torch.Generator(device=device).manual_seed(seed)
+        torch.rand(count, generator=generator, device=device, out=out)
+    return out
+
+
+@dataclass(frozen=True)
+class Payload:
+    """What crosses the wire for one partition: named, packed tensors.
+
+    ``length`` is the number of gradient coordinates represented, ``contributors`` how many
+    workers' payloads were summed into it (1 upstream; up to n downstream).
+    """
+
+    fields: dict[str, torch.Tensor]
+    length: int
+    contributors: int = 1
+    meta: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = sum(t.numel() * t.element_size() for t in self.fields.values())
+        return tensors + 4 * len(self.meta)  # scalars travel as 4-byte values
+
+    def bits_per_coordinate(self) -> float:
+        return 8.0 * self.nbytes / max(self.length, 1)
+
+
+@dataclass(frozen=True)
+class IntegerOp:
+    """The exact integer operation an aggregator runs for a homomorphic codec.
+
+    ``table`` maps each upstream value (an index of ``in_bits`` bits) to the integer that is
+    summed; ``None`` sums the values themselves. Sums of up to ``workers`` contributions fit in
+    ``out_bits`` (unsigned when ``signed`` is false).
+    """
+
+    in_bits: int
+    out_bits: int
+    signed: bool
+    table: tuple[int, ...] | None = None
+
+
+class Codec(ABC):
+    """Base class of all codecs; see the module docstring for the round structure."""
+
+    name: str = ""
+    aggregation: Aggregation = Aggregation.DECODE_SUM_ENCODE
+
+    def __init__(self, workers: int = 1):
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.workers = workers
+
+    @property
+    def homomorphic(self) -> bool:
+        return self.aggregation.homomorphic
+
+    @property
+    def needs_summary(self) -> bool:
+        return type(self).summarize is not Codec.summarize
+
+    def precondition(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
+        """Stateful pre-processing before the preliminary round (error feedback, momentum)."""
+        return x
+
+    def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor | None:
+        """This worker's input to the preliminary round (combined by elementwise max)."""
+        return None
+
+    def summary_bits(self) -> int:
+        """Wire bits of one summary entry (float32 unless a codec sends less)."""
+        return 32
+
+    @abstractmethod
+    def encode(
+        self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
+    ) -> Payload:
+        """Compress a 1-D float tensor into a wire payload."""
+
+    @abstractmethod
+    def aggregate(self, payloads: Sequence[Payload], ctx: CodecContext) -> Payload:
+        """What the aggregator does with the payloads of the contributing workers."""
+
+    @abstractmethod
+    def decode(
+        self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The average over the payload's contributors, as a float32 tensor."""
+
+    def reconstruct(
+        self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """What this worker's own payload decodes to (error feedback's reference)."""
+        return self.decode(self.aggregate([payload], aggregator_context(ctx)), ctx, shared)
+
+    def integer_op(self) -> IntegerOp:
+        raise TypeError(f"codec {self.name!r} is not integer-homomorphic; a switch cannot sum it")
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"codec {self.name!r} keeps no state, got keys {sorted(state)}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(workers={self.workers})"
+
+
+def check_finite(x: torch.Tensor, what: str = "gradient") -> None:
+    """Raise a clear error for NaN/Inf (one reduction; cheap next to any encode)."""
+    if not bool(torch.isfinite(x.sum())) and not bool(torch.isfinite(x).all()):
+        bad = (~torch.isfinite(x)).nonzero()[:3].flatten().tolist()
+        raise NonFiniteGradientError(
+            f"{what} of {x.numel()} coordinates contains NaN or Inf (first at indices {bad}); "
+            "refusing to compress it"
+        )
+
+
+def check_same_length(payloads: Sequence[Payload]) -> int:
+    if not payloads:
+        raise ValueError("aggregate needs at least one payload")
+    lengths = {p.length for p in payloads}
+    if len(lengths) != 1:
+        raise ValueError(f"payloads cover different lengths {sorted(lengths)}")
+    return lengths.pop()
+
+
+def float_to_ordered_int(values: torch.Tensor) -> torch.Tensor:
+    """Map float32 to int32 so that integer order equals float order (for a switch's MAX)."""
+    bits = values.to(torch.float32).contiguous().view(torch.int32)
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+def ordered_int_to_float(ordered: torch.Tensor) -> torch.Tensor:
+    bits = ordered.to(torch.int32)
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).view(torch.float32)
+
+
+def combine_summaries(summaries: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """The aggregator's side of the preliminary round: an elementwise max."""
+    present = [s for s in summaries if s is not None]
+    if not present:
+        return None
+    return torch.stack(present).amax(dim=0)

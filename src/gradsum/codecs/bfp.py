@@ -1,0 +1,106 @@
+"""SwitchML block floating point: floats carried over integer-only additions.
+
+Every block of ``block_size`` coordinates shares one exponent, the maximum over all workers
+(the preliminary round). Each worker scales its block by the same power of two, so that the sum
+of ``workers`` values cannot leave int32, and rounds to int32. The aggregator adds int32 vectors;
+workers scale the sum back and divide by the number of contributors.
+
+A power-of-two scale keeps the scaling exact. With |x| < 2**e (e from frexp of the block
+maximum), the shift s = 30 - e - ceil(log2 n) bounds every sum of n rounded values below 2**31.
+An all-zero block reports exponent ``EXPONENT_FLOOR``; it quantizes to zeros with a finite scale.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .base import (
+    Aggregation,
+    Codec,
+    CodecContext,
+    IntegerOp,
+    Payload,
+    WidthOverflowError,
+    check_finite,
+    check_same_length,
+)
+
+EXPONENT_FLOOR = -126
+INT32_MAX = (1 << 31) - 1
+
+
+class BlockFloatingPoint(Codec):
+    name = "bfp"
+    aggregation = Aggregation.INTEGER_SUM
+
+    def __init__(self, workers: int = 1, block_size: int = 256):
+        super().__init__(workers)
+        if block_size < 1:
+            raise ValueError(f"bfp block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.headroom = math.ceil(math.log2(workers)) if workers > 1 else 0
+
+    def integer_op(self) -> IntegerOp:
+        return IntegerOp(in_bits=32, out_bits=32, signed=True)
+
+    def summary_bits(self) -> int:
+        return 8  # exponents in [-126, 128] travel as int8 offsets in SwitchML; we count 8
+
+    def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
+        check_finite(x)
+        block_max = self._blocks(x.reshape(-1).to(torch.float32).abs()).amax(dim=1)
+        exponents = torch.frexp(block_max).exponent.to(torch.float32)
+        return torch.where(block_max > 0, exponents, torch.full_like(exponents, EXPONENT_FLOOR))
+
+    def encode(
+        self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
+    ) -> Payload:
+        check_finite(x)
+        shifts = self._shifts(shared, x.numel())
+        flat = x.reshape(-1).to(torch.float32)
+        scaled = torch.ldexp(self._blocks(flat), shifts.unsqueeze(1)).reshape(-1)[: x.numel()]
+        if bool((scaled.abs() > INT32_MAX // max(self.workers, 1)).any()):
+            raise WidthOverflowError(
+                "bfp: a coordinate exceeds its block's shared exponent; the preliminary round's "
+                "exponents must come from the same gradient"
+            )
+        return Payload({"values": scaled.round_().to(torch.int32)}, x.numel())
+
+    def aggregate(self, payloads: Sequence[Payload], ctx: CodecContext) -> Payload:
+        length = check_same_length(payloads)
+        contributors = sum(p.contributors for p in payloads)
+        if contributors > self.workers:
+            raise WidthOverflowError(
+                f"{contributors} contributions exceed the {self.workers} workers the scale was "
+                "chosen for; the int32 sum could overflow"
+            )
+        total = payloads[0].fields["values"].clone()
+        for payload in payloads[1:]:
+            total += payload.fields["values"]
+        return Payload({"values": total}, length, contributors)
+
+    def decode(
+        self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        shifts = self._shifts(shared, payload.length)
+        sums = payload.fields["values"].to(torch.float32)
+        unscaled = torch.ldexp(self._blocks(sums), -shifts.unsqueeze(1)).reshape(-1)
+        return unscaled[: payload.length].div_(payload.contributors)
+
+    def _shifts(self, shared: torch.Tensor | None, length: int) -> torch.Tensor:
+        blocks = -(-length // self.block_size)
+        if shared is None or shared.numel() != blocks:
+            raise ValueError(f"bfp needs {blocks} block exponents from the preliminary round")
+        return (30 - self.headroom - shared.to(torch.float32)).clamp_(max=120)
+
+    def _blocks(self, flat: torch.Tensor) -> torch.Tensor:
+        remainder = flat.numel() % self.block_size
+        if remainder:
+            flat = torch.cat([flat, flat.new_zeros(self.block_size - remainder)])
+        return flat.view(-1, self.block_size)
+
+    def __repr__(self) -> str:
+        return f"BlockFloatingPoint(workers={self.workers}, block_size={self.block_size})"

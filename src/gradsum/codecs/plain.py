@@ -1,0 +1,70 @@
+"""Uncompressed baselines: fp32 (summed as is) and fp16 (halved on the wire)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .base import (
+    Aggregation,
+    Codec,
+    CodecContext,
+    Payload,
+    WidthOverflowError,
+    check_finite,
+    check_same_length,
+)
+from .decoding import DecodingCodec
+
+
+class NoCompression(Codec):
+    """fp32 on the wire; a parameter server sums payloads directly."""
+
+    name = "none"
+    aggregation = Aggregation.FLOAT_SUM
+
+    def encode(
+        self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
+    ) -> Payload:
+        check_finite(x)
+        return Payload({"values": x.reshape(-1).to(torch.float32).clone()}, x.numel())
+
+    def aggregate(self, payloads: Sequence[Payload], ctx: CodecContext) -> Payload:
+        length = check_same_length(payloads)
+        total = payloads[0].fields["values"].clone()
+        for payload in payloads[1:]:
+            total += payload.fields["values"]
+        return Payload({"values": total}, length, sum(p.contributors for p in payloads))
+
+    def decode(
+        self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return payload.fields["values"] / payload.contributors
+
+
+class FP16(DecodingCodec):
+    """IEEE half precision both ways; the server widens, sums in fp32 and narrows the sum."""
+
+    name = "fp16"
+
+    def compress(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+        return Payload({"values": x.to(torch.float16)}, x.numel())
+
+    def encode(
+        self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
+    ) -> Payload:
+        check_finite(x)
+        return self._checked(self.compress(x.reshape(-1).to(torch.float32), ctx), "gradient")
+
+    def aggregate(self, payloads: Sequence[Payload], ctx: CodecContext) -> Payload:
+        return self._checked(super().aggregate(payloads, ctx), "sum")
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        return payload.fields["values"].to(torch.float32)
+
+    @staticmethod
+    def _checked(payload: Payload, what: str) -> Payload:
+        if not bool(torch.isfinite(payload.fields["values"]).all()):
+            raise WidthOverflowError(f"{what} exceeds the fp16 range (|x| > 65504)")
+        return payload

@@ -1,0 +1,82 @@
+"""Codec names as users write them (``--codec thc``) and how to build each one."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+from .base import Codec
+from .bfp import BlockFloatingPoint
+from .feedback import ErrorFeedback
+from .plain import FP16, NoCompression
+from .qsgd import QSGD
+from .sparse import DGC, TopK
+from .terngrad import TernGrad
+from .thc.codec import THC, UniformTHC
+
+# name -> (class, error feedback on by default)
+_CODECS: dict[str, tuple[type[Codec], bool]] = {
+    "none": (NoCompression, False),
+    "fp16": (FP16, False),
+    "bfp": (BlockFloatingPoint, False),
+    "thc": (THC, True),
+    "thc-uniform": (UniformTHC, False),
+    "topk": (TopK, True),
+    "dgc": (DGC, False),  # DGC accumulates locally by itself
+    "terngrad": (TernGrad, False),
+    "qsgd": (QSGD, False),
+}
+
+CODEC_NAMES = tuple(_CODECS)
+
+
+def make_codec(name: str, workers: int = 1, error_feedback: bool | None = None, **options) -> Codec:
+    """Build a codec by name, e.g. ``make_codec("thc", workers=4, bits=4, granularity=30)``."""
+    if name not in _CODECS:
+        raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
+    cls, feedback_default = _CODECS[name]
+    accepted = codec_options(name)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"codec {name!r} has no option {', '.join(unknown)}; "
+            f"its options are {', '.join(accepted) or '(none)'}"
+        )
+    codec = cls(workers=workers, **options)
+    use_feedback = feedback_default if error_feedback is None else error_feedback
+    return ErrorFeedback(codec) if use_feedback else codec
+
+
+def codec_options(name: str) -> dict[str, object]:
+    """A codec's tunable options and their defaults."""
+    cls = _CODECS[name][0]
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    return {p.name: p.default for p in parameters if p.name not in ("self", "workers")}
+
+
+def parse_options(text: str) -> dict[str, object]:
+    """Parse ``"bits=4,granularity=30,p=0.03125"`` into typed values."""
+    options: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"codec option {item!r} is not of the form name=value")
+        options[key.strip()] = _parse_value(value.strip())
+    return options
+
+
+def _parse_value(value: str) -> object:
+    converters: tuple[Callable[[str], object], ...] = (int, float)
+    for convert in converters:
+        try:
+            return convert(value)
+        except ValueError:
+            continue
+    if value.lower() in ("none", "full"):
+        return None
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if "/" in value:
+        numerator, _, denominator = value.partition("/")
+        return float(numerator) / float(denominator)
+    return value

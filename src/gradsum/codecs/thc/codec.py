@@ -1,0 +1,296 @@
+"""Tensor Homomorphic Compression: lookup-table THC (Algorithm 2) and uniform THC (Algorithm 1).
+
+Both map every coordinate onto the integer grid [0, g] shared by all workers, round it
+stochastically (unbiased, independent randomness per worker) to a table value and send the b-bit
+table *index*. The aggregator looks each index up and adds integers; the sum of m contributions
+is a point of the grid [0, m*g] that every worker decodes the same way. Nothing is decoded or
+re-encoded in between, which is what lets an integer-only switch aggregate THC.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..base import (
+    Aggregation,
+    Codec,
+    CodecContext,
+    IntegerOp,
+    NonFiniteGradientError,
+    Payload,
+    check_finite,
+    check_same_length,
+)
+from ..bits import bits_for, pack_bits, unpack_bits
+from .hadamard import Rotation, padded_length
+from .tables import clamp_threshold, solve_table
+
+UPSTREAM = "indices"
+DOWNSTREAM = "sums"
+
+
+# cell, low, up probability, draws, rounds up, indices
+_WORKSPACE_DTYPES = (
+    torch.int32,
+    torch.float32,
+    torch.float32,
+    torch.float32,
+    torch.bool,
+    torch.uint8,
+)
+
+
+@dataclass(frozen=True)
+class _Lookups:
+    """Small per-device tables for one lookup table T over the grid [0, g]."""
+
+    value_of_index: torch.Tensor  # int32 [2**b]: T itself (the aggregator's lookup)
+    value_of_byte: torch.Tensor  # int32 [256, 8 // b]: T of every index packed in a byte
+    interval_of_cell: torch.Tensor  # uint8 [g]: k with T[k] <= cell < T[k + 1]
+    low_of_cell: torch.Tensor  # float32 [g]: T[k]
+    inverse_width_of_cell: torch.Tensor  # float32 [g]: 1 / (T[k + 1] - T[k])
+
+    @classmethod
+    def build(cls, table: tuple[int, ...], device: torch.device) -> _Lookups:
+        values = torch.tensor(table, dtype=torch.int64)
+        interval = torch.searchsorted(values, torch.arange(table[-1]), right=True) - 1
+        low = values[interval].to(torch.float32)
+        width = (values[interval + 1] - values[interval]).to(torch.float32)
+        bits = (len(table) - 1).bit_length()
+        per_byte = 8 // bits if 8 % bits == 0 else 1
+        lanes = [(torch.arange(256) >> (j * bits)) & (len(table) - 1) for j in range(per_byte)]
+        value_of_byte = values[torch.stack(lanes, dim=1)].to(torch.int32)
+        return cls(
+            values.to(torch.int32).to(device),
+            value_of_byte.to(device),
+            interval.to(torch.uint8).to(device),
+            low.to(device),
+            (1.0 / width).to(device),
+        )
+
+
+class GridCodec(Codec):
+    """Shared machinery: stochastic rounding onto a table of the grid [0, g], packing, sums."""
+
+    def __init__(self, workers: int, bits: int, table: Sequence[int]):
+        super().__init__(workers)
+        if bits not in range(1, 9):
+            raise ValueError(f"THC bits must be in 1..8, got {bits}")
+        self.bits = bits
+        self.table = tuple(int(v) for v in table)
+        self.granularity = self.table[-1]
+        if (
+            len(self.table) != 1 << bits
+            or self.table[0] != 0
+            or list(self.table) != sorted(set(self.table))
+        ):
+            raise ValueError(
+                f"table must hold 2**{bits} increasing integers from 0, got {self.table}"
+            )
+        self.sum_bits = bits_for(workers * self.granularity)
+        self._device_tables: dict[torch.device, _Lookups] = {}
+        self._work_key: tuple | None = None
+        self._work: tuple[torch.Tensor, ...] = ()
+
+    # -- the aggregator's operation ---------------------------------------------------------
+    def integer_op(self) -> IntegerOp:
+        identity = self.table == tuple(range(len(self.table)))
+        return IntegerOp(
+            in_bits=self.bits,
+            out_bits=self.sum_bits,
+            signed=False,
+            table=None if identity else self.table,
+        )
+
+    def aggregate(self, payloads: Sequence[Payload], ctx: CodecContext) -> Payload:
+        length = check_same_length(payloads)
+        count = self._coordinates(length)
+        contributors = sum(p.contributors for p in payloads)
+        if contributors > self.workers:
+            raise ValueError(
+                f"{contributors} contributions exceed the {self.workers} workers this codec "
+                f"was configured for; sums would overflow {self.sum_bits} bits"
+            )
+        total = torch.zeros(count, dtype=torch.int32, device=_device_of(payloads[0]))
+        for payload in payloads:
+            total += self._grid_values(payload, count)
+        return Payload(
+            {DOWNSTREAM: pack_bits(total, self.sum_bits, check=False)}, length, contributors
+        )
+
+    def _grid_values(self, payload: Payload, count: int) -> torch.Tensor:
+        """A payload's contribution on the grid: table lookup of indices, or a partial sum."""
+        if UPSTREAM in payload.fields:
+            packed = payload.fields[UPSTREAM]
+            lookups = self._tables(packed.device)
+            if 8 % self.bits == 0:  # one row gather per packed byte: no unpacking
+                rows = torch.index_select(lookups.value_of_byte, 0, packed.to(torch.int32))
+                return rows.view(-1)[:count]
+            indices = unpack_bits(packed, self.bits, count)
+            return torch.index_select(lookups.value_of_index, 0, indices)
+        return unpack_bits(payload.fields[DOWNSTREAM], self.sum_bits, count).to(torch.int32)
+
+    # -- worker side --------------------------------------------------------------------------
+    def _round_to_table(self, u: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
+        """Unbiased stochastic rounding of grid positions u in [0, g] to table indices (uint8).
+
+        u lies in cell floor(u) of the unit grid; per-cell lookups give the table interval
+        [low, low + width] holding that cell, and the index rounds up with probability
+        (u - low) / width. All intermediate buffers are reused between calls.
+        """
+        lookups = self._tables(u.device)
+        work = self._workspace(u.numel(), u.device)
+        cell, low, up_probability, draws, rounds_up, indices = work
+        cell.copy_(u).clamp_(max=self.granularity - 1)  # u >= 0: conversion truncates = floor
+        torch.index_select(lookups.low_of_cell, 0, cell, out=low)
+        torch.index_select(lookups.inverse_width_of_cell, 0, cell, out=up_probability)
+        up_probability.mul_(torch.sub(u, low, out=low))
+        ctx.uniform(u.numel(), u.device, out=draws)
+        torch.lt(draws, up_probability, out=rounds_up)
+        torch.index_select(lookups.interval_of_cell, 0, cell, out=indices)
+        return indices.add_(rounds_up)
+
+    def _workspace(self, count: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        key = (count, device)
+        if self._work_key != key:
+            make = lambda dtype: torch.empty(count, dtype=dtype, device=device)  # noqa: E731
+            self._work = tuple(make(dtype) for dtype in _WORKSPACE_DTYPES)
+            self._work_key = key
+        return self._work
+
+    def _tables(self, device: torch.device) -> _Lookups:
+        if device not in self._device_tables:
+            self._device_tables[device] = _Lookups.build(self.table, device)
+        return self._device_tables[device]
+
+    def _pack_indices(self, indices: torch.Tensor, length: int) -> Payload:
+        return Payload({UPSTREAM: pack_bits(indices, self.bits, check=False)}, length)
+
+    def _grid_average(self, payload: Payload) -> torch.Tensor:
+        """Average grid position over the payload's contributors, as float32."""
+        count = self._coordinates(payload.length)
+        sums = self._grid_values(payload, count).to(torch.float32)
+        return sums.div_(payload.contributors)
+
+    def _coordinates(self, length: int) -> int:
+        return length
+
+
+class THC(GridCodec):
+    """Lookup-table THC with a randomized Hadamard rotation and clamping (Algorithm 2)."""
+
+    name = "thc"
+    aggregation = Aggregation.LOOKUP_SUM
+
+    def __init__(
+        self,
+        workers: int = 1,
+        bits: int = 4,
+        granularity: int = 30,
+        p: float = 1 / 32,
+        rotation_block: int | None = None,
+    ):
+        super().__init__(workers, bits, solve_table(bits, granularity, p))
+        self.p = p
+        self.threshold = clamp_threshold(p)
+        self.rotation_block = rotation_block
+        self._rotations: dict[tuple, Rotation] = {}
+
+    def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
+        norm = torch.linalg.vector_norm(x.to(torch.float32)).reshape(1)
+        if not bool(torch.isfinite(norm)):
+            check_finite(x)  # names the bad coordinates
+            raise NonFiniteGradientError(f"gradient norm overflows float32 ({norm.item()})")
+        return norm
+
+    def encode(
+        self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
+    ) -> Payload:
+        max_norm = _shared_scalar(shared, self.name, "max norm")
+        check_finite(x)
+        rotation = self._rotation(x.numel(), ctx, x.device)
+        y = rotation.forward(x.reshape(-1).to(torch.float32))
+        scale = math.sqrt(rotation.padded) / max_norm if max_norm > 0 else 0.0
+        t = self.threshold
+        u = y.mul_(scale).clamp_(-t, t).add_(t).mul_(self.granularity / (2 * t))
+        return self._pack_indices(self._round_to_table(u, ctx), x.numel())
+
+    def decode(
+        self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        max_norm = _shared_scalar(shared, self.name, "max norm")
+        rotation = self._rotation(payload.length, ctx, _device_of(payload))
+        t, g = self.threshold, self.granularity
+        step = (2 * t / g) * max_norm / math.sqrt(rotation.padded)
+        y = self._grid_average(payload).sub_(g / 2).mul_(step)
+        return rotation.inverse(y)
+
+    def _coordinates(self, length: int) -> int:
+        return padded_length(length, self.rotation_block)
+
+    def _rotation(self, length: int, ctx: CodecContext, device: torch.device) -> Rotation:
+        key = (length, ctx.shared_seed(), device)
+        if key not in self._rotations:
+            if len(self._rotations) > 64:
+                self._rotations.clear()
+            self._rotations[key] = Rotation(length, self.rotation_block, key[1], device)
+        return self._rotations[key]
+
+    def __repr__(self) -> str:
+        return (
+            f"THC(workers={self.workers}, bits={self.bits}, granularity={self.granularity}, "
+            f"p={self.p:g}, rotation_block={self.rotation_block})"
+        )
+
+
+class UniformTHC(GridCodec):
+    """Uniform THC (Algorithm 1): the grid is [global min, global max] in 2**b - 1 steps."""
+
+    name = "thc-uniform"
+    aggregation = Aggregation.INTEGER_SUM
+
+    def __init__(self, workers: int = 1, bits: int = 4):
+        super().__init__(workers, bits, range(1 << bits))
+
+    def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
+        check_finite(x)
+        low, high = torch.aminmax(x.reshape(-1).to(torch.float32))
+        return torch.stack([high, -low])
+
+    def encode(
+        self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
+    ) -> Payload:
+        low, span = self._range(shared)
+        check_finite(x)
+        u = x.reshape(-1).to(torch.float32).sub(low)
+        u.mul_(self.granularity / span if span > 0 else 0.0).clamp_(0, self.granularity)
+        return self._pack_indices(self._round_to_table(u, ctx), x.numel())
+
+    def decode(
+        self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        low, span = self._range(shared)
+        return self._grid_average(payload).mul_(span / self.granularity).add_(low)
+
+    def _range(self, shared: torch.Tensor | None) -> tuple[float, float]:
+        if shared is None or shared.numel() != 2:
+            raise ValueError("thc-uniform needs the preliminary round's [max, -min]")
+        high, negative_low = (float(v) for v in shared)
+        return -negative_low, high + negative_low
+
+
+def _shared_scalar(shared: torch.Tensor | None, codec: str, what: str) -> float:
+    if shared is None or shared.numel() != 1:
+        raise ValueError(f"{codec} needs the preliminary round's {what} (one value)")
+    value = float(shared.reshape(-1)[0])
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{codec}: invalid {what} {value}")
+    return value
+
+
+def _device_of(payload: Payload) -> torch.device:
+    return next(iter(payload.fields.values())).device
