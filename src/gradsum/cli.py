@@ -12,7 +12,10 @@ import importlib
 import sys
 
 # Modules that contribute sub-commands, in the order `gradsum --help` lists them.
-COMMAND_MODULES = ("gradsum.codecs.thc.cli",)
+COMMAND_MODULES = (
+    "gradsum.bench.cli",
+    "gradsum.codecs.thc.cli",
+)
 
 
 class UsageError(Exception):

@@ -42,20 +42,22 @@ def pack_bits(values: torch.Tensor, width: int, *, check: bool = True) -> torch.
     if check:
         check_fits(values, width)
     count = values.numel()
+    if count == 0:
+        return torch.empty(0, dtype=torch.uint8, device=values.device)
     if width in _BYTE_ALIGNED:
         return values.to(_BYTE_ALIGNED[width]).contiguous().view(torch.uint8).clone()
     group = _group_size(width)
     padded = _pad_to(values, group)
     if 8 % width == 0:  # 1, 2, 4 bits: several elements per byte, combined in uint8
         lanes = padded.to(torch.uint8).view(-1, group)
-        out = lanes[:, 0].clone()
-        for j in range(1, group):
+        out = torch.zeros(lanes.shape[0], dtype=torch.uint8, device=values.device)
+        for j in range(group):
             out |= lanes[:, j] << (j * width)
         return out[: packed_nbytes(count, width)]
     if group * width <= 56:  # a group of elements fits one int64 word
         lanes = padded.to(torch.int64).view(-1, group)
-        word = lanes[:, 0].clone()
-        for j in range(1, group):
+        word = torch.zeros(lanes.shape[0], dtype=torch.int64, device=values.device)
+        for j in range(group):
             word |= lanes[:, j] << (j * width)
         nbytes = group * width // 8
         out = word.view(torch.uint8).view(-1, 8)[:, :nbytes].reshape(-1)
@@ -73,6 +75,8 @@ def unpack_bits(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
             f"got {packed.numel()} of {packed.dtype}"
         )
     packed = packed.reshape(-1)[:expected].contiguous()
+    if count == 0:
+        return torch.empty(0, dtype=torch.int32, device=packed.device)
     if width in _BYTE_ALIGNED:
         raw = packed.view(_BYTE_ALIGNED[width])
         if width == 8:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CodecContext, Payload
+from .base import CodecContext, NonFiniteGradientError, Payload
 from .bits import bits_for, pack_bits, unpack_bits
 from .decoding import DecodingCodec
 
@@ -28,7 +28,7 @@ class QSGD(DecodingCodec):
 
     def compress(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         buckets = self._buckets(x)
-        norms = torch.linalg.vector_norm(buckets, dim=1)
+        norms = _bucket_norms(buckets)
         inverse = torch.where(norms > 0, self.levels / norms, torch.zeros_like(norms))
         scaled = buckets.abs().mul_(inverse.unsqueeze(1))
         level = scaled.floor()
@@ -55,3 +55,13 @@ class QSGD(DecodingCodec):
 
     def __repr__(self) -> str:
         return f"QSGD(workers={self.workers}, levels={self.levels}, bucket_size={self.bucket_size})"
+
+
+def _bucket_norms(buckets: torch.Tensor) -> torch.Tensor:
+    """L2 norm per bucket, scaled by the bucket maximum so squares cannot overflow float32."""
+    peak = buckets.abs().amax(dim=1, keepdim=True)
+    safe_peak = torch.where(peak > 0, peak, torch.ones_like(peak))
+    norms = torch.linalg.vector_norm(buckets / safe_peak, dim=1) * peak.squeeze(1)
+    if not bool(torch.isfinite(norms).all()):
+        raise NonFiniteGradientError("qsgd: a bucket's L2 norm exceeds the float32 range")
+    return norms

@@ -22,6 +22,7 @@ from ..base import (
     IntegerOp,
     NonFiniteGradientError,
     Payload,
+    WidthOverflowError,
     check_finite,
     check_same_length,
 )
@@ -111,7 +112,7 @@ class GridCodec(Codec):
         count = self._coordinates(length)
         contributors = sum(p.contributors for p in payloads)
         if contributors > self.workers:
-            raise ValueError(
+            raise WidthOverflowError(
                 f"{contributors} contributions exceed the {self.workers} workers this codec "
                 f"was configured for; sums would overflow {self.sum_bits} bits"
             )
@@ -201,11 +202,17 @@ class THC(GridCodec):
         self._rotations: dict[tuple, Rotation] = {}
 
     def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
-        norm = torch.linalg.vector_norm(x.to(torch.float32)).reshape(1)
+        flat = x.reshape(-1).to(torch.float32)
+        norm = torch.linalg.vector_norm(flat)
         if not bool(torch.isfinite(norm)):
-            check_finite(x)  # names the bad coordinates
-            raise NonFiniteGradientError(f"gradient norm overflows float32 ({norm.item()})")
-        return norm
+            check_finite(flat)  # a NaN/Inf coordinate: the error names it
+            # Finite coordinates whose squares overflow float32: accumulate in float64.
+            norm = torch.linalg.vector_norm(flat, dtype=torch.float64)
+            if float(norm) > torch.finfo(torch.float32).max:
+                raise NonFiniteGradientError(
+                    f"gradient L2 norm {float(norm):.3g} exceeds the float32 range"
+                )
+        return norm.to(torch.float32).reshape(1)
 
     def encode(
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None

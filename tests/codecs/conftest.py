@@ -1,0 +1,14 @@
+import pytest
+import torch
+
+from gradsum.codecs import CODEC_NAMES
+
+
+def gaussian_inputs(workers: int, length: int, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(length, generator=generator) for _ in range(workers)]
+
+
+@pytest.fixture(params=CODEC_NAMES)
+def codec_name(request):
+    return request.param
