@@ -31,7 +31,7 @@ def test_layout_is_little_endian_bit_stream(width):
 def test_eight_elements_fill_whole_bytes_so_packets_can_be_cut():
     values = torch.arange(64) % 128
     whole = pack_bits(values, 7)
-    assert torch.equal(whole[:7 * 3], pack_bits(values[:24], 7))
+    assert torch.equal(whole[: 7 * 3], pack_bits(values[:24], 7))
 
 
 def test_value_too_wide_is_an_error_before_packing():

@@ -19,13 +19,17 @@ def test_blocked_transform_rotates_each_block_independently():
         assert torch.allclose(blocked[start : start + 64], alone, atol=1e-5)
 
 
-@pytest.mark.parametrize(("length", "block"), [(1, None), (1000, None), (1 << 12, None), (3000, 1024)])
+@pytest.mark.parametrize(
+    ("length", "block"), [(1, None), (1000, None), (1 << 12, None), (3000, 1024)]
+)
 def test_rotation_is_orthonormal_and_invertible(length, block):
     x = torch.randn(length, generator=torch.Generator().manual_seed(length))
     rotation = Rotation(length, block, seed=7, device="cpu")
     y = rotation.forward(x)
     assert y.numel() == padded_length(length, block)
-    assert torch.linalg.vector_norm(y) == pytest.approx(float(torch.linalg.vector_norm(x)), rel=1e-5)
+    assert torch.linalg.vector_norm(y) == pytest.approx(
+        float(torch.linalg.vector_norm(x)), rel=1e-5
+    )
     assert torch.allclose(rotation.inverse(y.clone()), x, atol=1e-5)
 
 

@@ -41,7 +41,9 @@ def _integers(codec, payload):
     from gradsum.codecs.bits import unpack_bits
 
     op = codec.integer_op()
-    return unpack_bits(payload.fields["sums"], op.out_bits, _coordinates(codec, payload)).to(torch.int64)
+    return unpack_bits(payload.fields["sums"], op.out_bits, _coordinates(codec, payload)).to(
+        torch.int64
+    )
 
 
 def _coordinates(codec, payload):

@@ -48,7 +48,9 @@ def test_dynamic_program_is_optimal(bits, granularity):
     assert solve_table(bits, granularity, 1 / 32) == _brute_force(bits, granularity, 1 / 32)
 
 
-@pytest.mark.parametrize(("bits", "granularity", "p"), [(1, 5, 0.1), (4, 15, 1 / 16), (8, 600, 1 / 512)])
+@pytest.mark.parametrize(
+    ("bits", "granularity", "p"), [(1, 5, 0.1), (4, 15, 1 / 16), (8, 600, 1 / 512)]
+)
 def test_tables_are_symmetric_increasing_and_span_the_grid(bits, granularity, p):
     table = solve_table(bits, granularity, p)
     assert len(table) == 1 << bits
@@ -61,7 +63,9 @@ def test_uniform_granularity_gives_identity_table():
     assert solve_table(3, 7, 1 / 32) == tuple(range(8))
 
 
-@pytest.mark.parametrize(("bits", "granularity", "p"), [(4, 14, 1 / 32), (0, 30, 1 / 32), (4, 30, 0.0)])
+@pytest.mark.parametrize(
+    ("bits", "granularity", "p"), [(4, 14, 1 / 32), (0, 30, 1 / 32), (4, 30, 0.0)]
+)
 def test_rejects_impossible_parameters(bits, granularity, p):
     with pytest.raises(ValueError):
         solve_table(bits, granularity, p)

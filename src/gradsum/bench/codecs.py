@@ -1,0 +1,268 @@
+"""`gradsum bench codecs`: accuracy and CPU cost of every codec on one partition, side by side.
+
+For n simulated workers and one partition, per codec: wire bits per coordinate up and down, the
+NMSE of the decoded average, and the time of the three places a codec runs (worker encode,
+aggregator op, worker decode), each also as a ratio to a plain copy of the same partition
+measured in the same run. For codecs that are not homomorphic the aggregator time and the NMSE
+include what a parameter server must do for them: decode every payload, sum, and re-encode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .cli import parse_size, positive_int
+
+
+@dataclass
+class CodecRow:
+    input: str
+    codec: str
+    workers: int
+    size: int
+    homomorphic: bool
+    nmse: float
+    bits_up: float
+    bits_down: float
+    encode_ms: float  # per worker: precondition + preliminary summary + encode (+ packing)
+    aggregate_ms: float  # preliminary max + aggregate of all payloads (+ unpack/pack)
+    decode_ms: float  # one worker
+    copy_ms: float  # x.clone(): a plain copy of the partition into a new buffer
+    copy_hot_ms: float  # copy into a buffer reused across calls (the memory-bandwidth floor)
+
+    @property
+    def encode_decode_ratio(self) -> float:
+        return (self.encode_ms + self.decode_ms) / self.copy_ms
+
+
+def register(benches: argparse._SubParsersAction) -> None:
+    from ..codecs import CODEC_NAMES
+    from .inputs import INPUT_KINDS
+
+    parser = benches.add_parser(
+        "codecs",
+        help="NMSE, wire bits and encode/aggregate/decode time per codec",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--workers", type=positive_int, default=4, help="simulated workers (4)")
+    parser.add_argument("--size", type=parse_size, default=1 << 20, help="coordinates (2^20)")
+    parser.add_argument(
+        "--input",
+        default=",".join(INPUT_KINDS),
+        help=f"comma-separated inputs among {', '.join(INPUT_KINDS)} (all)",
+    )
+    parser.add_argument(
+        "--codecs", default=",".join(CODEC_NAMES), help="comma-separated codecs (all)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed rounds (median)")
+    parser.add_argument(
+        "--error-feedback",
+        action="store_true",
+        help="wrap codecs in error feedback as training does (adds a reconstruct to encode)",
+    )
+    parser.add_argument("--json", type=Path, help="write the rows as a JSON list here")
+    parser.add_argument("--plot", type=Path, help="write a PNG of NMSE and time ratios here")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..codecs import CODEC_NAMES
+    from .inputs import INPUT_KINDS
+
+    inputs = _choices(args.input, INPUT_KINDS, "--input")
+    codecs = _choices(args.codecs, CODEC_NAMES, "--codecs")
+    rows: list[CodecRow] = []
+    for kind in inputs:
+        vectors = _make_inputs(kind, args.workers, args.size, args.seed)
+        for name in codecs:
+            _progress(f"{kind}: {name}")
+            rows.append(measure_codec(name, kind, vectors, args.repeats, args.error_feedback))
+        print(format_table([r for r in rows if r.input == kind]))
+        print()
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+        print(f"wrote {len(rows)} rows to {args.json}")
+    if args.plot:
+        plot_rows(rows, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    from ..cli import UsageError
+
+    chosen = [item.strip() for item in text.split(",") if item.strip()]
+    unknown = [item for item in chosen if item not in allowed]
+    if unknown or not chosen:
+        raise UsageError(
+            f"{flag}: unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(allowed)}"
+        )
+    return chosen
+
+
+def _make_inputs(kind: str, workers: int, size: int, seed: int) -> list[torch.Tensor]:
+    from .inputs import make_inputs
+
+    return make_inputs(kind, workers, size, seed)
+
+
+def _progress(message: str) -> None:
+    if sys.stderr.isatty():
+        print(f"\r\033[K  measuring {message}", end="", file=sys.stderr, flush=True)
+
+
+def measure_codec(
+    name: str, kind: str, inputs: list[torch.Tensor], repeats: int, error_feedback: bool = False
+) -> CodecRow:
+    """One warm-up round, then ``repeats`` timed rounds; NMSE from the first round."""
+    from ..codecs import make_codec, nmse
+    from ..codecs.base import aggregator_context, combine_summaries
+    from ..codecs.round import worker_contexts
+
+    workers = len(inputs)
+    codec = make_codec(name, workers=workers, error_feedback=error_feedback)
+    samples: dict[str, list[float]] = {"encode": [], "aggregate": [], "decode": []}
+    first = None
+    for step in range(repeats + 1):
+        contexts = worker_contexts(workers, step=step)
+        encode_times, payloads, summaries = [], [], []
+        for x, ctx in zip(inputs, contexts, strict=True):
+            start = time.perf_counter()
+            prepared = codec.precondition(x, ctx)
+            summaries.append(codec.summarize(prepared, ctx))
+            encode_times.append(time.perf_counter() - start)
+            payloads.append(prepared)
+        start = time.perf_counter()
+        shared = combine_summaries(summaries)
+        summary_time = time.perf_counter() - start
+        for w, ctx in enumerate(contexts):
+            start = time.perf_counter()
+            payloads[w] = codec.encode(payloads[w], ctx, shared)
+            encode_times[w] += time.perf_counter() - start
+        start = time.perf_counter()
+        aggregate = codec.aggregate(payloads, aggregator_context(contexts[0]))
+        aggregate_time = time.perf_counter() - start + summary_time
+        start = time.perf_counter()
+        average = codec.decode(aggregate, contexts[0], shared)
+        decode_time = time.perf_counter() - start
+        if first is None:
+            first = (average, payloads[0], aggregate, shared)
+        if step > 0:
+            samples["encode"].append(statistics.fmean(encode_times))
+            samples["aggregate"].append(aggregate_time)
+            samples["decode"].append(decode_time)
+    average, upstream, downstream, shared = first
+    summary_bits = (
+        0.0 if shared is None else shared.numel() * codec.summary_bits() / average.numel()
+    )
+    copy_ms, copy_hot_ms = copy_times(inputs[0], repeats)
+    return CodecRow(
+        input=kind,
+        codec=name,
+        workers=workers,
+        size=average.numel(),
+        homomorphic=codec.homomorphic,
+        nmse=nmse(average, inputs),
+        bits_up=upstream.bits_per_coordinate() + summary_bits,
+        bits_down=downstream.bits_per_coordinate() + summary_bits,
+        encode_ms=_median_ms(samples["encode"]),
+        aggregate_ms=_median_ms(samples["aggregate"]),
+        decode_ms=_median_ms(samples["decode"]),
+        copy_ms=copy_ms,
+        copy_hot_ms=copy_hot_ms,
+    )
+
+
+def copy_times(x: torch.Tensor, repeats: int) -> tuple[float, float]:
+    """Median ms of x.clone() and of a copy into a reused buffer (measured next to each codec)."""
+    buffer = torch.empty_like(x)
+    clone = _time(lambda: x.clone(), repeats + 1)
+    hot = _time(lambda: buffer.copy_(x), repeats + 1)
+    return clone, hot
+
+
+def _time(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return _median_ms(samples)
+
+
+def _median_ms(seconds: list[float]) -> float:
+    return 1e3 * statistics.median(seconds)
+
+
+def format_table(rows: list[CodecRow]) -> str:
+    if not rows:
+        return ""
+    head = rows[0]
+    copy = statistics.median(r.copy_ms for r in rows)
+    hot = statistics.median(r.copy_hot_ms for r in rows)
+    lines = [
+        f"input={head.input}  workers={head.workers}  size={head.size}  "
+        f"copy={copy:.3f} ms (clone; into a reused buffer {hot:.3f} ms)",
+        f"{'codec':<12} {'homo':>4} {'bits up':>8} {'down':>6} {'NMSE':>10} "
+        f"{'encode ms':>15} {'aggregate ms':>15} {'decode ms':>15} {'enc+dec':>8}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.codec:<12} {'yes' if r.homomorphic else 'no':>4} {r.bits_up:>8.2f} "
+            f"{r.bits_down:>6.2f} {r.nmse:>10.3g} "
+            f"{_timed(r.encode_ms, r.copy_ms):>15} {_timed(r.aggregate_ms, r.copy_ms):>15} "
+            f"{_timed(r.decode_ms, r.copy_ms):>15} {r.encode_decode_ratio:>7.1f}x"
+        )
+    lines.append("(ratios: time / copy time of the same partition, measured beside each codec)")
+    return "\n".join(lines)
+
+
+def _timed(ms: float, copy_ms: float) -> str:
+    return f"{ms:7.2f} ({ms / copy_ms:5.1f}x)"
+
+
+def plot_rows(rows: list[CodecRow], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = list(dict.fromkeys(r.input for r in rows))
+    figure, axes = plt.subplots(len(kinds), 2, figsize=(12, 3.2 * len(kinds)), squeeze=False)
+    for (nmse_axis, time_axis), kind in zip(axes, kinds, strict=True):
+        selected = [r for r in rows if r.input == kind]
+        names = [r.codec for r in selected]
+        nmse_axis.bar(names, [max(r.nmse, 1e-12) for r in selected], color="tab:blue")
+        nmse_axis.set_yscale("log")
+        nmse_axis.set_title(f"{kind}: NMSE of the average (n={selected[0].workers})")
+        parts = (
+            ("encode_ms", "tab:green"),
+            ("aggregate_ms", "tab:orange"),
+            ("decode_ms", "tab:red"),
+        )
+        width = 0.8 / len(parts)
+        for offset, (part, color) in enumerate(parts):
+            positions = [i + (offset - 1) * width for i in range(len(selected))]
+            ratios = [getattr(r, part) / r.copy_ms for r in selected]
+            time_axis.bar(positions, ratios, width, color=color, label=part.removesuffix("_ms"))
+        time_axis.set_xticks(range(len(selected)), names)
+        time_axis.set_yscale("log")
+        time_axis.set_title(f"{kind}: time / copy time of the partition")
+        time_axis.legend(fontsize=8)
+        for axis in (nmse_axis, time_axis):
+            axis.tick_params(axis="x", rotation=45, labelsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
