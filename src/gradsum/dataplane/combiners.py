@@ -1,0 +1,154 @@
+"""The arithmetic of a slot: how one contribution's lanes enter it and how its result is written.
+
+Two shapes of operation:
+
+* accumulating (``IntegerSumOp``, ``MaxOp``): a running int32 vector per slot; the first
+  arrival overwrites, later ones add (or max). Integer-only, bounded memory: what a switch runs.
+* collecting (``FloatSumOp``, ``DecodeSumEncodeOp``): each worker's contribution is kept and the
+  result is computed at completion, in worker order, so it never depends on arrival order.
+  Parameter servers only.
+
+Every ``check_payload`` runs before a slot is touched, so a malformed payload never changes one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..codecs.base import AGGREGATOR, CodecContext, Payload
+from ..codecs.bits import pack_bits, packed_nbytes, unpack_bits
+from . import payload_wire
+from .jobspec import DecodeSumEncode, IntegerSum
+from .packet import MAX_PAYLOAD, MalformedPacket
+
+
+class IntegerSumOp:
+    accumulating = True
+
+    def __init__(self, spec: IntegerSum, elements: int):
+        self.spec = spec
+        self.in_bits, self.out_bits = spec.in_bits, spec.out_bits
+        self._byte_table = _byte_lookup(spec) if 8 % self.in_bits == 0 else None
+        self._lane_table = None
+        if spec.table is not None:
+            self._lane_table = np.asarray(spec.table, dtype=np.int32)
+        self._scratch = np.empty(elements + 8, dtype=np.int32)
+
+    def check_payload(self, nbytes: int, elements: int, presummed: bool) -> None:
+        width = self.out_bits if presummed else self.in_bits
+        _expect_bytes(nbytes, packed_nbytes(elements, width))
+
+    def first(self, acc: np.ndarray, payload: memoryview, elements: int, presummed: bool):
+        acc[:elements] = self._lanes(payload, elements, presummed)
+
+    def add(self, acc: np.ndarray, payload: memoryview, elements: int, presummed: bool):
+        part = acc[:elements]
+        np.add(part, self._lanes(payload, elements, presummed), out=part)
+
+    def result(self, acc: np.ndarray, elements: int) -> memoryview:
+        if self.out_bits == 32:
+            return memoryview(acc[:elements]).cast("B")
+        packed = pack_bits(torch.from_numpy(acc[:elements]), self.out_bits, check=False)
+        return memoryview(packed.numpy()).cast("B")
+
+    def _lanes(self, payload: memoryview, elements: int, presummed: bool) -> np.ndarray:
+        """The int32 values one contribution adds, lane by lane."""
+        if presummed:
+            return _unpack(payload, self.out_bits, elements)
+        if self.in_bits == 32:
+            return np.frombuffer(payload, dtype="<i4", count=elements)
+        if self._byte_table is not None:  # one gather per byte, no unpacking
+            raw = np.frombuffer(payload, dtype=np.uint8)
+            per_byte = self._byte_table.shape[1]
+            out = self._scratch[: raw.size * per_byte].reshape(raw.size, per_byte)
+            np.take(self._byte_table, raw, axis=0, out=out)
+            return out.reshape(-1)[:elements]
+        indices = _unpack(payload, self.in_bits, elements)
+        return indices if self._lane_table is None else self._lane_table[indices]
+
+
+class MaxOp:
+    """Elementwise max of int32 lanes (floats travel as ``float_to_ordered_int``)."""
+
+    accumulating = True
+
+    def check_payload(self, nbytes: int, elements: int, presummed: bool) -> None:
+        _expect_bytes(nbytes, 4 * elements)
+
+    def first(self, acc: np.ndarray, payload: memoryview, elements: int, presummed: bool):
+        acc[:elements] = np.frombuffer(payload, dtype="<i4", count=elements)
+
+    def add(self, acc: np.ndarray, payload: memoryview, elements: int, presummed: bool):
+        part = acc[:elements]
+        np.maximum(part, np.frombuffer(payload, dtype="<i4", count=elements), out=part)
+
+    def result(self, acc: np.ndarray, elements: int) -> memoryview:
+        return memoryview(acc[:elements]).cast("B")
+
+
+class FloatSumOp:
+    accumulating = False
+
+    def check_payload(self, nbytes: int, elements: int, presummed: bool) -> None:
+        if presummed:
+            raise MalformedPacket("bad_flags", "float-sum takes no presummed lanes")
+        _expect_bytes(nbytes, 4 * elements)
+
+    def keep(self, payload: memoryview, elements: int) -> np.ndarray:
+        return np.frombuffer(payload, dtype="<f4", count=elements).copy()
+
+    def combine(self, kept: list, elements: int, contributors: int, chunk: int) -> memoryview:
+        total = kept[0].copy()
+        for values in kept[1:]:
+            total += values
+        return memoryview(total).cast("B")
+
+
+class DecodeSumEncodeOp:
+    """A whole serialized codec payload per packet; ``codec.aggregate`` at completion."""
+
+    accumulating = False
+
+    def __init__(self, spec: DecodeSumEncode, workers: int):
+        from ..codecs.registry import make_codec
+
+        self.spec = spec
+        self.codec = make_codec(spec.codec, workers=workers, **spec.options)
+
+    def check_payload(self, nbytes: int, elements: int, presummed: bool) -> None:
+        if presummed:
+            raise MalformedPacket("bad_flags", "decode-sum-encode takes no presummed payloads")
+
+    def keep(self, payload: memoryview, elements: int) -> Payload:
+        return payload_wire.deserialize(bytes(payload), elements, 1)
+
+    def combine(self, kept: list, elements: int, contributors: int, chunk: int) -> memoryview:
+        ctx = CodecContext(seed=self.spec.seed, worker=AGGREGATOR, partition=chunk)
+        summed = self.codec.aggregate(kept, ctx)
+        data = payload_wire.serialize(summed)
+        if len(data) > MAX_PAYLOAD:
+            raise ValueError(f"aggregate of {len(data)} bytes does not fit one packet")
+        return memoryview(data)
+
+
+def _expect_bytes(nbytes: int, expected: int) -> None:
+    if nbytes != expected:
+        raise MalformedPacket("wrong_length", f"payload of {nbytes} bytes, expected {expected}")
+
+
+def _unpack(payload: memoryview, width: int, elements: int) -> np.ndarray:
+    if width == 32:
+        return np.frombuffer(payload, dtype="<i4", count=elements)
+    packed = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy())  # small: packed
+    return unpack_bits(packed, width, elements).to(torch.int32).numpy()
+
+
+def _byte_lookup(spec: IntegerSum) -> np.ndarray:
+    """int32 [256, 8 // in_bits]: the table value of every lane packed in a byte."""
+    bits = spec.in_bits
+    per_byte = 8 // bits
+    table = np.asarray(spec.table if spec.table is not None else range(1 << bits), np.int32)
+    byte = np.arange(256)[:, None]
+    lanes = (byte >> (np.arange(per_byte)[None, :] * bits)) & ((1 << bits) - 1)
+    return np.ascontiguousarray(table[lanes])

@@ -1,0 +1,159 @@
+"""One buffer streamed through one job by one worker, sans-IO: packets out, results placed.
+
+A ``Transfer`` joins a ``ChunkStream`` (what to send when) with the worker's buffers (what the
+bytes are and where results go). Two kinds of buffers:
+
+* ``LaneBuffers``: packed lanes cut at chunk boundaries; a result goes straight into its place in
+  the output buffer (the shell receives into ``destination(...)``, no copy);
+* ``PayloadBuffers``: one serialized codec payload per chunk (decode-sum-encode jobs), results
+  into per-chunk buffers of the largest datagram.
+
+The shell peeks a result's header, asks ``destination(header, nbytes)`` where its payload goes
+(None: not ours or not expected, discard it), receives it there, then calls ``on_result``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .packet import MAX_PAYLOAD, Flag, Header, Kind, Op
+from .worker import ChunkLayout, ChunkStream, RetryPolicy, StreamStats
+
+
+class LaneBuffers:
+    def __init__(self, layout: ChunkLayout, upstream: memoryview, downstream: memoryview):
+        need_up = layout.upstream_bytes(layout.chunks - 1)[1] if layout.chunks else 0
+        need_down = layout.downstream_bytes(layout.chunks - 1)[1] if layout.chunks else 0
+        if len(upstream) < need_up or len(downstream) < need_down:
+            raise ValueError(
+                f"buffers of {len(upstream)}/{len(downstream)} bytes, need {need_up}/{need_down}"
+            )
+        self.layout = layout
+        self._up = upstream.cast("B") if upstream.format != "B" else upstream
+        self._down = downstream.cast("B") if downstream.format != "B" else downstream
+
+    @property
+    def chunks(self) -> int:
+        return self.layout.chunks
+
+    def elements(self, index: int) -> int:
+        return self.layout.lanes_of(index)[1]
+
+    def upstream(self, index: int) -> memoryview:
+        start, stop = self.layout.upstream_bytes(index)
+        return self._up[start:stop]
+
+    def destination(self, index: int, nbytes: int) -> memoryview | None:
+        start, stop = self.layout.downstream_bytes(index)
+        return self._down[start:stop] if nbytes == stop - start else None
+
+    def received(self, index: int, nbytes: int) -> None:
+        pass
+
+
+class PayloadBuffers:
+    def __init__(self, payloads: list[bytes], elements: list[int]):
+        if any(len(p) > MAX_PAYLOAD for p in payloads):
+            raise ValueError(f"a serialized payload exceeds one packet ({MAX_PAYLOAD} bytes)")
+        self._payloads = payloads
+        self._elements = elements
+        self._results = [bytearray(MAX_PAYLOAD) for _ in payloads]
+        self.result_sizes = [0] * len(payloads)
+
+    @property
+    def chunks(self) -> int:
+        return len(self._payloads)
+
+    def elements(self, index: int) -> int:
+        return self._elements[index]
+
+    def upstream(self, index: int) -> memoryview:
+        return memoryview(self._payloads[index])
+
+    def destination(self, index: int, nbytes: int) -> memoryview | None:
+        return memoryview(self._results[index]) if nbytes <= MAX_PAYLOAD else None
+
+    def received(self, index: int, nbytes: int) -> None:
+        self.result_sizes[index] = nbytes
+
+    def result(self, index: int) -> bytes:
+        return bytes(self._results[index][: self.result_sizes[index]])
+
+
+class Transfer:
+    def __init__(
+        self,
+        *,
+        job: int,
+        worker: int,
+        op: Op,
+        first_chunk: int,
+        slots: int,
+        buffers: LaneBuffers | PayloadBuffers,
+        max_contributors: int,
+        policy: RetryPolicy | None = None,
+        stats: StreamStats | None = None,
+        what: str = "aggregator",
+    ):
+        self.job, self.worker, self.op = job, worker, op
+        self.first, self.slots = first_chunk, slots
+        self.buffers = buffers
+        self.max_contributors = max_contributors
+        self.stream = ChunkStream(
+            first_chunk, buffers.chunks, slots, policy or RetryPolicy(), stats or StreamStats(),
+            what,
+        )  # fmt: skip
+        self.contributors = np.zeros(buffers.chunks, dtype=np.int32)
+        self.partial = False
+
+    @property
+    def end_chunk(self) -> int:
+        return self.first + self.buffers.chunks
+
+    @property
+    def done(self) -> bool:
+        return self.stream.done
+
+    def packet(self, chunk: int) -> tuple[bytes, memoryview]:
+        """Header and payload view of a chunk's data packet (send them gathered, no copy)."""
+        index = chunk - self.first
+        version, slot = (chunk // self.slots) % 2, chunk % self.slots
+        header = Header(Kind.DATA, self.job, self.worker, slot, version, self.op, 0, chunk,
+                        self.buffers.elements(index), 1)  # fmt: skip
+        return header.pack(), self.buffers.upstream(index)
+
+    def start(self, now: float) -> list[int]:
+        return self.stream.start(now)
+
+    def destination(self, header: Header, nbytes: int) -> memoryview | None:
+        """Where a result's ``nbytes`` of payload go, or None if it is not one we wait for."""
+        if header.kind is not Kind.RESULT or header.job != self.job or header.op is not self.op:
+            return None
+        if not self.stream.is_outstanding(header.chunk):
+            if self.first <= header.chunk < self.end_chunk:
+                self.stream.stats.duplicate_results += 1
+            return None
+        index = header.chunk - self.first
+        if header.elements != self.buffers.elements(index):
+            return None
+        if not 1 <= header.contributors <= self.max_contributors:
+            return None
+        return self.buffers.destination(index, nbytes)
+
+    def on_result(self, header: Header, nbytes: int, now: float) -> list[int]:
+        """The payload of an accepted result is in place; return the chunks to send next."""
+        index = header.chunk - self.first
+        self.contributors[index] = header.contributors
+        self.partial |= bool(header.flags & Flag.PARTIAL)
+        self.buffers.received(index, nbytes)
+        return self.stream.on_result(header.chunk, now)
+
+    def on_stale(self, header: Header) -> None:
+        if header.job == self.job:
+            self.stream.on_stale(header.chunk)
+
+    def expired(self, now: float) -> list[int]:
+        return self.stream.expired(now)
+
+    def next_deadline(self) -> float | None:
+        return self.stream.next_deadline()

@@ -1,0 +1,182 @@
+"""The worker's side of the protocol, sans-IO: which chunk to send next, when to resend, when done.
+
+A ``ChunkStream`` streams chunks ``first .. first + count - 1`` of a job's stream through the
+job's s slots: at most one chunk per slot in flight, and chunk c + s is sent only once c's result
+is in (self-clocking). Each outstanding chunk has a deadline; when it passes, the chunk is resent
+and its timeout doubles up to a ceiling. Time is passed in; the shell owns sockets and clocks.
+
+``ChunkLayout`` maps chunks to lanes and bytes of the upstream and result buffers, and
+``shard_lanes`` spreads a tensor's lanes over several aggregators (multi-PS sharding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class AggregationTimeout(TimeoutError):
+    """A chunk got no result within the retry policy's patience."""
+
+
+class StaleChunkError(RuntimeError):
+    """The aggregator no longer keeps a chunk's result (this worker fell behind a quorum)."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    timeout: float = 0.01  # first retransmission timeout, seconds (SwitchML's public code: 10 ms)
+    backoff: float = 2.0
+    max_timeout: float = 0.25
+    give_up_after: float = 30.0  # seconds one chunk may wait for its result in all
+
+    def __post_init__(self):
+        if not 0 < self.timeout <= self.max_timeout:
+            raise ValueError("retry timeout must be positive and at most max_timeout")
+        if self.backoff < 1 or self.give_up_after <= 0:
+            raise ValueError("retry backoff must be >= 1 and give_up_after positive")
+
+
+@dataclass
+class StreamStats:
+    """Per-job counters, summed over a worker's streams."""
+
+    packets_sent: int = 0
+    retransmissions: int = 0
+    timeouts: int = 0
+    results: int = 0
+    duplicate_results: int = 0
+    stale: int = 0
+    chunks: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Outstanding:
+    deadline: float
+    timeout: float
+    first_sent: float
+    retries: int = 0
+
+
+@dataclass
+class ChunkStream:
+    first: int
+    count: int
+    slots: int
+    policy: RetryPolicy = field(default_factory=RetryPolicy)
+    stats: StreamStats = field(default_factory=StreamStats)
+    what: str = "aggregator"  # names the peer in errors
+
+    def __post_init__(self):
+        if self.count < 0 or self.slots < 1 or self.first < 0:
+            raise ValueError("a stream needs first >= 0, count >= 0 and slots >= 1")
+        self._end = self.first + self.count
+        self._outstanding: dict[int, _Outstanding] = {}
+        self._received = 0
+
+    @property
+    def done(self) -> bool:
+        return self._received == self.count
+
+    def start(self, now: float) -> list[int]:
+        window = range(self.first, min(self.first + self.slots, self._end))
+        for chunk in window:
+            self._send(chunk, now)
+        return list(window)
+
+    def is_outstanding(self, chunk: int) -> bool:
+        return chunk in self._outstanding
+
+    def on_result(self, chunk: int, now: float) -> list[int]:
+        """A result arrived; return the chunks to send now (empty for a duplicate)."""
+        if self._outstanding.pop(chunk, None) is None:
+            self.stats.duplicate_results += 1
+            return []
+        self._received += 1
+        self.stats.results += 1
+        following = chunk + self.slots
+        if following < self._end:
+            self._send(following, now)
+            return [following]
+        return []
+
+    def on_stale(self, chunk: int) -> None:
+        if chunk in self._outstanding:
+            self.stats.stale += 1
+            raise StaleChunkError(
+                f"{self.what} no longer keeps the result of chunk {chunk}: the round completed "
+                "without this worker (partial aggregation) and its slot was reused"
+            )
+
+    def expired(self, now: float) -> list[int]:
+        """Chunks whose deadline has passed, to resend now; their timeouts back off."""
+        late = [c for c, o in self._outstanding.items() if o.deadline <= now]
+        for chunk in late:
+            state = self._outstanding[chunk]
+            if now - state.first_sent >= self.policy.give_up_after:
+                raise AggregationTimeout(
+                    f"no result for chunk {chunk} (slot {chunk % self.slots}, version "
+                    f"{(chunk // self.slots) % 2}) from {self.what} after {state.retries} "
+                    f"retransmissions over {now - state.first_sent:.1f} s"
+                )
+            state.retries += 1
+            state.timeout = min(state.timeout * self.policy.backoff, self.policy.max_timeout)
+            state.deadline = now + state.timeout
+        self.stats.timeouts += len(late)
+        self.stats.retransmissions += len(late)
+        self.stats.packets_sent += len(late)
+        return late
+
+    def next_deadline(self) -> float | None:
+        return min((o.deadline for o in self._outstanding.values()), default=None)
+
+    def _send(self, chunk: int, now: float) -> None:
+        timeout = self.policy.timeout
+        self._outstanding[chunk] = _Outstanding(now + timeout, timeout, now)
+        self.stats.packets_sent += 1
+        self.stats.chunks += 1
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Lanes of one stream cut into chunks; byte ranges of each chunk at both wire widths."""
+
+    lanes: int
+    lanes_per_chunk: int
+    in_bits: int
+    out_bits: int
+
+    def __post_init__(self):
+        if self.lanes_per_chunk < 8 or self.lanes_per_chunk % 8:
+            raise ValueError("lanes per chunk must be a positive multiple of 8 (whole bytes)")
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.lanes // self.lanes_per_chunk)
+
+    def lanes_of(self, index: int) -> tuple[int, int]:
+        """(first lane, lane count) of the stream's ``index``-th chunk."""
+        start = index * self.lanes_per_chunk
+        return start, min(self.lanes_per_chunk, self.lanes - start)
+
+    def upstream_bytes(self, index: int) -> tuple[int, int]:
+        return self._bytes(index, self.in_bits)
+
+    def downstream_bytes(self, index: int) -> tuple[int, int]:
+        return self._bytes(index, self.out_bits)
+
+    def _bytes(self, index: int, bits: int) -> tuple[int, int]:
+        start, count = self.lanes_of(index)
+        return start * bits // 8, (start * bits + count * bits + 7) // 8
+
+
+def shard_lanes(lanes: int, shards: int, align: int) -> list[tuple[int, int]]:
+    """Split ``lanes`` into ``shards`` contiguous (start, count) ranges whose boundaries fall on
+    multiples of ``align`` (a chunk), as evenly as whole chunks allow."""
+    if shards < 1 or align < 1:
+        raise ValueError("need at least one shard and a positive alignment")
+    units = -(-lanes // align)
+    bounds = [min(lanes, (units * s // shards) * align) for s in range(shards + 1)]
+    return [(bounds[s], bounds[s + 1] - bounds[s]) for s in range(shards)]

@@ -1,0 +1,138 @@
+"""Whole allreduces through the data plane over an in-memory lossy network (no sockets)."""
+
+import pytest
+import torch
+
+from gradsum.codecs import make_codec, run_round
+from gradsum.dataplane import (
+    AggregationTimeout,
+    Aggregator,
+    Collective,
+    JobHandle,
+    JobSpec,
+    RetryPolicy,
+    server_profile,
+    switch_profile,
+)
+from gradsum.dataplane.codec_wire import wire_format
+
+from .memnet import Faults, MemoryNetwork
+
+POLICY = RetryPolicy(timeout=0.002, max_timeout=0.02, give_up_after=5.0)
+
+
+def worker_address(w):
+    return ("10.0.1.1", 5000 + w)
+
+
+def inputs_for(workers, length, seed=0):
+    return [
+        torch.randn(length, generator=torch.Generator().manual_seed(seed + w))
+        for w in range(workers)
+    ]
+
+
+def allreduce_over(network, aggregators, name, inputs, *, slots=4, elements=256, steps=1,
+                   options=None, job=1, quorum=0, deadline=0.0, present=None):  # fmt: skip
+    """Register one job per aggregator, run every worker's allreduce(s); return the outputs."""
+    workers = len(inputs)
+    codec = make_codec(name, workers=workers, **(options or {}))
+    fmt = wire_format(codec, options)
+    addresses = tuple(worker_address(w) for w in range(workers))
+    for address, aggregator in aggregators.items():
+        spec = JobSpec(job, addresses, slots, elements, fmt.op, quorum=quorum, deadline=deadline)
+        aggregator.register(spec)
+        network.add_aggregator(address, aggregator)
+
+    def worker(w):
+        own = make_codec(name, workers=workers, **(options or {}))
+        handles = [JobHandle(a, job, w, slots, elements, workers) for a in aggregators]
+        collective = Collective(own, fmt, handles, network.transport(addresses[w]), policy=POLICY)
+        return [collective.allreduce(inputs[w]) for _ in range(steps)], collective.stats
+
+    present = range(workers) if present is None else present
+    return network.run_workers({addresses[w]: (lambda w=w: worker(w)) for w in present})
+
+
+def one_switch():
+    return {("10.0.0.1", 48864): Aggregator(switch_profile())}
+
+
+@pytest.mark.parametrize("name", ["bfp", "thc", "thc-uniform"])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_switch_allreduce_equals_the_in_process_round(name, workers):
+    inputs = inputs_for(workers, 3000)
+    expected = run_round(make_codec(name, workers=workers), inputs).average
+    results = allreduce_over(MemoryNetwork(), one_switch(), name, inputs)
+    assert len(results) == workers
+    for outputs, _ in results.values():
+        assert torch.equal(outputs[0], expected)
+
+
+FAULTS = [
+    Faults(drop=0.1),
+    Faults(duplicate=0.2, jitter=0.003),
+    Faults(drop=0.05, duplicate=0.1, jitter=0.003),
+]
+
+
+@pytest.mark.parametrize("name", ["bfp", "thc"])
+@pytest.mark.parametrize("faults", FAULTS, ids=["loss", "duplicates+reorder", "all"])
+def test_loss_duplicates_and_reordering_give_bit_identical_results(name, faults):
+    inputs = inputs_for(4, 5000)
+    clean = allreduce_over(MemoryNetwork(), one_switch(), name, inputs, steps=2)
+    network = MemoryNetwork(seed=3, up=faults, down=faults)
+    lossy = allreduce_over(network, one_switch(), name, inputs, steps=2)
+    retransmitted = 0
+    for address, (outputs, stats) in lossy.items():
+        for got, want in zip(outputs, clean[address][0], strict=True):
+            assert torch.equal(got, want)
+        retransmitted += sum(s.retransmissions + s.duplicate_results for s in stats.values())
+    assert retransmitted > 0  # the faults did happen
+
+
+def test_partitions_spread_over_several_aggregators():
+    inputs = inputs_for(3, 4000)
+    expected = run_round(make_codec("bfp", workers=3), inputs).average
+    aggregators = {("10.0.0.1", p): Aggregator(switch_profile()) for p in (1, 2, 3)}
+    results = allreduce_over(
+        MemoryNetwork(seed=1, up=Faults(drop=0.05)), aggregators, "bfp", inputs
+    )
+    for outputs, stats in results.values():
+        assert torch.equal(outputs[0], expected)
+        assert all(s.results > 0 for s in stats.values())  # every shard carried chunks
+
+
+@pytest.mark.parametrize("name", ["none", "topk", "terngrad"])
+def test_server_allreduce_for_float_and_decoding_codecs(name):
+    inputs = inputs_for(3, 3000)
+    server = {("10.0.0.9", 1): Aggregator(server_profile())}
+    results = allreduce_over(MemoryNetwork(seed=2, up=Faults(drop=0.05)), server, name, inputs,
+                             elements=1024)  # fmt: skip
+    outputs = [r[0][0] for r in results.values()]
+    assert all(torch.equal(o, outputs[0]) for o in outputs)
+    if name == "none":
+        assert torch.allclose(outputs[0], torch.stack(inputs).mean(0), atol=1e-6)
+    else:
+        reference = run_round(make_codec(name, workers=3), inputs).average
+        assert outputs[0].shape == reference.shape
+        assert torch.isfinite(outputs[0]).all()
+
+
+def test_a_dead_aggregator_gives_a_timeout_that_names_the_chunk():
+    network = MemoryNetwork(up=Faults(drop=1.0))
+    with pytest.raises(AggregationTimeout, match=r"no result for chunk 0 .* 10\.0\.0\.1:48864"):
+        allreduce_over(network, one_switch(), "bfp", inputs_for(2, 100))
+
+
+@pytest.mark.parametrize("name", ["bfp", "none"])
+def test_partial_aggregation_completes_without_a_missing_worker(name):
+    inputs = inputs_for(3, 2000)
+    aggregators = one_switch() if name == "bfp" else {("10.0.0.9", 1): Aggregator(server_profile())}
+    results = allreduce_over(MemoryNetwork(), aggregators, name, inputs, quorum=2, deadline=0.01,
+                             present=[0, 1])  # fmt: skip
+    expected = (inputs[0] + inputs[1]) / 2
+    for outputs, _ in results.values():
+        assert torch.allclose(outputs[0], expected, atol=1e-6)
+    (aggregator,) = aggregators.values()
+    assert aggregator.jobs[1].pool.stats["completed"] > 0

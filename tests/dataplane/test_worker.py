@@ -1,0 +1,69 @@
+"""The worker's stream core: window, self-clocking, timers with backoff, layout, sharding."""
+
+import itertools
+
+import pytest
+
+from gradsum.dataplane import AggregationTimeout, ChunkStream, RetryPolicy, StaleChunkError
+from gradsum.dataplane.worker import ChunkLayout, shard_lanes
+
+POLICY = RetryPolicy(timeout=1.0, backoff=2.0, max_timeout=3.0, give_up_after=10.0)
+
+
+def test_window_holds_one_chunk_per_slot_and_each_result_releases_the_next():
+    stream = ChunkStream(first=10, count=7, slots=3, policy=POLICY)
+    assert stream.start(0.0) == [10, 11, 12]
+    assert stream.on_result(11, 0.1) == [14]
+    assert stream.on_result(10, 0.1) == [13]
+    assert stream.on_result(10, 0.2) == []  # duplicate
+    assert stream.stats.duplicate_results == 1
+    for chunk in (12, 13, 14, 15, 16):
+        stream.on_result(chunk, 0.3)
+    assert stream.done and stream.next_deadline() is None
+    assert stream.stats.results == 7 and stream.stats.packets_sent == 7
+
+
+def test_timeouts_resend_with_backoff_up_to_the_ceiling():
+    stream = ChunkStream(first=0, count=2, slots=2, policy=POLICY)
+    stream.start(0.0)
+    assert stream.expired(0.5) == []
+    assert stream.expired(1.0) == [0, 1]
+    assert stream.next_deadline() == pytest.approx(3.0)  # timeout doubled to 2
+    stream.on_result(1, 1.5)
+    assert stream.expired(3.0) == [0]
+    assert stream.next_deadline() == pytest.approx(6.0)  # capped at 3
+    assert stream.stats.retransmissions == 3 and stream.stats.timeouts == 3
+
+
+def test_giving_up_names_the_chunk_and_how_long_it_waited():
+    stream = ChunkStream(first=4, count=1, slots=4, policy=POLICY, what="127.0.0.1:9 job 2")
+    stream.start(0.0)
+    with pytest.raises(AggregationTimeout, match=r"chunk 4 \(slot 0, version 1\).*job 2"):
+        for now in range(1, 20):
+            stream.expired(float(now))
+
+
+def test_stale_for_an_outstanding_chunk_is_an_error_and_otherwise_ignored():
+    stream = ChunkStream(first=0, count=2, slots=1, policy=POLICY)
+    stream.start(0.0)
+    stream.on_stale(1)  # not outstanding: nothing
+    with pytest.raises(StaleChunkError):
+        stream.on_stale(0)
+
+
+def test_layout_cuts_packed_lanes_at_byte_boundaries():
+    layout = ChunkLayout(lanes=100, lanes_per_chunk=40, in_bits=4, out_bits=7)
+    assert layout.chunks == 3
+    assert layout.lanes_of(2) == (80, 20)
+    assert layout.upstream_bytes(1) == (20, 40)
+    assert layout.downstream_bytes(2) == (70, 88)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ChunkLayout(100, 12, 4, 7)
+
+
+def test_shards_are_contiguous_aligned_and_cover_everything():
+    shards = shard_lanes(1000, 3, 64)
+    assert shards[0][0] == 0 and sum(c for _, c in shards) == 1000
+    for (start, count), (following, _) in itertools.pairwise(shards):
+        assert start % 64 == 0 and start + count == following
+    assert shard_lanes(10, 4, 64) == [(0, 0), (0, 0), (0, 0), (0, 10)]
