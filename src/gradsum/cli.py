@@ -15,6 +15,7 @@ import sys
 COMMAND_MODULES = (
     "gradsum.bench.cli",
     "gradsum.codecs.thc.cli",
+    "gradsum.testbed.cli",
 )
 
 

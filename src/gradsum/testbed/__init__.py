@@ -1,0 +1,25 @@
+"""Emulated clusters on one Linux host: network namespaces joined by shaped, lossy veth links.
+
+``plan`` (pure) turns a ``TestbedSpec`` into the exact namespaces, links, addresses and ``tc``
+rules; ``shell`` applies and removes them; ``Testbed`` is the context manager for tests and
+benchmarks; ``gloo`` times torch.distributed all-reduce across the testbed's workers.
+"""
+
+from .plan import Host, Link, Plan, Tc, TestbedSpec, plan
+from .shell import TestbedError, preflight
+from .testbed import Call, RemoteError, Testbed, make_spec
+
+__all__ = [
+    "Call",
+    "Host",
+    "Link",
+    "Plan",
+    "RemoteError",
+    "Tc",
+    "Testbed",
+    "TestbedError",
+    "TestbedSpec",
+    "make_spec",
+    "plan",
+    "preflight",
+]
