@@ -66,7 +66,7 @@ class CodecContext:
 
     Randomness that must differ between workers (stochastic rounding) is seeded from
     (seed, worker, step, partition); randomness all workers must share (THC's rotation signs)
-    from (seed, partition) only. ``key`` names the tensor/partition for stateful codecs.
+    from the seed only. ``key`` names the tensor/partition for stateful codecs.
     """
 
     seed: int = 0
@@ -90,7 +90,9 @@ class CodecContext:
         return draw_uniform(self.worker_seed(), count, device, out)
 
     def shared_seed(self) -> int:
-        return _derive_seed("shared", self.seed, self.partition)
+        """Fixed for the run (as in THC's reference code): a partition's rotation depends only
+        on its length, so workers and steps agree and sign vectors are cached, not redrawn."""
+        return _derive_seed("shared", self.seed)
 
 
 def aggregator_context(ctx: CodecContext) -> CodecContext:

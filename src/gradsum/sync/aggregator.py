@@ -1,0 +1,61 @@
+"""What a worker needs from an aggregator, whatever runs it (all-reduce, switch, parameter server).
+
+A round over the partitions of one flat gradient makes two calls, each covering every partition
+at once so a transport can batch them:
+
+* ``max_reduce(summaries)``: the preliminary round (elementwise max over workers);
+* ``reduce(codec, payloads, contexts, shared)``: sum the payloads over workers and return each
+  partition's decoded average.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from ..codecs import Codec, CodecContext, Payload
+
+
+class Aggregator(ABC):
+    name: str = ""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank = rank
+        self.world_size = world_size
+
+    @abstractmethod
+    def max_reduce(self, summaries: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Elementwise max of every partition's summary over all workers."""
+
+    @abstractmethod
+    def reduce(
+        self,
+        codec: Codec,
+        payloads: Sequence[Payload],
+        contexts: Sequence[CodecContext],
+        shared: Sequence[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        """The average over workers of every partition, decoded."""
+
+    def supports(self, codec: Codec) -> bool:
+        return True
+
+    def close(self) -> None:  # noqa: B027 -- optional hook; most aggregators hold nothing
+        """Release transport resources (sockets, threads)."""
+
+
+def split_like(
+    flat: torch.Tensor, parts: Sequence[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """Cut ``flat`` into pieces shaped like the non-None ``parts`` (None stays None)."""
+    pieces: list[torch.Tensor | None] = []
+    offset = 0
+    for part in parts:
+        if part is None:
+            pieces.append(None)
+            continue
+        pieces.append(flat[offset : offset + part.numel()].view(part.shape))
+        offset += part.numel()
+    return pieces

@@ -1,0 +1,101 @@
+"""Functions the distributed tests run in each worker process."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from gradsum.codecs import make_codec
+from gradsum.sync.allreduce import AllReduceAggregator
+from gradsum.sync.pipeline import synchronize
+
+
+def rank_input(rank: int, length: int) -> torch.Tensor:
+    return torch.randn(length, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def synchronize_codecs(rank, world, names, length, partition_elements):
+    aggregator = AllReduceAggregator()
+    results = {}
+    for name in names:
+        codec = make_codec(name, workers=world)
+        average = synchronize(
+            rank_input(rank, length),
+            codec,
+            aggregator,
+            key="t",
+            step=0,
+            partition_elements=partition_elements,
+        )
+        results[name] = average
+    return results
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(20, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 3),
+    )
+
+
+def _batches(rank: int, steps: int):
+    generator = torch.Generator().manual_seed(7 + rank)
+    teacher = torch.Generator().manual_seed(1)
+    weights = torch.randn(20, 3, generator=teacher)
+    for _ in range(steps):
+        x = torch.randn(32, 20, generator=generator)
+        yield x, (x @ weights).argmax(dim=1)
+
+
+def _parameters(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def train_with_ddp_hook(rank, world, codec_name, steps):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradsum.sync.ddp_hook import GradsumHookState, gradsum_hook
+
+    model = DistributedDataParallel(tiny_model(), bucket_cap_mb=0.01)  # several buckets
+    state = GradsumHookState(make_codec(codec_name, workers=world), AllReduceAggregator())
+    model.register_comm_hook(state, gradsum_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, snapshots = [], []
+    for x, y in _batches(rank, steps):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        snapshots.append(_parameters(model.module))
+    state.close()
+    return {"losses": losses, "snapshots": snapshots, "steps": state.step}
+
+
+def train_with_gradient_sync(rank, world, codec_name, steps, fusion_elements):
+    from gradsum.sync.gradient_sync import GradientSync
+
+    model = tiny_model()
+    sync = GradientSync(
+        model,
+        make_codec(codec_name, workers=world),
+        AllReduceAggregator(),
+        fusion_elements=fusion_elements,
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, snapshots = [], []
+    for x, y in _batches(rank, steps):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        sync.wait()
+        optimizer.step()
+        losses.append(loss.item())
+        snapshots.append(_parameters(model))
+    sync.close()
+    dist.barrier()
+    return {"losses": losses, "snapshots": snapshots, "groups": len(sync.groups)}
