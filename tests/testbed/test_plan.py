@@ -227,3 +227,12 @@ def test_namespace_ownership_never_mixes_testbeds():
 
 def test_parse_netns_list_handles_ids_and_bare_names():
     assert parse_netns_list("gradsum-1-w0 (id: 3)\nfoo\n\n") == ["gradsum-1-w0", "foo"]
+
+
+def test_lossy_links_send_single_frames_so_loss_is_per_frame():
+    p = plan(spec(workers=2, switch=True, loss=0.01))
+    limited = {(c[2], c[6]) for c in p.commands() if c[-2:] == ("gso_max_segs", "1")}
+    ends = {(link.namespace, link.device) for link in p.links}
+    ends |= {(link.peer_namespace, link.peer) for link in p.links}
+    assert limited == ends
+    assert not any("gso_max_segs" in c for c in plan(spec(workers=2)).commands())

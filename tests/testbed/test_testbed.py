@@ -75,10 +75,12 @@ def test_loss_is_applied_on_every_link_direction(make_testbed):
         one_link_down = 1 - udp_delivered(tb, "switch", "w1", 3000)
         two_links = 1 - udp_delivered(tb, "w0", "w1", 3000)
         tc = tb.run("w0", ["tc", "-s", "qdisc", "show", "dev", "eth0"]).stdout
+        link = tb.run("w0", ["ip", "-d", "link", "show", "dev", "eth0"]).stdout
     # 3000 datagrams at 5%: sigma = 0.4%, so these bands are 5 sigma wide.
     assert 0.03 < one_link_up < 0.07
     assert 0.03 < one_link_down < 0.07
     assert 0.07 < two_links < 0.125  # 1 - 0.95^2 = 9.75%
+    assert "gso_max_segs 1 " in link
     assert "pfifo 20:" in tc and "dropped 0," not in tc.split("pfifo 20:")[1].splitlines()[1]
 
 

@@ -8,6 +8,7 @@ iteration's time is that of its slowest rank.
 
 from __future__ import annotations
 
+import importlib
 import os
 import statistics
 import time
@@ -73,10 +74,12 @@ def gloo_allreduce(
     if elements < 1 or iterations < 1 or warmup < 0:
         raise ValueError("elements and iterations must be positive, warmup not negative")
     master = tb.address(tb.workers[0])
+    # by its import path, also when this module runs as __main__ (python -m gradsum.testbed.gloo)
+    worker = importlib.import_module(__spec__.name if __spec__ else __name__).allreduce_worker
     calls = [
         tb.start_call(
             name,
-            allreduce_worker,
+            worker,
             args=(rank, len(tb.workers), master, port, elements, iterations, warmup, timeout),
             kwargs={"interface": tb.host(name).interface},
         )
@@ -140,3 +143,31 @@ def allreduce_worker(
     finally:
         dist.destroy_process_group()
     return {"rank": rank, "seconds": seconds, "correct": correct}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gradsum.testbed.gloo``: build a testbed, time Gloo, print a JSON row."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(
+        prog="python -m gradsum.testbed.gloo", description=main.__doc__
+    )
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--rate", default=None, help="link rate, e.g. 1gbit (default unshaped)")
+    parser.add_argument("--elements", type=int, default=1 << 22)
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--id", default="gloo", help="testbed id (default gloo)")
+    args = parser.parse_args(argv)
+    with Testbed(args.workers, rate=args.rate, id=args.id) as tb:
+        result = gloo_allreduce(tb, args.elements, iterations=args.iterations)
+    row = result.row()
+    if result.link_rate:
+        wire = ring_wire_seconds(result.elements, result.workers, result.link_rate)
+        row["wire_seconds"] = wire
+    print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

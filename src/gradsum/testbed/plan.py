@@ -164,7 +164,7 @@ class Plan:
         commands += [("ip", "-n", ns, "link", "set", "lo", "up") for ns in self.namespaces]
         commands += self._bridge_commands()
         for link in self.links:
-            commands += _link_commands(link, self.host(link.host).address)
+            commands += _link_commands(link, self.host(link.host).address, self.spec.loss > 0)
         commands += [t.command() for t in self.shaping]
         return commands
 
@@ -180,13 +180,20 @@ class Plan:
         return commands
 
 
-def _link_commands(link: Link, address: str | None) -> list[tuple[str, ...]]:
+def _link_commands(link: Link, address: str | None, lossy: bool) -> list[tuple[str, ...]]:
+    """Create the veth straight in its two namespaces, enslave its ToR end, address and raise
+    it. On a lossy link, GSO is limited to one segment per packet, so that loss, which acts per
+    packet, hits single frames rather than 64 KiB super-packets."""
     ns, dev, tor, port = link.namespace, link.device, link.peer_namespace, link.peer
     commands = [
-        ("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port, "netns", tor),
+        ("ip", "link", "add", "name", dev, "netns", ns, "type", "veth",
+         "peer", "name", port, "netns", tor),
         ("ip", "-n", tor, "link", "set", port, "master", BRIDGE),
-        ("ip", "-n", tor, "link", "set", port, "up"),
-    ]
+    ]  # fmt: skip
+    if lossy:
+        commands.append(("ip", "-n", ns, "link", "set", "dev", dev, "gso_max_segs", "1"))
+        commands.append(("ip", "-n", tor, "link", "set", "dev", port, "gso_max_segs", "1"))
+    commands.append(("ip", "-n", tor, "link", "set", port, "up"))
     if address:
         commands.append(("ip", "-n", ns, "addr", "add", f"{address}/{SUBNET_BITS}", "dev", dev))
     commands.append(("ip", "-n", ns, "link", "set", dev, "up"))

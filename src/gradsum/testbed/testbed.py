@@ -191,6 +191,8 @@ class Testbed:
     ) -> Call:
         """Start ``fn(*args, **kwargs)`` in a fresh Python process on host ``name``; ``fn``
         must be importable by reference (a module-level function)."""
+        if getattr(fn, "__module__", None) == "__main__":
+            raise TestbedError(f"{fn.__qualname__} is defined in __main__: move it to a module")
         payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
         stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed by Call.result)
         env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
