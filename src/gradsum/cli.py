@@ -15,6 +15,8 @@ import sys
 COMMAND_MODULES = (
     "gradsum.bench.cli",
     "gradsum.codecs.thc.cli",
+    "gradsum.net.switch_cli",
+    "gradsum.net.server_cli",
     "gradsum.testbed.cli",
 )
 

@@ -34,9 +34,13 @@ class Profile:
     job_memory: int  # bytes of slot state one job may hold
     total_memory: int  # bytes for all jobs together
     max_jobs: int = 256
+    max_elements: int = 1 << 24  # lanes per slot: 64 or 256 mimic a hardware switch's packets
 
     def refuse(self, spec: JobSpec) -> str | None:
         """Why this profile cannot serve ``spec`` (None: it can)."""
+        if spec.elements > self.max_elements:
+            limit = self.max_elements
+            return f"{spec.elements} elements per slot exceed this {self.name}'s {limit}"
         if self.integer_only and not isinstance(spec.op, IntegerSum):
             return f"a {self.name} runs integer operations only, not {spec.op.kind}"
         if not self.integer_only and spec.parent is not None:
@@ -44,12 +48,16 @@ class Profile:
         return None
 
 
-def switch_profile(job_memory: int = 256 << 20, total_memory: int = 1 << 30) -> Profile:
-    return Profile("switch", True, job_memory, total_memory)
+def switch_profile(
+    job_memory: int = 256 << 20, total_memory: int = 1 << 30, max_elements: int = 1 << 24
+) -> Profile:
+    return Profile("switch", True, job_memory, total_memory, max_elements=max_elements)
 
 
-def server_profile(job_memory: int = 1 << 30, total_memory: int = 4 << 30) -> Profile:
-    return Profile("server", False, job_memory, total_memory)
+def server_profile(
+    job_memory: int = 1 << 30, total_memory: int = 4 << 30, max_elements: int = 1 << 24
+) -> Profile:
+    return Profile("server", False, job_memory, total_memory, max_elements=max_elements)
 
 
 def slot_memory(spec: JobSpec) -> int:

@@ -60,6 +60,7 @@ class Collective:
         run: RunTransfers,
         *,
         seed: int = 0,
+        rank: int | None = None,
         policy: RetryPolicy | None = None,
     ):
         if not jobs:
@@ -71,7 +72,9 @@ class Collective:
         # decode-sum-encode jobs: one partition of `elements` coordinates per packet
         self.partition_size = min(j.elements for j in jobs)
         self.policy = policy or RetryPolicy()
-        self.worker = jobs[0].worker
+        # The codec's per-worker randomness follows the global rank; the job's worker id is
+        # local to an aggregator (they differ under a hierarchy of switches).
+        self.worker = jobs[0].worker if rank is None else rank
         self.step = 0
         self.stats = {(j.address, j.job): StreamStats() for j in jobs}
         self._next_chunk = [0] * len(jobs)
@@ -93,7 +96,7 @@ class Collective:
         ctx = CodecContext(self.seed, self.worker, self.step, 0, key)
         x = codec.precondition(flat, ctx)
         summary = codec.summarize(x, ctx)
-        shared = None if summary is None else self._max_round(summary)
+        shared = None if summary is None else self.max_reduce(summary)
         payload = codec.encode(x, ctx, shared)
         upstream = payload.fields[fmt.upstream].contiguous()
         lanes = upstream.numel() * upstream.element_size() * 8 // fmt.in_bits
@@ -102,7 +105,7 @@ class Collective:
         counts = self._sharded(Op.SUM, upstream, result, lanes, fmt.in_bits, fmt.out_bits)
         return self._decode(Payload({fmt.downstream: result}, payload.length), counts, ctx, shared)
 
-    def _max_round(self, summary: torch.Tensor) -> torch.Tensor:
+    def max_reduce(self, summary: torch.Tensor) -> torch.Tensor:
         ordered = float_to_ordered_int(summary.reshape(-1)).contiguous()
         result = torch.empty_like(ordered)
         self._sharded(Op.MAX, ordered, result, ordered.numel(), 32, 32)

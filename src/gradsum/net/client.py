@@ -1,0 +1,282 @@
+"""The worker client: real sockets and timers around ``dataplane.Collective`` and ``Transfer``.
+
+``SwitchClient(aggregators, job=..., worker=..., workers=..., codec=...)`` is what a training
+integration calls: ``allreduce(tensor)`` returns the average over all workers, and the payload-level
+``max_reduce`` / ``collective`` serve a per-partition gradient sync. It talks to switches and
+parameter servers alike (the server decodes for codecs a switch cannot sum).
+
+Receive path: peek a datagram's header, ask the transfer where its payload belongs, and receive
+it straight there (``recvmsg_into`` on a memoryview slice of the output); sends gather a header
+and a view of the encoded tensor (``sendmsg``), so no payload is copied in Python.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import select
+import socket
+import time
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from ..codecs.registry import make_codec
+from ..dataplane.codec_wire import WireFormat, wire_format
+from ..dataplane.collective import Collective, JobHandle
+from ..dataplane.jobspec import Address, JobSpec
+from ..dataplane.packet import HEADER_SIZE, Header, Kind, MalformedPacket, parse_header
+from ..dataplane.transfer import Transfer
+from ..dataplane.worker import RetryPolicy
+from .udp import local_address, open_socket, resolve
+
+_PEEK = socket.MSG_PEEK | socket.MSG_TRUNC
+_request_ids = itertools.count(1)
+
+
+class ControlError(RuntimeError):
+    """An aggregator answered a control request with ERROR, or never answered."""
+
+    def __init__(self, message: str, code: str = "no_reply"):
+        super().__init__(message)
+        self.code = code
+
+
+def control_request(
+    address: Address, kind: Kind, job: int, body: dict | None = None, *, timeout: float = 5.0,
+    retry_every: float = 0.2,
+) -> dict:  # fmt: skip
+    """Send a control request (retried) and return the reply's JSON body; ERROR raises."""
+    address = resolve(address)
+    request = next(_request_ids)
+    data = Header(kind, job, chunk=request).pack() + (json.dumps(body).encode() if body else b"")
+    family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            sock.sendto(data, address)
+            wait = min(retry_every, deadline - time.monotonic())
+            reply = _await_reply(sock, address, job, request, wait)
+            if reply is not None:
+                header, payload = reply
+                answer = json.loads(payload) if payload else {}
+                if header.kind is Kind.ERROR:
+                    code = str(answer.get("code"))
+                    message = f"{address[0]}:{address[1]}: {code}: {answer.get('message')}"
+                    raise ControlError(message, code)
+                return answer
+    raise ControlError(
+        f"no reply to {kind.name} for job {job} from {address[0]}:{address[1]} in {timeout} s"
+    )
+
+
+def _await_reply(sock, address, job, request, wait: float):
+    sock.settimeout(wait)
+    end = time.monotonic() + wait
+    while time.monotonic() < end:
+        try:
+            data, source = sock.recvfrom(1 << 16)
+        except (TimeoutError, ConnectionRefusedError):
+            return None
+        try:
+            header = parse_header(data)
+        except MalformedPacket:
+            continue
+        if source[:2] == address and header.job == job and header.chunk == request:
+            return header, data[HEADER_SIZE:]
+    return None
+
+
+def register_job(address: Address, spec: JobSpec, timeout: float = 5.0) -> dict:
+    return control_request(address, Kind.REGISTER, spec.job, spec.to_json(), timeout=timeout)
+
+
+def teardown_job(address: Address, job: int, timeout: float = 5.0) -> dict:
+    """Remove a job; an already removed one is fine (the first reply may have been lost)."""
+    try:
+        return control_request(address, Kind.TEARDOWN, job, timeout=timeout)
+    except ControlError as error:
+        if error.code == "unknown_job":
+            return {"job": job}
+        raise
+
+
+def aggregator_stats(address: Address, timeout: float = 5.0) -> dict:
+    return control_request(address, Kind.STATS_REQUEST, 0, timeout=timeout)
+
+
+class UdpTransport:
+    """Runs transfers to completion over one socket with real timers."""
+
+    def __init__(self, sock: socket.socket, wait_limit: float = 60.0):
+        self.sock = sock
+        self.wait_limit = wait_limit  # longest silence before a run fails, whatever the policy
+        self._header = bytearray(HEADER_SIZE)
+        self._scratch = bytearray(1 << 16)
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+
+    def run(self, pairs: Sequence[tuple[JobHandle, Transfer]]) -> None:
+        routes = {(job.address, t.job): t for job, t in pairs}
+        peers = {id(t): job.address for job, t in pairs}
+        now = time.monotonic()
+        for job, transfer in pairs:
+            for chunk in transfer.start(now):
+                self._send(transfer, chunk, job.address)
+        pending = [t for _, t in pairs if not t.done]
+        next_check = now
+        last_progress = now
+        while pending:
+            if self._receive_one(routes, peers):
+                last_progress = time.monotonic()
+            else:
+                self._wait(pending, last_progress)
+            now = time.monotonic()
+            if now >= next_check:
+                for transfer in pending:
+                    for chunk in transfer.expired(now):
+                        self._send(transfer, chunk, peers[id(transfer)])
+                deadlines = [d for t in pending if (d := t.next_deadline()) is not None]
+                next_check = min(deadlines, default=now + 0.01)
+            pending = [t for t in pending if not t.done]
+
+    def _receive_one(self, routes, peers) -> bool:
+        """Handle one datagram if one is queued; True if it was a result we waited for."""
+        try:
+            size, source = self.sock.recvfrom_into(self._header, HEADER_SIZE, _PEEK)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except ConnectionRefusedError:  # ICMP: nobody listens at the aggregator's port (yet)
+            return False
+        try:
+            header = parse_header(self._header) if size >= HEADER_SIZE else None
+        except MalformedPacket:
+            header = None
+        transfer = None if header is None else routes.get((source[:2], header.job))
+        target = None
+        if transfer is not None:
+            if header.kind is Kind.STALE:
+                self._discard()
+                transfer.on_stale(header)
+                return False
+            target = transfer.destination(header, size - HEADER_SIZE)
+        if target is None:
+            self._discard()
+            return False
+        received, _, flags, _ = self.sock.recvmsg_into([self._header, target])
+        if flags & socket.MSG_TRUNC or received != size:
+            return False  # raced with another datagram; the timer resends
+        for chunk in transfer.on_result(header, size - HEADER_SIZE, time.monotonic()):
+            self._send(transfer, chunk, peers[id(transfer)])
+        return True
+
+    def _discard(self) -> None:
+        with contextlib.suppress(BlockingIOError, InterruptedError, ConnectionRefusedError):
+            self.sock.recv_into(self._scratch)
+
+    def _wait(self, pending: list[Transfer], last_progress: float) -> None:
+        now = time.monotonic()
+        if now - last_progress > self.wait_limit:
+            waiting = ", ".join(t.stream.what for t in pending)
+            raise TimeoutError(f"no result from {waiting} for {self.wait_limit:.0f} s")
+        deadlines = [d for t in pending if (d := t.next_deadline()) is not None]
+        wait = max(0.0, min(deadlines, default=now + 0.05) - now)
+        self._poll.poll(min(wait, 0.05) * 1000)
+
+    def _send(self, transfer: Transfer, chunk: int, address: Address) -> None:
+        header, payload = transfer.packet(chunk)
+        for attempt in range(2):
+            try:
+                self.sock.sendmsg([header, payload], (), 0, address)
+                return
+            except BlockingIOError:
+                if attempt == 0:
+                    select.select([], [self.sock], [], 0.02)
+            except ConnectionRefusedError:
+                return  # the timer resends
+
+
+class SwitchClient:
+    """One worker's connection to one or more aggregators (switches or servers) for a job.
+
+    Every worker creates one (binding its socket), the addresses are gathered (e.g. with
+    ``torch.distributed.all_gather_object(client.address)``), one worker calls ``register``,
+    and then all call ``allreduce`` on the same sequence of tensors.
+    """
+
+    def __init__(
+        self,
+        aggregators: Sequence[Address | str],
+        *,
+        job: int,
+        worker: int,
+        workers: int,
+        codec: str = "bfp",
+        codec_options: dict | None = None,
+        slots: int = 32,
+        elements: int | None = None,
+        bind: Address = ("127.0.0.1", 0),
+        seed: int = 0,
+        rank: int | None = None,
+        policy: RetryPolicy | None = None,
+    ):
+        self.aggregators = [_address(a) for a in aggregators]
+        self.job, self.worker, self.workers = job, worker, workers
+        self.codec_name, self.codec_options = codec, dict(codec_options or {})
+        self.codec = make_codec(codec, workers=workers, **self.codec_options)
+        self.format: WireFormat = wire_format(self.codec, self.codec_options, seed)
+        self.slots = slots
+        self.elements = elements or self._default_elements()
+        self.sock = open_socket(bind)
+        self.address = local_address(self.sock)
+        self.transport = UdpTransport(self.sock)
+        handles = [
+            JobHandle(a, job, worker, slots, self.elements, workers) for a in self.aggregators
+        ]
+        self.collective = Collective(self.codec, self.format, handles, self.transport.run,
+                                     seed=seed, rank=rank, policy=policy)  # fmt: skip
+
+    def _default_elements(self) -> int:
+        if self.format.lanes:
+            return self.format.lanes_per_packet()
+        return 1 << 13  # coordinates per partition for decode-sum-encode codecs (fits a packet)
+
+    def job_spec(self, worker_addresses: Sequence[Address], **extra) -> JobSpec:
+        addresses = tuple(resolve(a) for a in worker_addresses)
+        return JobSpec(self.job, addresses, self.slots, self.elements, self.format.op, **extra)
+
+    def register(self, worker_addresses: Sequence[Address], **extra) -> None:
+        """Register this job on every aggregator (call from one worker)."""
+        for address in self.aggregators:
+            register_job(address, self.job_spec(worker_addresses, **extra))
+
+    def teardown(self) -> None:
+        for address in self.aggregators:
+            teardown_job(address, self.job)
+
+    def allreduce(self, tensor: torch.Tensor, key: Hashable = None) -> torch.Tensor:
+        """The average of ``tensor`` over all workers (float32, same shape)."""
+        return self.collective.allreduce(tensor, key)
+
+    def max_reduce(self, summary: torch.Tensor) -> torch.Tensor:
+        """Elementwise max over all workers (a codec's preliminary round)."""
+        return self.collective.max_reduce(summary)
+
+    def stats(self) -> dict:
+        return {f"{a[0]}:{a[1]}/{j}": s.as_dict() for (a, j), s in self.collective.stats.items()}
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> SwitchClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _address(value: Address | str) -> Address:
+    from .udp import parse_bind
+
+    return parse_bind(value, "aggregator") if isinstance(value, str) else resolve(value)

@@ -1,0 +1,132 @@
+"""The aggregator daemon loop: a UDP socket around an ``Aggregator`` (all logic lives there).
+
+Receives into one reused buffer, hands the view to the data plane, sends each action's header and
+payload gathered (``sendmsg``, no copy), injects seeded loss both ways if asked, completes quorum
+slots at their deadlines, and stops within a fraction of a second of ``stop`` being set.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..dataplane.actions import Send
+from ..dataplane.aggregator import Aggregator
+from .loss import Impairment
+
+POLL_CEILING = 0.2  # seconds between checks of the stop flag when idle
+SEND_WAIT_MS = 20  # how long a full send buffer may stall one send before it counts as lost
+
+
+@dataclass
+class DaemonStats:
+    received: int = 0
+    sent: int = 0
+    send_failures: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def as_dict(self) -> dict:
+        return {
+            "received": self.received,
+            "sent": self.sent,
+            "send_failures": self.send_failures,
+            "uptime_s": round(time.monotonic() - self.started, 3),
+        }
+
+
+class Daemon:
+    def __init__(
+        self,
+        aggregator: Aggregator,
+        sock: socket.socket,
+        *,
+        drop_rate: float = 0.0,
+        duplicate_rate: float = 0.0,
+        reorder_rate: float = 0.0,
+        seed: int = 0,
+        clock=time.monotonic,
+    ):
+        self.aggregator = aggregator
+        self.sock = sock
+        rates = (drop_rate, duplicate_rate, reorder_rate)
+        self.impair_in = Impairment(*rates, seed=seed)
+        self.impair_out = Impairment(*rates, seed=seed + 1)
+        self.clock = clock
+        self.stop = threading.Event()
+        self.stats = DaemonStats()
+        self._buffer = bytearray(1 << 16)
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+
+    def serve(self) -> None:
+        view = memoryview(self._buffer)
+        while not self.stop.is_set():
+            try:
+                size, source = self.sock.recvfrom_into(self._buffer)
+            except (BlockingIOError, InterruptedError):
+                self._idle()
+                continue
+            except ConnectionRefusedError:  # ICMP from an earlier send to a closed port
+                continue
+            self.stats.received += 1
+            packet = (view[:size], source[:2])
+            arrived = self.impair_in(packet, _keep_received) if self.impair_in.active else [packet]
+            for data, sender in arrived:
+                self._perform(self.aggregator.on_datagram(data, sender, self.clock()))
+
+    def _idle(self) -> None:
+        now = self.clock()
+        deadline = self.aggregator.next_deadline()
+        wait = POLL_CEILING if deadline is None else max(0.0, min(deadline - now, POLL_CEILING))
+        self._poll.poll(wait * 1000)
+        if deadline is not None and self.clock() >= deadline:
+            self._perform(self.aggregator.on_tick(self.clock()))
+
+    def _perform(self, actions: list) -> None:
+        for action in actions:
+            if type(action) is not Send:
+                continue
+            buffers = [action.header, action.payload] if len(action.payload) else [action.header]
+            for destination in action.destinations:
+                if not self.impair_out.active:
+                    self._send(buffers, destination)
+                    continue
+                for out, to in self.impair_out((buffers, destination), _keep_sent):
+                    self._send(out, to)
+
+    def _send(self, buffers: list, destination) -> None:
+        for attempt in range(2):
+            try:
+                self.sock.sendmsg(buffers, (), 0, destination)
+                self.stats.sent += 1
+                return
+            except BlockingIOError:
+                if attempt == 0:
+                    select.select([], [self.sock], [], SEND_WAIT_MS / 1000)
+            except OSError:  # unreachable destination: the worker's timer recovers
+                break
+        self.stats.send_failures += 1
+
+    def statistics(self) -> dict:
+        daemon = self.stats.as_dict()
+        for direction, impairment in (("in", self.impair_in), ("out", self.impair_out)):
+            for name, count in impairment.counts.items():
+                daemon[f"injected_{name}_{direction}"] = count
+        return {"daemon": daemon, **self.aggregator.statistics()}
+
+    def statistics_json(self) -> str:
+        return json.dumps(self.statistics(), sort_keys=True)
+
+
+def _keep_received(packet):
+    data, source = packet
+    return memoryview(bytes(data)), source  # the receive buffer is reused
+
+
+def _keep_sent(item):
+    buffers, destination = item
+    return [bytes(b) for b in buffers], destination  # slot results change when reused

@@ -1,0 +1,175 @@
+"""What `gradsum switch` and `gradsum server` share: flags, startup, signals, statistics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+MIB = 1 << 20
+
+
+def add_daemon_arguments(parser: argparse.ArgumentParser, job_memory_mib: int) -> None:
+    parser.add_argument(
+        "--bind",
+        default="127.0.0.1:48864",
+        help="HOST:PORT to listen on (port 0: any free port; default %(default)s)",
+    )
+    parser.add_argument(
+        "--drop-rate",
+        type=float,
+        default=0.0,
+        help="inject seeded loss: drop this fraction of packets in each direction",
+    )
+    parser.add_argument(
+        "--duplicate-rate",
+        type=float,
+        default=0.0,
+        help="inject seeded duplicates in each direction (tests)",
+    )
+    parser.add_argument(
+        "--reorder-rate",
+        type=float,
+        default=0.0,
+        help="hold back this fraction of packets by one (tests)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the injected impairments")
+    parser.add_argument(
+        "--job-memory",
+        type=int,
+        default=job_memory_mib,
+        metavar="MIB",
+        help="slot memory one job may hold (default %(default)s MiB)",
+    )
+    parser.add_argument(
+        "--memory",
+        type=int,
+        default=4 * job_memory_mib,
+        metavar="MIB",
+        help="slot memory of all jobs together (default %(default)s MiB)",
+    )
+    parser.add_argument(
+        "--max-elements",
+        type=int,
+        default=1 << 24,
+        metavar="K",
+        help="most lanes per slot/packet a job may register (64 or 256 mimic a hardware switch)",
+    )
+    parser.add_argument(
+        "--register",
+        metavar="FILE",
+        action="append",
+        default=[],
+        help="register the job(s) in this JSON file (a spec or a list) at start",
+    )
+    parser.add_argument(
+        "--stats-interval",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="print statistics to stderr this often (0: only on exit and SIGUSR1)",
+    )
+    parser.add_argument("--stats-json", metavar="PATH", help="write the final statistics here")
+
+
+def run_daemon(args: argparse.Namespace, make_profile) -> int:
+    from ..cli import UsageError
+    from ..dataplane.aggregator import Aggregator, ControlError
+    from ..dataplane.jobspec import JobSpec, SpecError
+    from .daemon import Daemon
+    from .udp import PortInUseError, open_socket, parse_bind, resolve
+
+    _check_flags(args, UsageError)
+    try:
+        bind = parse_bind(args.bind)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    profile = make_profile(args.job_memory * MIB, args.memory * MIB, args.max_elements)
+    aggregator = Aggregator(profile, resolve=resolve)
+    for path in args.register:
+        try:
+            for body in _job_bodies(path):
+                aggregator.register(JobSpec.from_json(body))
+        except (OSError, ValueError, SpecError, ControlError) as error:
+            raise UsageError(f"--register {path}: {error}") from None
+    try:
+        sock = open_socket(bind)
+    except PortInUseError as error:
+        raise UsageError(f"--bind: {error.strerror}") from None
+    daemon = Daemon(
+        aggregator,
+        sock,
+        drop_rate=args.drop_rate,
+        seed=args.seed,
+        duplicate_rate=args.duplicate_rate,
+        reorder_rate=args.reorder_rate,
+    )
+    host, port = sock.getsockname()[:2]
+    print(
+        f"gradsum {profile.name}: listening on {host}:{port} (drop rate {args.drop_rate:g}, "
+        f"{len(aggregator.jobs)} jobs registered)",
+        flush=True,
+    )
+    _install_signals(daemon)
+    reporter = _start_reporter(daemon, args.stats_interval)
+    try:
+        daemon.serve()
+    finally:
+        sock.close()
+        if reporter is not None:
+            reporter.set()
+    final = daemon.statistics_json()
+    print(f"gradsum {profile.name}: stopped; statistics {final}", file=sys.stderr, flush=True)
+    if args.stats_json:
+        with open(args.stats_json, "w") as out:
+            out.write(final + "\n")
+    return 0
+
+
+def _check_flags(args, UsageError) -> None:
+    for flag in ("drop_rate", "duplicate_rate", "reorder_rate"):
+        value = getattr(args, flag)
+        if not 0.0 <= value < 1.0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be in [0, 1), got {value}")
+    for flag, value in (
+        ("--job-memory", args.job_memory),
+        ("--memory", args.memory),
+        ("--max-elements", args.max_elements),
+    ):
+        if value < 1:
+            raise UsageError(f"{flag} must be positive, got {value}")
+    if args.stats_interval < 0:
+        raise UsageError(f"--stats-interval must be >= 0, got {args.stats_interval}")
+
+
+def _job_bodies(path: str) -> list:
+    with open(path) as handle:
+        body = json.load(handle)
+    return body if isinstance(body, list) else [body]
+
+
+def _install_signals(daemon) -> None:
+    def stop(signum, frame):
+        daemon.stop.set()
+
+    def report(signum, frame):
+        print(daemon.statistics_json(), file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGUSR1, report)
+
+
+def _start_reporter(daemon, interval: float):
+    if interval <= 0:
+        return None
+    done = threading.Event()
+
+    def loop():
+        while not done.wait(interval):
+            print(daemon.statistics_json(), file=sys.stderr, flush=True)
+
+    threading.Thread(target=loop, daemon=True, name="gradsum-stats").start()
+    return done

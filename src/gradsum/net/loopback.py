@@ -1,0 +1,222 @@
+"""Aggregation on one machine: daemons as subprocesses, workers as processes, all on loopback.
+
+Used by `gradsum bench ate` and the network tests. Every wait is bounded and names what it
+waited for.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..dataplane.jobspec import Address
+
+_CLI = "import sys; from gradsum.cli import main; sys.exit(main())"
+
+
+class DaemonProcess:
+    """`gradsum switch|server` in a subprocess on 127.0.0.1 with a free port."""
+
+    def __init__(self, kind: str, *flags: str, startup_timeout: float = 30.0):
+        command = [sys.executable, "-c", _CLI, kind, "--bind", "127.0.0.1:0", *flags]
+        self.kind = kind
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.address = self._await_listening(startup_timeout)
+        self.stderr = ""
+
+    def _await_listening(self, timeout: float) -> Address:
+        lines: queue.Queue = queue.Queue()
+        reader = threading.Thread(target=lambda: lines.put(self.process.stdout.readline()))
+        reader.daemon = True
+        reader.start()
+        try:
+            line = lines.get(timeout=timeout)
+        except queue.Empty:
+            self.process.kill()
+            raise TimeoutError(
+                f"gradsum {self.kind} did not report listening in {timeout} s"
+            ) from None
+        if "listening on" not in line:
+            self.process.kill()
+            error = self.process.stderr.read()
+            raise RuntimeError(f"gradsum {self.kind} failed to start: {line}{error}")
+        host, _, port = line.split("listening on ")[1].split()[0].rpartition(":")
+        return host, int(port)
+
+    def stop(self, timeout: float = 10.0) -> str:
+        """SIGTERM, wait; return what it printed to stderr (its final statistics)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            _, self.stderr = self.process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            _, self.stderr = self.process.communicate(timeout=timeout)
+            raise TimeoutError(f"gradsum {self.kind} ignored SIGTERM for {timeout} s") from None
+        return self.stderr
+
+    def __enter__(self) -> DaemonProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@dataclass(frozen=True)
+class WorkerTask:
+    """What every worker process does: ``steps`` allreduces of a seeded random tensor."""
+
+    aggregators: tuple[Address, ...]
+    job: int
+    workers: int
+    codec: str
+    elements: int
+    steps: int = 1
+    warmup: int = 0
+    codec_options: dict = field(default_factory=dict)
+    slots: int = 32
+    slot_elements: int | None = None
+    seed: int = 0
+    keep_output: bool = True
+    retry_timeout: float = 0.01
+    give_up_after: float = 60.0
+    groups: int = 1  # hierarchy: worker w talks to aggregators[w // (workers // groups)]
+
+    def route(self, worker: int) -> tuple[tuple[Address, ...], int]:
+        """(aggregators, worker id there) of a global worker."""
+        if self.groups == 1:
+            return self.aggregators, worker
+        size = self.workers // self.groups
+        return (self.aggregators[worker // size],), worker % size
+
+
+@dataclass
+class WorkerResult:
+    worker: int
+    outputs: list  # float32 numpy arrays, one per step (if kept)
+    seconds: list[float]  # per timed step
+    stats: dict
+
+
+def worker_input(task: WorkerTask, worker: int, step: int):
+    import torch
+
+    generator = torch.Generator().manual_seed(task.seed * 1_000_003 + worker * 101 + step)
+    return torch.randn(task.elements, generator=generator)
+
+
+def _context():
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "gradsum.net.client"])
+    return context
+
+
+def run_workers(task: WorkerTask, timeout: float = 300.0, register=None) -> list[WorkerResult]:
+    """Start the workers, register the job (on every aggregator, or by calling
+    ``register(worker_addresses)``), run, tear down, collect."""
+    from .client import register_job, teardown_job
+
+    context = _context()
+    pipes, processes = [], []
+    for worker in range(task.workers):
+        parent, child = context.Pipe()
+        process = context.Process(target=_worker_main, args=(task, worker, child), daemon=True)
+        process.start()
+        pipes.append(parent)
+        processes.append(process)
+    try:
+        addresses = [_receive(p, timeout, f"worker {w}'s address") for w, p in enumerate(pipes)]
+        if register is None:
+            spec = job_spec(task, addresses)
+            for aggregator in task.aggregators:
+                register_job(aggregator, spec)
+        else:
+            register(addresses)
+        for pipe in pipes:
+            pipe.send("go")
+        deadline = time.monotonic() + timeout
+        results = [
+            _receive(p, deadline - time.monotonic(), f"worker {w}'s result")
+            for w, p in enumerate(pipes)
+        ]
+        if register is None:
+            for aggregator in task.aggregators:
+                teardown_job(aggregator, task.job)
+    finally:
+        for process in processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+    errors = [r for r in results if isinstance(r, str)]
+    if errors:
+        raise RuntimeError(f"a worker failed: {errors[0]}")
+    return results
+
+
+def job_spec(task: WorkerTask, addresses, **extra):
+    """The spec the task's workers expect (``extra``: quorum, parent, max_contributors...)."""
+    from .client import SwitchClient
+
+    probe = SwitchClient(task.aggregators[:1], job=task.job, worker=0, workers=task.workers,
+                         codec=task.codec, codec_options=task.codec_options, slots=task.slots,
+                         elements=task.slot_elements)  # fmt: skip
+    try:
+        return probe.job_spec(addresses, **extra)
+    finally:
+        probe.close()
+
+
+def _receive(pipe, timeout: float, what: str):
+    if not pipe.poll(max(0.0, timeout)):
+        raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+    value = pipe.recv()
+    if isinstance(value, BaseException):
+        raise value
+    return value
+
+
+def _worker_main(task: WorkerTask, worker: int, pipe) -> None:
+    try:
+        pipe.send(_work(task, worker, pipe))
+    except BaseException as error:  # the parent reports it
+        pipe.send(f"worker {worker} (pid {os.getpid()}): {type(error).__name__}: {error}")
+
+
+def _work(task: WorkerTask, worker: int, pipe) -> WorkerResult:
+    import torch
+
+    from ..dataplane.worker import RetryPolicy
+    from .client import SwitchClient
+
+    torch.set_num_threads(1)
+    policy = RetryPolicy(timeout=task.retry_timeout, give_up_after=task.give_up_after)
+    aggregators, local = task.route(worker)
+    client = SwitchClient(aggregators, job=task.job, worker=local, workers=task.workers,
+                          codec=task.codec, codec_options=task.codec_options, slots=task.slots,
+                          elements=task.slot_elements, seed=task.seed, rank=worker,
+                          policy=policy)  # fmt: skip
+    with client:
+        pipe.send(client.address)
+        if not pipe.poll(120):
+            raise TimeoutError("no 'go' from the parent within 120 s")
+        pipe.recv()
+        inputs = [worker_input(task, worker, s) for s in range(task.steps)]
+        for _ in range(task.warmup):
+            client.allreduce(inputs[0], key="warmup")
+        outputs, seconds = [], []
+        for step in range(task.steps):
+            start = time.perf_counter()
+            out = client.allreduce(inputs[step])
+            seconds.append(time.perf_counter() - start)
+            if task.keep_output:  # numpy: torch would pass shared memory that dies with us
+                outputs.append(out.numpy().copy())
+        return WorkerResult(worker, outputs, seconds, client.stats())
