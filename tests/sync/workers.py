@@ -7,7 +7,6 @@ import torch.distributed as dist
 
 from gradsum.codecs import make_codec
 from gradsum.sync.allreduce import AllReduceAggregator
-from gradsum.sync.pipeline import synchronize
 
 
 def rank_input(rank: int, length: int) -> torch.Tensor:
@@ -19,10 +18,9 @@ def synchronize_codecs(rank, world, names, length, partition_elements):
     results = {}
     for name in names:
         codec = make_codec(name, workers=world)
-        average = synchronize(
+        average = aggregator.synchronize(
             rank_input(rank, length),
             codec,
-            aggregator,
             key="t",
             step=0,
             partition_elements=partition_elements,

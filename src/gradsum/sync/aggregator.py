@@ -11,7 +11,7 @@ at once so a transport can batch them:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -38,6 +38,24 @@ class Aggregator(ABC):
         shared: Sequence[torch.Tensor | None],
     ) -> list[torch.Tensor]:
         """The average over workers of every partition, decoded."""
+
+    def synchronize(
+        self,
+        flat: torch.Tensor,
+        codec: Codec,
+        *,
+        key: Hashable,
+        step: int,
+        seed: int = 0,
+        partition_elements: int | None = None,
+    ) -> torch.Tensor:
+        """The average of ``flat`` over workers. By default: partition it, then ``max_reduce``
+        and ``reduce`` every partition at once; a transport with its own round overrides this."""
+        from .pipeline import partitioned_round
+
+        return partitioned_round(
+            flat, codec, self, key=key, step=step, seed=seed, partition_elements=partition_elements
+        )
 
     def supports(self, codec: Codec) -> bool:
         return True

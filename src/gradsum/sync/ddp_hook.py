@@ -21,7 +21,6 @@ from ..codecs import Codec, make_codec
 from .aggregator import Aggregator
 from .comm import CommunicationThread
 from .partition import PARTITION_ELEMENTS
-from .pipeline import synchronize
 
 
 @dataclass
@@ -64,10 +63,9 @@ def gradsum_hook(
     codec = state.codec_for(step)
 
     def run() -> torch.Tensor:
-        average = synchronize(
+        average = state.aggregator.synchronize(
             buffer.reshape(-1),
             codec,
-            state.aggregator,
             key=key,
             step=step,
             seed=state.seed,

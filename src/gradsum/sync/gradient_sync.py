@@ -22,7 +22,6 @@ from ..codecs import Codec
 from .aggregator import Aggregator
 from .comm import CommunicationThread, wait_all
 from .partition import PARTITION_ELEMENTS
-from .pipeline import synchronize
 
 
 def backward_order(parameters: Sequence[torch.nn.Parameter]) -> list[int]:
@@ -107,10 +106,9 @@ class GradientSync:
         step = self.step
 
         def run() -> None:
-            average = synchronize(
+            average = self.aggregator.synchronize(
                 flat,
                 self.codec,
-                self.aggregator,
                 key=("group", group, flat.numel()),
                 step=step,
                 seed=self.seed,

@@ -15,7 +15,7 @@ from .aggregator import Aggregator
 from .partition import PARTITION_ELEMENTS, partition_bounds
 
 
-def synchronize(
+def partitioned_round(
     flat: torch.Tensor,
     codec: Codec,
     aggregator: Aggregator,
@@ -23,10 +23,10 @@ def synchronize(
     key: Hashable,
     step: int,
     seed: int = 0,
-    partition_elements: int = PARTITION_ELEMENTS,
+    partition_elements: int | None = None,
 ) -> torch.Tensor:
     """The average over workers of ``flat`` (1-D), as the codec estimates it."""
-    bounds = partition_bounds(flat.numel(), partition_elements)
+    bounds = partition_bounds(flat.numel(), partition_elements or PARTITION_ELEMENTS)
     contexts = [
         CodecContext(
             seed=seed,
