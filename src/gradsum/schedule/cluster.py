@@ -1,0 +1,67 @@
+"""The cluster a plan runs on: who sits on which machine, link speeds, per-message costs.
+
+Shared by the PS cost model (a closed-form estimate used by planners) and the simulator (which
+plays the same numbers out event by event), so the two cannot drift apart.
+
+Nodes: ``workers`` workers and ``shards`` PS shards, spread in contiguous blocks over ``machines``
+machines (never more machines than nodes). Every node has a full-duplex port (a worker's is its
+GPU↔host path, a shard's is what one CPU core can receive and sum per second); every machine has a
+full-duplex NIC that only traffic between machines crosses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    workers: int
+    shards: int
+    machines: int = 1
+    worker_bw: float = 10e9  # bytes/s each way, per worker
+    shard_bw: float = 10e9  # bytes/s each way, per PS shard
+    nic_bw: float = 12.5e9  # bytes/s each way, per machine
+    alpha_worker: float = 50e-6  # s the sender spends per message before its bytes flow
+    alpha_shard: float = 50e-6  # s of shard CPU per message (serial: one core per shard)
+    bytes_per_element: int = 4
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.shards < 1 or self.machines < 1:
+            raise ValueError("workers, shards and machines must be at least 1")
+        if min(self.worker_bw, self.shard_bw, self.nic_bw) <= 0:
+            raise ValueError("bandwidths must be positive")
+        if min(self.alpha_worker, self.alpha_shard) < 0 or self.bytes_per_element < 1:
+            raise ValueError("per-message costs must be >= 0 and bytes_per_element >= 1")
+
+    def with_workers(self, workers: int, shards_per_worker: float | None = None) -> ClusterSpec:
+        """The same hardware with another worker count (and shards scaled 1:1 if asked)."""
+        shards = (
+            self.shards if shards_per_worker is None else max(1, round(workers * shards_per_worker))
+        )
+        return replace(self, workers=workers, shards=shards)
+
+    def _machine(self, index: int, count: int) -> int:
+        used = min(self.machines, count)
+        return index * used // count
+
+    def worker_machine(self, worker: int) -> int:
+        return self._machine(worker, self.workers)
+
+    def shard_machine(self, shard: int) -> int:
+        return self._machine(shard, self.shards)
+
+    @property
+    def machines_used(self) -> int:
+        return min(self.machines, max(self.workers, self.shards))
+
+    @property
+    def remote_fraction(self) -> float:
+        """Share of a worker's shard traffic that crosses a NIC (shards evenly spread)."""
+        used = min(self.machines, self.shards)
+        return (used - 1) / used
+
+    @property
+    def workers_per_machine(self) -> int:
+        return math.ceil(self.workers / min(self.machines, self.workers))

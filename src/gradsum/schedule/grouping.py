@@ -1,0 +1,114 @@
+"""Fusion rules: how consecutive layers (backward order) are merged into groups.
+
+Every rule returns a list of ``(first, stop)`` layer ranges covering ``range(len(params))`` in
+order. Layers are indexed in backward order: layer 0's gradient is ready first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+LayerRanges = list[tuple[int, int]]
+
+
+def single_layers(count: int) -> LayerRanges:
+    return [(i, i + 1) for i in range(count)]
+
+
+def one_group(count: int) -> LayerRanges:
+    return [(0, count)]
+
+
+def threshold_groups(params: Sequence[int], threshold: int) -> LayerRanges:
+    """Static fusion: add layers to the open group while it stays within ``threshold`` elements.
+
+    A layer larger than the threshold travels alone; it is never split.
+    """
+    if threshold < 1:
+        raise ValueError("fusion threshold must be at least 1 element")
+    ranges: LayerRanges = []
+    first, size = 0, 0
+    for layer, count in enumerate(params):
+        if layer > first and size + count > threshold:
+            ranges.append((first, layer))
+            first, size = layer, 0
+        size += count
+    ranges.append((first, len(params)))
+    return ranges
+
+
+def mgwfbp_groups(
+    params: Sequence[int],
+    ready: Sequence[float],
+    message_time: Callable[[int], float],
+    alpha: float,
+) -> LayerRanges:
+    """MG-WFBP's merge rule on an α–β model (one communication stream, WFBP timing).
+
+    The open group's communication would start at s = max(its ready time, end of the previous
+    group). The next layer joins it when its gradient is ready by s (merging saves one α for
+    nothing), or when the wait ``ready − s`` is shorter than the α it saves. Start times are
+    recomputed after every merge because the open group's ready time and size change.
+    ``message_time`` maps a group's element count to its communication time.
+    """
+    ready = np.asarray(ready, dtype=float)
+    ranges: LayerRanges = []
+    previous_end = 0.0  # when the last closed group's communication ends
+    first, size = 0, int(params[0])
+    for layer in range(1, len(params)):
+        start = max(ready[layer - 1], previous_end)  # open group's comm start if sent now
+        if ready[layer] <= start or ready[layer] - start < alpha:
+            size += int(params[layer])
+            continue
+        ranges.append((first, layer))
+        previous_end = start + message_time(size)
+        first, size = layer, int(params[layer])
+    ranges.append((first, len(params)))
+    return ranges
+
+
+def pipeline_groups(
+    params: Sequence[int],
+    ready: Sequence[float],
+    push_time: Callable[[int], float],
+    pull_time: Callable[[int], float],
+) -> LayerRanges:
+    """Merge rule for a parameter server: push and pull are two pipeline stages.
+
+    Group g's push starts at max(ready_g, end of push g−1); its pull at max(end of push g, end of
+    pull g−1). The next layer joins the open group when sending them merged finishes both stages
+    no later than sending them as two groups. Merging saves a message's start-up cost but delays
+    the whole merged pull until the merged push is done; on a communication-bound cluster that lost
+    overlap (≈ the smaller group's transfer) outweighs the saved start-up for all but small layers,
+    which is why this rule keeps groups apart where an all-reduce model merges everything.
+    """
+    ready = np.asarray(ready, dtype=float)
+    ranges: LayerRanges = []
+    closed = (0.0, 0.0)  # (push end, pull end) after the closed groups
+    first, size = 0, int(params[0])
+    for layer in range(1, len(params)):
+        extra = int(params[layer])
+        separate = _stage_ends(
+            _stage_ends(closed, ready[layer - 1], size, push_time, pull_time),
+            ready[layer],
+            extra,
+            push_time,
+            pull_time,
+        )
+        merged = _stage_ends(closed, ready[layer], size + extra, push_time, pull_time)
+        if merged[1] <= separate[1]:
+            size += extra
+            continue
+        closed = _stage_ends(closed, ready[layer - 1], size, push_time, pull_time)
+        ranges.append((first, layer))
+        first, size = layer, extra
+    ranges.append((first, len(params)))
+    return ranges
+
+
+def _stage_ends(state, ready_at, size, push_time, pull_time):
+    push_end = max(ready_at, state[0]) + push_time(size)
+    pull_end = max(push_end, state[1]) + pull_time(size)
+    return push_end, pull_end

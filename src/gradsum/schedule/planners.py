@@ -1,0 +1,190 @@
+"""Planners: pure functions ``(profile, cluster, **options) → Plan``, and their registry.
+
+=========  ==============================================================================
+default    one group per layer, sent only after the whole backward pass
+wfbp       one group per layer, each sent as soon as its gradient is ready
+fusion     static fusion: layers merged while a group stays ≤ ``threshold`` elements
+mgwfbp     MG-WFBP's merge rule on the ring all-reduce α–β model
+priority   slices of ``slice_elements``, most urgent (front) layer first, credit window,
+           pre-emption at slice boundaries, next forward gated per layer (ByteScheduler/P3)
+merge      merge rule from the PS cost model (two-stage push/pull pipeline, incast)
+imerge     merge from the interleaved PS cost model, groups spread over consecutive shards and
+           every worker rotating its starting shard (no synchronised incast)
+=========  ==============================================================================
+
+The cost model each adaptive planner reasons with is derived from the ``ClusterSpec`` unless one
+is passed as ``cost=``; see :mod:`gradsum.schedule.costs`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+from .cluster import ClusterSpec
+from .costs import AllReduceCost, PSCost
+from .grouping import (
+    LayerRanges,
+    mgwfbp_groups,
+    pipeline_groups,
+    single_layers,
+    threshold_groups,
+)
+from .placement import place_spread, place_whole
+from .plan import Group, Plan, plan_skeleton
+from .profile import ModelProfile
+
+Planner = Callable[[ModelProfile, ClusterSpec], Plan]
+
+
+def _element_ranges(profile: ModelProfile, layer_ranges: LayerRanges) -> list[tuple[int, int]]:
+    offsets = profile.offsets
+    return [(int(offsets[a]), int(offsets[b])) for a, b in layer_ranges]
+
+
+def _layer_plan(profile, cluster, policy, layer_ranges, aggregator="ps", **fields) -> Plan:
+    """Groups of whole layers, each on its least-loaded shard (or no parts for all-reduce)."""
+    ranges = _element_ranges(profile, layer_ranges)
+    parts = place_whole(ranges, cluster.shards) if aggregator == "ps" else [()] * len(ranges)
+    groups = tuple(Group(a, b, p) for (a, b), p in zip(ranges, parts, strict=True))
+    return Plan(policy, groups, aggregator=aggregator, **plan_skeleton(profile), **fields)
+
+
+def plan_default(profile: ModelProfile, cluster: ClusterSpec, *, aggregator: str = "ps") -> Plan:
+    layers = single_layers(len(profile.layers))
+    return _layer_plan(profile, cluster, "default", layers, aggregator, trigger="after_backward")
+
+
+def plan_wfbp(profile: ModelProfile, cluster: ClusterSpec, *, aggregator: str = "ps") -> Plan:
+    return _layer_plan(profile, cluster, "wfbp", single_layers(len(profile.layers)), aggregator)
+
+
+def plan_fusion(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    *,
+    threshold: int = 500_000,
+    aggregator: str = "ps",
+) -> Plan:
+    layers = threshold_groups(profile.params, threshold)
+    return _layer_plan(
+        profile, cluster, "fusion", layers, aggregator, options={"threshold": threshold}
+    )
+
+
+def plan_mgwfbp(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    *,
+    cost: AllReduceCost | None = None,
+    aggregator: str = "ps",
+) -> Plan:
+    cost = cost or AllReduceCost.from_cluster(cluster)
+    element_bytes = cluster.bytes_per_element
+    layers = mgwfbp_groups(
+        profile.params, profile.ready_times(), lambda n: cost.time(n * element_bytes), cost.alpha
+    )
+    return _layer_plan(
+        profile,
+        cluster,
+        "mgwfbp",
+        layers,
+        aggregator,
+        options={"alpha": cost.alpha, "workers": cost.workers},
+    )
+
+
+def plan_merge(profile: ModelProfile, cluster: ClusterSpec, *, cost: PSCost | None = None) -> Plan:
+    cost = cost or PSCost(cluster)
+    element_bytes = cluster.bytes_per_element
+
+    def stage(n: int) -> float:
+        return cost.time(n * element_bytes, 1, interleaved=False)
+
+    layers = pipeline_groups(profile.params, profile.ready_times(), stage, stage)
+    return _layer_plan(profile, cluster, "merge", layers)
+
+
+def plan_imerge(profile: ModelProfile, cluster: ClusterSpec, *, cost: PSCost | None = None) -> Plan:
+    cost = cost or PSCost(cluster)
+    element_bytes = cluster.bytes_per_element
+
+    def stage(n: int) -> float:
+        nbytes = n * element_bytes
+        return cost.time(nbytes, cost.best_span(nbytes, True), interleaved=True)
+
+    layers = pipeline_groups(profile.params, profile.ready_times(), stage, stage)
+    ranges = _element_ranges(profile, layers)
+    spans = [cost.best_span((b - a) * element_bytes, True) for a, b in ranges]
+    parts = place_spread(ranges, spans, cluster.shards)
+    groups = tuple(Group(a, b, p) for (a, b), p in zip(ranges, parts, strict=True))
+    return Plan(
+        "imerge", groups, interleave=True, **plan_skeleton(profile), options={"spans": spans}
+    )
+
+
+def plan_priority(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    *,
+    slice_elements: int = 100_000,
+    credit_elements: int | None = 4_000_000,
+) -> Plan:
+    if slice_elements < 1:
+        raise ValueError("slice_elements must be at least 1")
+    offsets = profile.offsets
+    last = len(profile.layers) - 1
+    slices, priorities = [], []
+    for layer in range(len(profile.layers)):
+        for start in range(int(offsets[layer]), int(offsets[layer + 1]), slice_elements):
+            slices.append((start, min(start + slice_elements, int(offsets[layer + 1]))))
+            priorities.append(last - layer)  # front layers (highest backward index) first
+    parts = place_whole(slices, cluster.shards)
+    groups = tuple(
+        Group(a, b, p, prio) for (a, b), p, prio in zip(slices, parts, priorities, strict=True)
+    )
+    credit = None if credit_elements is None else credit_elements * cluster.bytes_per_element
+    return Plan(
+        "priority",
+        groups,
+        order="priority",
+        forward_gate="layer",
+        credit_bytes=credit,
+        options={"slice_elements": slice_elements, "credit_elements": credit_elements},
+        **plan_skeleton(profile),
+    )
+
+
+_PLANNERS: dict[str, Callable[..., Plan]] = {
+    "default": plan_default,
+    "wfbp": plan_wfbp,
+    "fusion": plan_fusion,
+    "mgwfbp": plan_mgwfbp,
+    "priority": plan_priority,
+    "merge": plan_merge,
+    "imerge": plan_imerge,
+}
+
+PLANNER_NAMES: tuple[str, ...] = tuple(_PLANNERS)
+
+
+def make_planner(name: str, **options) -> Planner:
+    """The planner ``name`` with its keyword options bound: ``planner(profile, cluster) → Plan``."""
+    if name not in _PLANNERS:
+        raise ValueError(
+            f"unknown scheduling policy {name!r}; choose one of: {', '.join(PLANNER_NAMES)}"
+        )
+    function = _PLANNERS[name]
+    try:
+        inspect.signature(function).bind(None, None, **options)
+    except TypeError:
+        allowed = [p for p in inspect.signature(function).parameters][2:]
+        raise ValueError(
+            f"policy {name!r} takes options {allowed}, got {sorted(options)}"
+        ) from None
+
+    def planner(profile: ModelProfile, cluster: ClusterSpec) -> Plan:
+        return function(profile, cluster, **options)
+
+    planner.__name__ = f"plan_{name}"
+    return planner

@@ -1,0 +1,1 @@
+"""Training: model definitions (datasets, loop and launcher live beside them)."""

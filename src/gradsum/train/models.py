@@ -1,0 +1,241 @@
+"""Model definitions used by training, profiling and the scheduling simulator.
+
+CIFAR-style networks (3×32×32 inputs) as used by the IMerge evaluation, plus two small models for
+scikit-learn's 8×8 digits (64 inputs, 10 classes) that train in seconds on a CPU.
+
+Parameter counts at ``num_classes=10`` (checked by tests):
+
+=========== ============ ==========================================================
+name        parameters   variant
+=========== ============ ==========================================================
+resnet18    11,173,962   BasicBlock ×[2, 2, 2, 2], 3×3 stem, no max-pool
+resnet50    23,520,842   Bottleneck ×[3, 4, 6, 3], 3×3 stem, no max-pool
+vgg16       14,728,266   13 conv3×3 + BatchNorm, one 512→classes linear layer
+alexnet     23,272,266   5 conv + 4096-wide FC layers (see :class:`AlexNet`)
+digits-mlp       9,610   64 → 128 → 10
+digits-cnn       6,090   two 3×3 conv layers, pooled to 32×2×2, 128 → 10 linear layer
+=========== ============ ==========================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, in_planes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.shortcut = _projection(in_planes, planes * self.expansion, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + self.shortcut(x))
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, in_planes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_planes, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, planes * self.expansion, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * self.expansion)
+        self.shortcut = _projection(in_planes, planes * self.expansion, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = torch.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return torch.relu(out + self.shortcut(x))
+
+
+def _projection(in_planes: int, out_planes: int, stride: int) -> nn.Module:
+    """Identity when shapes agree, else a 1×1 convolution + BatchNorm (ResNet option B)."""
+    if stride == 1 and in_planes == out_planes:
+        return nn.Identity()
+    return nn.Sequential(
+        nn.Conv2d(in_planes, out_planes, 1, stride, bias=False), nn.BatchNorm2d(out_planes)
+    )
+
+
+class ResNet(nn.Module):
+    """CIFAR ResNet: 3×3 stem at full resolution, four stages, global average pool."""
+
+    def __init__(
+        self, block: type[BasicBlock | Bottleneck], depths: list[int], num_classes: int = 10
+    ) -> None:
+        super().__init__()
+        self.in_planes = 64
+        self.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        stages = []
+        for index, (planes, depth) in enumerate(zip((64, 128, 256, 512), depths, strict=True)):
+            stages.append(self._stage(block, planes, depth, stride=1 if index == 0 else 2))
+        self.layers = nn.Sequential(*stages)
+        self.linear = nn.Linear(512 * block.expansion, num_classes)
+
+    def _stage(self, block, planes: int, depth: int, stride: int) -> nn.Sequential:
+        blocks = []
+        for block_stride in [stride] + [1] * (depth - 1):
+            blocks.append(block(self.in_planes, planes, block_stride))
+            self.in_planes = planes * block.expansion
+        return nn.Sequential(*blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.layers(torch.relu(self.bn1(self.conv1(x))))
+        return self.linear(torch.flatten(nn.functional.adaptive_avg_pool2d(out, 1), 1))
+
+
+_VGG16_CONFIG = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M"]
+_VGG16_CONFIG += [512, 512, 512, "M", 512, 512, 512, "M"]
+
+
+class VGG16(nn.Module):
+    """CIFAR VGG16 with BatchNorm; five pools take 32×32 to 1×1: the classifier is 512→classes."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        channels = 3
+        for item in _VGG16_CONFIG:
+            if item == "M":
+                layers.append(nn.MaxPool2d(2))
+            else:
+                layers += [nn.Conv2d(channels, item, 3, padding=1), nn.BatchNorm2d(item)]
+                layers.append(nn.ReLU(inplace=True))
+                channels = item
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Linear(512, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.features(x), 1))
+
+
+class AlexNet(nn.Module):
+    """CIFAR AlexNet *with* the 4096-wide fully connected layers: 23,272,266 parameters.
+
+    Features: conv 3→64 (3×3, stride 2), max-pool, conv 64→192, max-pool, conv 192→384,
+    conv 384→256, conv 256→256, max-pool (all 3×3, padding 1), leaving 256×2×2. Classifier:
+    dropout, 1024→4096, dropout, 4096→4096, 4096→classes. Of the variants in use (2.47M without the
+    4096-wide layers, 23.3M with them, 57.0M torchvision-style) this is the 23.3M one: 90% of its
+    parameters sit in the two FC layers whose compute is tiny, which is what makes AlexNet the
+    communication-heavy benchmark of the IMerge evaluation.
+    """
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 64, 3, stride=2, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(64, 192, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(192, 384, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(384, 256, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(256, 256, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+        )
+        self.classifier = nn.Sequential(
+            nn.Dropout(),
+            nn.Linear(256 * 2 * 2, 4096),
+            nn.ReLU(inplace=True),
+            nn.Dropout(),
+            nn.Linear(4096, 4096),
+            nn.ReLU(inplace=True),
+            nn.Linear(4096, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.features(x), 1))
+
+
+class DigitsMLP(nn.Module):
+    """64 → 128 → classes; accepts (N, 64) or (N, 1, 8, 8)."""
+
+    def __init__(self, num_classes: int = 10, hidden: int = 128) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.flatten(x, 1))
+
+
+class DigitsCNN(nn.Module):
+    """Two 3×3 convolutions (1→16→32), pooled to 32×2×2, and a 128→classes linear layer."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.AdaptiveAvgPool2d(2),
+        )
+        self.classifier = nn.Linear(32 * 2 * 2, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        images = x.reshape(x.shape[0], 1, 8, 8)
+        return self.classifier(torch.flatten(self.features(images), 1))
+
+
+_BUILDERS: dict[str, Callable[[int], nn.Module]] = {
+    "resnet18": lambda classes: ResNet(BasicBlock, [2, 2, 2, 2], classes),
+    "resnet50": lambda classes: ResNet(Bottleneck, [3, 4, 6, 3], classes),
+    "vgg16": VGG16,
+    "alexnet": AlexNet,
+    "digits-mlp": DigitsMLP,
+    "digits-cnn": DigitsCNN,
+}
+
+MODEL_NAMES: tuple[str, ...] = tuple(_BUILDERS)
+
+# Input shape of one sample, so profilers and benchmarks can make a batch without a data set.
+INPUT_SHAPES: dict[str, tuple[int, ...]] = {
+    "resnet18": (3, 32, 32),
+    "resnet50": (3, 32, 32),
+    "vgg16": (3, 32, 32),
+    "alexnet": (3, 32, 32),
+    "digits-mlp": (64,),
+    "digits-cnn": (64,),
+}
+
+
+def build_model(name: str, num_classes: int = 10) -> nn.Module:
+    """A freshly initialised model by name (case-insensitive); see :data:`MODEL_NAMES`."""
+    key = name.lower()
+    if key not in _BUILDERS:
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}")
+    if num_classes < 1:
+        raise ValueError(f"num_classes must be at least 1, got {num_classes}")
+    return _BUILDERS[key](num_classes)
+
+
+def input_shape(name: str) -> tuple[int, ...]:
+    """Shape of one input sample of model ``name``."""
+    key = name.lower()
+    if key not in INPUT_SHAPES:
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}")
+    return INPUT_SHAPES[key]
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

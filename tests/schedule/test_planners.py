@@ -1,0 +1,223 @@
+import pytest
+
+from gradsum.schedule import (
+    PLANNER_NAMES,
+    AllReduceCost,
+    AlphaBeta,
+    ClusterSpec,
+    Group,
+    Part,
+    Plan,
+    PSCost,
+    make_planner,
+    uniform_profile,
+)
+from gradsum.schedule.grouping import mgwfbp_groups, pipeline_groups, threshold_groups
+from gradsum.schedule.placement import place_spread, place_whole
+
+
+def linear(alpha, beta):
+    return lambda n: alpha + beta * n
+
+
+# --------------------------------------------------------------------------- fusion rules
+def test_static_threshold_keeps_groups_within_the_threshold():
+    sizes = [300_000, 300_000, 100_000, 600_000, 50_000]
+    assert threshold_groups(sizes, 500_000) == [(0, 1), (1, 3), (3, 4), (4, 5)]
+
+
+def test_mgwfbp_merges_a_layer_ready_before_the_open_group_can_start():
+    # Layer 0's long transfer (10.1 s) delays layer 1's, so layer 2 (ready at 3) joins it free.
+    ranges = mgwfbp_groups([1000, 10, 10], [1, 2, 3], linear(0.1, 0.01), alpha=0.1)
+    assert ranges == [(0, 1), (1, 3)]
+
+
+def test_mgwfbp_merges_when_waiting_costs_less_than_alpha():
+    # Layer 1 is ready 0.05 s after layer 0 (< α = 0.1): wait for it. Layer 2 is 1 s later.
+    ranges = mgwfbp_groups([10, 10, 10], [1, 1.05, 2.05], linear(0.1, 1e-9), alpha=0.1)
+    assert ranges == [(0, 2), (2, 3)]
+
+
+def test_mgwfbp_keeps_layers_apart_when_waiting_costs_more_than_alpha():
+    ranges = mgwfbp_groups([10, 10, 10], [1, 1.2, 1.4], linear(0.1, 1e-9), alpha=0.1)
+    assert ranges == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_ring_alpha_grows_with_workers_until_everything_merges():
+    link = AlphaBeta(1e-3, 1e-9)
+    ready = [0.01 * (i + 1) for i in range(8)]
+    sizes = [1000] * 8
+    small, large = AllReduceCost(link, 2), AllReduceCost(link, 32)
+    assert small.alpha == pytest.approx(2e-3) and large.alpha == pytest.approx(62e-3)
+    assert len(mgwfbp_groups(sizes, ready, small.time, small.alpha)) == 8
+    assert mgwfbp_groups(sizes, ready, large.time, large.alpha) == [(0, 8)]
+
+
+def test_ps_pipeline_splits_when_overlap_beats_the_saved_start_up():
+    # Communication-bound: everything is ready at once. Merging two 1000-element layers saves
+    # α = 0.01 but loses the overlap of one pull with the next push (β·1000 = 1).
+    ready = [0.001, 0.002, 0.003, 0.004]
+    stage = linear(0.01, 0.001)
+    assert pipeline_groups([1000] * 4, ready, stage, stage) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    # The all-reduce rule, seeing later layers ready before the first finishes, merges all.
+    assert mgwfbp_groups([1000] * 4, ready, stage, alpha=0.01) == [(0, 4)]
+
+
+def test_ps_pipeline_merges_when_start_up_exceeds_the_lost_overlap():
+    ready = [0.001, 0.002, 0.003, 0.004]
+    stage = linear(2.0, 0.001)  # α = 2 > β·1000 = 1
+    assert pipeline_groups([1000] * 4, ready, stage, stage) == [(0, 4)]
+
+
+# --------------------------------------------------------------------------- cost models
+def test_ps_cost_incast_and_interleaving():
+    cluster = ClusterSpec(8, 8, 1, worker_bw=10e9, shard_bw=1e9, alpha_worker=0, alpha_shard=0)
+    cost = PSCost(cluster)
+    megabyte = 1e6
+    # All 8 workers at one shard: each gets 1/8 of its ingress.
+    assert cost.time(megabyte, 1, interleaved=False) == pytest.approx(8 * megabyte / 1e9)
+    # Spread over 8 shards with rotation: one worker per shard at a time, shard-port bound.
+    assert cost.time(megabyte, 8, interleaved=True) == pytest.approx(megabyte / 1e9)
+    assert cost.best_span(megabyte, interleaved=True) == 8
+    assert cost.best_span(megabyte, interleaved=False) == 1
+
+
+def test_ps_cost_counts_queued_messages_at_a_shard():
+    cluster = ClusterSpec(4, 4, 1, alpha_worker=1e-4, alpha_shard=1e-5)
+    cost = PSCost(cluster)
+    assert cost.time(0, 1, interleaved=False) == pytest.approx(1e-4 + 4 * 1e-5)
+    assert cost.time(0, 4, interleaved=True) == pytest.approx(4 * (1e-4 + 1e-5))
+
+
+def test_ring_allreduce_cost_formula():
+    cost = AllReduceCost(AlphaBeta(1e-4, 1e-9), 4)
+    assert cost.time(4e6) == pytest.approx(6 * (1e-4 + 1e-9 * 1e6))
+    assert AllReduceCost(AlphaBeta(1e-4, 1e-9), 1).time(4e6) == 0
+
+
+# --------------------------------------------------------------------------- planners
+def comm_bound_setup(workers=32):
+    """Twelve equal layers computed quickly on a slow, many-worker PS cluster."""
+    profile = uniform_profile([250_000] * 12, [0.002] * 12, [0.001] * 12)
+    cluster = ClusterSpec(
+        workers, workers, 2, worker_bw=6e9, shard_bw=2.5e9, alpha_worker=3e-4, alpha_shard=5e-5
+    )
+    return profile, cluster
+
+
+@pytest.mark.parametrize("name", PLANNER_NAMES)
+def test_every_planner_covers_the_buffer_and_fits_the_cluster(name):
+    profile, cluster = comm_bound_setup(8)
+    plan = make_planner(name)(profile, cluster)
+    assert plan.total_elements == profile.total_params
+    assert sum(g.numel for g in plan.groups) == profile.total_params
+    assert all(p.shard < cluster.shards for g in plan.groups for p in g.parts)
+    assert plan.policy == name
+
+
+def test_default_and_wfbp_send_one_group_per_layer_at_different_times():
+    profile, cluster = comm_bound_setup(4)
+    default = make_planner("default")(profile, cluster)
+    wfbp = make_planner("wfbp")(profile, cluster)
+    assert len(default.groups) == len(wfbp.groups) == 12
+    assert default.trigger == "after_backward" and wfbp.trigger == "when_ready"
+    assert [tuple(default.layers_of(g)) for g in default.groups] == [(i,) for i in range(12)]
+
+
+def test_whole_placement_balances_shards():
+    profile, cluster = comm_bound_setup(4)
+    plan = make_planner("wfbp")(profile, cluster)
+    assert list(plan.shard_load(4)) == [750_000] * 4
+
+
+def test_all_reduce_model_merges_everything_where_the_ps_model_does_not():
+    profile, cluster = comm_bound_setup(32)
+    mgwfbp = make_planner("mgwfbp")(profile, cluster)
+    merge = make_planner("merge")(profile, cluster)
+    assert len(mgwfbp.groups) == 1
+    assert len(merge.groups) > 1
+    # With 2 workers the ring start-up is small and MG-WFBP keeps groups apart too.
+    small_profile, small_cluster = comm_bound_setup(2)
+    assert len(make_planner("mgwfbp")(small_profile, small_cluster).groups) > 1
+
+
+def test_imerge_spreads_groups_and_rotates_each_workers_first_shard():
+    profile, cluster = comm_bound_setup(8)
+    plan = make_planner("imerge")(profile, cluster)
+    assert plan.interleave
+    big = max(plan.groups, key=lambda g: g.numel)
+    span = len(big.parts)
+    assert span > 1
+    first_shards = {plan.part_order(big, w)[0].shard for w in range(span)}
+    assert len(first_shards) == span  # workers meet at a shard only every `span` workers
+    merge = make_planner("merge")(profile, cluster)
+    assert all(len(g.parts) == 1 for g in merge.groups)
+    assert {merge.part_order(merge.groups[0], w)[0].shard for w in range(8)} == {
+        merge.groups[0].parts[0].shard
+    }
+
+
+def test_priority_slices_front_layers_first_with_a_credit():
+    profile = uniform_profile([250_000, 40_000, 100_001], [0.01] * 3)
+    cluster = ClusterSpec(4, 4)
+    plan = make_planner("priority", slice_elements=100_000, credit_elements=200_000)(
+        profile, cluster
+    )
+    assert [g.numel for g in plan.groups] == [100_000, 100_000, 50_000, 40_000, 100_000, 1]
+    # Layer 2 (backward order) is the model's first layer: it gets the most urgent priority.
+    assert [g.priority for g in plan.groups] == [2, 2, 2, 1, 0, 0]
+    assert plan.order == "priority" and plan.forward_gate == "layer"
+    assert plan.credit_bytes == 800_000
+    assert all(len(g.parts) == 1 for g in plan.groups)
+
+
+def test_fusion_threshold_option_is_honoured():
+    profile = uniform_profile([100, 100, 100, 100], [0.01] * 4)
+    plan = make_planner("fusion", threshold=200)(profile, ClusterSpec(2, 2))
+    assert [g.numel for g in plan.groups] == [200, 200]
+
+
+def test_all_reduce_plans_have_no_parts():
+    profile, cluster = comm_bound_setup(4)
+    plan = make_planner("wfbp", aggregator="allreduce")(profile, cluster)
+    assert plan.aggregator == "allreduce" and all(g.parts == () for g in plan.groups)
+
+
+def test_unknown_policy_and_option_are_clear_errors():
+    with pytest.raises(ValueError, match="imerge"):
+        make_planner("bytescheduler")
+    with pytest.raises(ValueError, match="threshold"):
+        make_planner("fusion", treshold=5)
+
+
+# --------------------------------------------------------------------------- plan structure
+def test_plan_maps_groups_to_layers_and_parameters():
+    profile = uniform_profile([10, 20, 30], [0.1] * 3)
+    plan = Plan(
+        "custom",
+        (Group(0, 15, (Part(0, 0, 15),)), Group(15, 60, (Part(1, 15, 60),))),
+        (0, 10, 30, 60),
+        ((0,), (1,), (2,)),
+    )
+    assert list(plan.layers_of(plan.groups[0])) == [0, 1]
+    assert plan.params_of(plan.groups[1]) == (1, 2)
+    del profile
+
+
+def test_plan_rejects_gaps_overlaps_and_bad_parts():
+    offsets = (0, 10, 20)
+    with pytest.raises(ValueError, match="cover"):
+        Plan("x", (Group(0, 10, (Part(0, 0, 10),)),), offsets)
+    with pytest.raises(ValueError, match="tile"):
+        Plan("x", (Group(0, 20, (Part(0, 0, 5), Part(1, 6, 20))),), offsets)
+    with pytest.raises(ValueError, match="same shard"):
+        Plan("x", (Group(0, 20, (Part(0, 0, 5), Part(0, 5, 20))),), offsets)
+    with pytest.raises(ValueError, match="trigger"):
+        Plan("x", (Group(0, 20, (Part(0, 0, 20),)),), offsets, trigger="sometimes")
+
+
+def test_spread_placement_continues_around_the_ring():
+    parts = place_spread([(0, 10), (10, 20)], [3, 2], 4)
+    assert [[p.shard for p in group] for group in parts] == [[0, 1, 2], [3, 0]]
+    assert [(p.start, p.stop) for p in parts[0]] == [(0, 3), (3, 7), (7, 10)]
+    assert [p[0].shard for p in place_whole([(0, 5), (5, 6), (6, 7)], 2)] == [0, 1, 1]
