@@ -25,11 +25,13 @@ def tcp_receive(port: int, nbytes: int, timeout: float = 30.0, skip: float = 0.1
     with connection:
         connection.settimeout(timeout)
         buffer = bytearray(1 << 20)
-        received, mark = 0, None
+        received, mark, first_byte_at = 0, None, 0.0
         while received < nbytes:
             count = connection.recv_into(buffer)
             if count == 0:
                 break
+            if received == 0:
+                first_byte_at = time.monotonic()
             received += count
             if mark is None and received >= skip * nbytes:
                 mark = (time.perf_counter(), received)
@@ -37,7 +39,14 @@ def tcp_receive(port: int, nbytes: int, timeout: float = 30.0, skip: float = 0.1
     if mark is None or received <= mark[1]:
         raise RuntimeError(f"received only {received} of {nbytes} bytes")
     seconds = end - mark[0]
-    return {"bytes": received, "seconds": seconds, "bits_per_s": (received - mark[1]) * 8 / seconds}
+    return {
+        "bytes": received,
+        "seconds": seconds,
+        "bits_per_s": (received - mark[1]) * 8 / seconds,
+        # system-wide clock, comparable across processes: for aggregates over several flows
+        "first_byte_at": first_byte_at,
+        "end_at": time.monotonic(),
+    }
 
 
 def tcp_send(address: str, port: int, nbytes: int, timeout: float = 30.0) -> int:
