@@ -35,6 +35,18 @@ def test_timeouts_resend_with_backoff_up_to_the_ceiling():
     assert stream.stats.retransmissions == 3 and stream.stats.timeouts == 3
 
 
+def test_first_timeout_adapts_to_measured_round_trips_within_the_policy():
+    stream = ChunkStream(first=0, count=40, slots=1, policy=POLICY)
+    stream.start(0.0)
+    assert stream.timeout == POLICY.timeout
+    now = 0.0
+    for chunk in range(20):  # results take 2 s each: the floor of 1 s would resend every chunk
+        now += 2.0
+        stream.on_result(chunk, now)
+    assert 2.0 < stream.timeout <= POLICY.max_timeout
+    assert stream.expired(now + 1.5) == []
+
+
 def test_giving_up_names_the_chunk_and_how_long_it_waited():
     stream = ChunkStream(first=4, count=1, slots=4, policy=POLICY, what="127.0.0.1:9 job 2")
     stream.start(0.0)

@@ -111,8 +111,9 @@ class Collective:
         self._sharded(Op.MAX, ordered, result, ordered.numel(), 32, 32)
         return ordered_int_to_float(result).reshape(summary.shape)
 
-    def _sharded(self, op, upstream, result, lanes, in_bits, out_bits) -> np.ndarray:
-        """Stream ``lanes`` through the jobs' shards; return each lane's contributor count."""
+    def _sharded(self, op, upstream, result, lanes, in_bits, out_bits) -> list:
+        """Stream ``lanes`` through the jobs' shards; return each shard's (first lane, layout,
+        contributors per chunk)."""
         up = memoryview(upstream.numpy()).cast("B")
         down = memoryview(result.numpy()).cast("B")
         bits = max(in_bits, out_bits)
@@ -129,14 +130,12 @@ class Collective:
             )
             planned.append((job, self._transfer(j, job, op, buffers), start, layout))
         self.run([(job, transfer) for job, transfer, _, _ in planned])
-        counts = np.empty(lanes, dtype=np.int32)
-        for _, transfer, start, layout in planned:
-            per_chunk = np.repeat(transfer.contributors, layout.lanes_per_chunk)
-            counts[start : start + layout.lanes] = per_chunk[: layout.lanes]
-        return counts
+        return [(start, layout, transfer.contributors) for _, transfer, start, layout in planned]
 
-    def _decode(self, summed: Payload, counts: np.ndarray, ctx, shared) -> torch.Tensor:
-        low, high = int(counts.min()), int(counts.max())
+    def _decode(self, summed: Payload, chunks: list, ctx, shared) -> torch.Tensor:
+        """Decode the sum; ``chunks`` holds (first lane, layout, contributors per chunk)."""
+        low = min(int(counts.min()) for _, _, counts in chunks)
+        high = max(int(counts.max()) for _, _, counts in chunks)
         if low == high:
             whole = Payload(summed.fields, summed.length, low)
             return self.codec.decode(whole, ctx, shared)
@@ -146,7 +145,11 @@ class Collective:
                 "(partial aggregation); decoding that needs per-coordinate counts in the codec"
             )
         sums = self.codec.decode(Payload(summed.fields, summed.length, 1), ctx, shared)
-        return sums / torch.from_numpy(counts[: summed.length]).to(torch.float32)
+        per_lane = np.empty(sum(layout.lanes for _, layout, _ in chunks), dtype=np.float32)
+        for start, layout, counts in chunks:
+            lanes = np.repeat(counts, layout.lanes_per_chunk)[: layout.lanes]
+            per_lane[start : start + layout.lanes] = lanes
+        return sums / torch.from_numpy(per_lane[: summed.length])
 
     # -- other codecs: one whole payload per partition, decoded at a server --------------------
     def _payload_allreduce(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:

@@ -75,6 +75,17 @@ class ChunkStream:
         self._end = self.first + self.count
         self._outstanding: dict[int, _Outstanding] = {}
         self._received = 0
+        self._srtt: float | None = None  # smoothed round trip, from chunks never resent (Karn)
+        self._rttvar = 0.0
+
+    @property
+    def timeout(self) -> float:
+        """The first timeout of a new chunk: the policy's floor, or more when round trips are
+        slower (Jacobson: srtt + 4 rttvar), so a busy aggregator is not flooded by resends."""
+        if self._srtt is None:
+            return self.policy.timeout
+        adaptive = self._srtt + 4 * self._rttvar
+        return min(max(self.policy.timeout, adaptive), self.policy.max_timeout)
 
     @property
     def done(self) -> bool:
@@ -91,9 +102,12 @@ class ChunkStream:
 
     def on_result(self, chunk: int, now: float) -> list[int]:
         """A result arrived; return the chunks to send now (empty for a duplicate)."""
-        if self._outstanding.pop(chunk, None) is None:
+        state = self._outstanding.pop(chunk, None)
+        if state is None:
             self.stats.duplicate_results += 1
             return []
+        if state.retries == 0:
+            self._sample(now - state.first_sent)
         self._received += 1
         self.stats.results += 1
         following = chunk + self.slots
@@ -132,8 +146,15 @@ class ChunkStream:
     def next_deadline(self) -> float | None:
         return min((o.deadline for o in self._outstanding.values()), default=None)
 
+    def _sample(self, rtt: float) -> None:
+        if self._srtt is None:
+            self._srtt, self._rttvar = rtt, rtt / 2
+            return
+        self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - rtt)
+        self._srtt = 0.875 * self._srtt + 0.125 * rtt
+
     def _send(self, chunk: int, now: float) -> None:
-        timeout = self.policy.timeout
+        timeout = self.timeout
         self._outstanding[chunk] = _Outstanding(now + timeout, timeout, now)
         self.stats.packets_sent += 1
         self.stats.chunks += 1
