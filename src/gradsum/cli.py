@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "gradsum.net.switch_cli",
     "gradsum.net.server_cli",
     "gradsum.testbed.cli",
+    "gradsum.sim.cli",
 )
 
 

@@ -1,0 +1,82 @@
+"""Calibrated setups for ``gradsum simulate``: cluster hardware plus a compute model.
+
+``imerge-seed`` stands in for the IMerge evaluation: 2 machines × 16 workers (K80 dies), one PS
+shard per worker (a CPU core each), 100 Gbit/s NICs. Every number is an assumption documented in
+``docs/scheduling.md``; none is fitted to the seed's results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+from ..schedule.cluster import ClusterSpec
+from ..schedule.profile import ModelProfile
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    machines: int
+    worker_bw: float  # bytes/s, GPU↔host path of one worker
+    shard_bw: float  # bytes/s one PS core receives (and sums) or sends
+    nic_bw: float  # bytes/s per machine NIC, each way
+    alpha_worker: float  # s per message on the worker's communication thread
+    alpha_shard: float  # s per message on the shard's core
+    flops_per_s: float  # effective training FLOP/s of one worker
+    batch_size: int  # samples per worker per iteration
+    shards_per_worker: float = 1.0
+    description: str = ""
+
+    def cluster(self, workers: int) -> ClusterSpec:
+        shards = max(1, round(workers * self.shards_per_worker))
+        return ClusterSpec(
+            workers,
+            shards,
+            self.machines,
+            self.worker_bw,
+            self.shard_bw,
+            self.nic_bw,
+            self.alpha_worker,
+            self.alpha_shard,
+        )
+
+    def profile(self, model: str) -> ModelProfile:
+        return _analytic(model, self.flops_per_s, self.batch_size)
+
+
+@cache
+def _analytic(model: str, flops_per_s: float, batch_size: int) -> ModelProfile:
+    from ..schedule.profiling import analytic_profile
+    from ..train.models import build_model, input_shape
+
+    return analytic_profile(
+        build_model(model),
+        input_shape(model),
+        flops_per_s=flops_per_s,
+        batch_size=batch_size,
+        model_name=model,
+    )
+
+
+PRESETS: dict[str, Preset] = {
+    "imerge-seed": Preset(
+        name="imerge-seed",
+        machines=2,
+        worker_bw=6e9,  # PCIe 3.0 x16 shared by the two dies of a K80 board
+        shard_bw=2.5e9,  # one Xeon E5-2680 v4 core receiving over TCP and summing fp32
+        nic_bw=12.5e9,  # 100 Gbit/s InfiniBand
+        alpha_worker=100e-6,  # PyTorch send/recv of one tensor incl. device copy
+        alpha_shard=50e-6,  # one core dispatching one message
+        flops_per_s=1.0e12,  # one K80 die (GK210, ~2.9 TFLOP/s peak) at ~1/3 efficiency
+        batch_size=128,
+        description="2 machines × 16 K80-class workers, 1 PS core per worker, 100 Gbit/s",
+    ),
+}
+PRESET_NAMES = tuple(PRESETS)
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESET_NAMES)}")
+    return PRESETS[name]
