@@ -14,6 +14,7 @@ from gradsum.testbed.plan import (
     link_shaping,
     loss_bytecode,
     owned_namespaces,
+    parse_loss_drops,
     parse_netns_list,
     plan,
 )
@@ -236,3 +237,20 @@ def test_lossy_links_send_single_frames_so_loss_is_per_frame():
     ends |= {(link.peer_namespace, link.peer) for link in p.links}
     assert limited == ends
     assert not any("gso_max_segs" in c for c in plan(spec(workers=2)).commands())
+
+
+TC_STATS = """qdisc htb 1: root refcnt 3 r2q 10 default 0x1 direct_packets_stat 0 direct_qlen 1000
+ Sent 1849773 bytes 7651 pkt (dropped 359, overlimits 0 requeues 0)
+ backlog 0b 0p requeues 0
+qdisc bfifo 10: parent 1:1 limit 2565536b
+ Sent 1849773 bytes 7651 pkt (dropped 7, overlimits 0 requeues 0)
+ backlog 0b 0p requeues 0
+qdisc pfifo 20: parent 1:2 limit 0p
+ Sent 0 bytes 0 pkt (dropped 352, overlimits 0 requeues 0)
+ backlog 0b 0p requeues 0
+"""
+
+
+def test_loss_drops_are_read_from_the_loss_queue_only():
+    assert parse_loss_drops(TC_STATS) == 352
+    assert parse_loss_drops(TC_STATS.split("qdisc pfifo")[0]) == 0

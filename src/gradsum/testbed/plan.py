@@ -335,3 +335,12 @@ def ids_from_namespaces(names: list[str]) -> list[str]:
         if len(parts) == 3 and parts[0] == PREFIX and ID_PATTERN.fullmatch(parts[1]):
             ids.add(parts[1])
     return sorted(ids)
+
+
+_LOSS_QDISC = re.compile(r"qdisc pfifo 20: .*?\n\s*Sent \d+ bytes \d+ pkt \(dropped (\d+),", re.S)
+
+
+def parse_loss_drops(tc_stats: str) -> int:
+    """Packets the loss rule dropped, from ``tc -s qdisc show dev D`` output (0 if none)."""
+    match = _LOSS_QDISC.search(tc_stats)
+    return int(match.group(1)) if match else 0

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import shell
-from .plan import Host, Plan, TestbedSpec, plan
+from .plan import Host, Plan, TestbedSpec, parse_loss_drops, plan
 from .shell import TestbedError
 from .units import parse_duration, parse_loss, parse_rate
 
@@ -220,6 +220,20 @@ class Testbed:
     ) -> Any:
         """``fn(*args, **kwargs)`` run on host ``name``; its result, or RemoteError."""
         return self.start_call(name, fn, args, kwargs).result(timeout)
+
+    def loss_drops(self) -> dict[str, int]:
+        """Packets the loss rule dropped so far on each link end, keyed ``w0>`` (leaving w0)
+        and ``>w0`` (arriving at w0)."""
+        drops = {}
+        for link in self.plan.links:
+            ends = ((f"{link.host}>", link.namespace, link.device),
+                    (f">{link.host}", link.peer_namespace, link.peer))  # fmt: skip
+            for key, namespace, device in ends:
+                stats = shell.run_command(
+                    ("tc", "-n", namespace, "-s", "qdisc", "show", "dev", device)
+                )
+                drops[key] = parse_loss_drops(stats)
+        return drops
 
     def stop_processes(self) -> None:
         """Stop (SIGTERM, then SIGKILL) every process this object started."""
