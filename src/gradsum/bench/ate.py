@@ -1,0 +1,168 @@
+"""`gradsum bench ate`: aggregated tensor elements per second (SwitchML's metric) on loopback.
+
+For every size, in the same run: Gloo ``all_reduce`` (torch.distributed) and gradsum's switch and
+parameter server with codecs, each with n worker processes. ATE/s = elements / seconds of one
+allreduce, taking per step the slowest worker (the step is done when every worker has the
+average) and the median over steps. Ratios are to Gloo of the same size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+METHODS = {  # name -> (aggregator kind, codec); "gloo" is torch.distributed
+    "gloo": (None, None),
+    "switch+bfp": ("switch", "bfp"),
+    "switch+thc": ("switch", "thc"),
+    "server+none": ("server", "none"),
+    "server+thc": ("server", "thc"),
+    "server+topk": ("server", "topk"),
+}
+
+
+def register(benches: argparse._SubParsersAction) -> None:
+    from .cli import parse_size, positive_int
+
+    parser = benches.add_parser(
+        "ate",
+        help="ATE/s of Gloo vs gradsum switch/server with codecs, n workers on loopback",
+        description="Aggregated tensor elements per second for Gloo all_reduce and gradsum's "
+        "switch and server with codecs, n worker processes on this machine, side by side.",
+    )
+    parser.add_argument("--workers", type=positive_int, default=4)
+    parser.add_argument("--sizes", type=parse_size, nargs="+", default=[1 << 20, 1 << 22],
+                        help="elements per tensor (default 2^20 2^22; up to 2^24)")  # fmt: skip
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per method")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--drop-rate", type=float, default=0.0,
+                        help="loss injected at the switch/server in each direction")  # fmt: skip
+    parser.add_argument("--slots", type=positive_int, default=32, help="window (slots per job)")
+    parser.add_argument("--json", metavar="PATH", help="write one row per measurement")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cli import UsageError
+
+    if not 0.0 <= args.drop_rate < 1.0:
+        raise UsageError(f"--drop-rate must be in [0, 1), got {args.drop_rate}")
+    if max(args.sizes) > 1 << 24:
+        raise UsageError("--sizes: at most 2^24 elements")
+    rows = []
+    for elements in args.sizes:
+        for method in args.methods:
+            print(f"measuring {method} with {args.workers} workers, {elements} elements ...",
+                  flush=True)  # fmt: skip
+            seconds = measure(method, args.workers, elements, args)
+            rows.append(_row(method, args, elements, seconds))
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(rows, out, indent=1)
+    return 0
+
+
+def measure(method: str, workers: int, elements: int, args) -> float:
+    """Seconds of one allreduce: median over steps of the slowest worker."""
+    kind, codec = METHODS[method]
+    if kind is None:
+        per_worker = _gloo(workers, elements, args.steps, args.warmup)
+    else:
+        per_worker = _gradsum(kind, codec, workers, elements, args)
+    return statistics.median(max(step) for step in zip(*per_worker, strict=True))
+
+
+def _gradsum(kind: str, codec: str, workers: int, elements: int, args) -> list[list[float]]:
+    from ..net.loopback import DaemonProcess, WorkerTask, run_workers
+
+    flags = ("--drop-rate", str(args.drop_rate)) if args.drop_rate else ()
+    with DaemonProcess(kind, *flags) as daemon:
+        task = WorkerTask((daemon.address,), job=1, workers=workers, codec=codec,
+                          elements=elements, steps=args.steps, warmup=args.warmup,
+                          slots=args.slots, keep_output=False)  # fmt: skip
+        return [r.seconds for r in run_workers(task, timeout=600)]
+
+
+def _gloo(workers: int, elements: int, steps: int, warmup: int) -> list[list[float]]:
+    import multiprocessing
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed"])
+    queue = context.Queue()
+    processes = [
+        context.Process(
+            target=_gloo_worker, args=(r, workers, port, elements, steps, warmup, queue)
+        )
+        for r in range(workers)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        results = [queue.get(timeout=600) for _ in processes]
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    errors = [r for r in results if isinstance(r, str)]
+    if errors:
+        raise RuntimeError(f"a Gloo worker failed: {errors[0]}")
+    return [seconds for _, seconds in sorted(results)]
+
+
+def _gloo_worker(rank, workers, port, elements, steps, warmup, queue) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=workers)  # fmt: skip
+        tensor = torch.randn(elements, generator=torch.Generator().manual_seed(rank))
+        for _ in range(warmup):
+            dist.all_reduce(tensor.clone())
+        seconds = []
+        for _ in range(steps):
+            work = tensor.clone()
+            start = time.perf_counter()
+            dist.all_reduce(work)
+            work /= workers  # the average, as gradsum returns
+            seconds.append(time.perf_counter() - start)
+        dist.destroy_process_group()
+        queue.put((rank, seconds))
+    except BaseException as error:  # reported by the parent
+        queue.put(f"rank {rank}: {type(error).__name__}: {error}")
+
+
+def _row(method: str, args, elements: int, seconds: float) -> dict:
+    return {
+        "method": method,
+        "workers": args.workers,
+        "elements": elements,
+        "seconds": seconds,
+        "ate_per_s": elements / seconds,
+        "drop_rate": args.drop_rate if method != "gloo" else 0.0,
+        "steps": args.steps,
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    gloo = {r["elements"]: r["ate_per_s"] for r in rows if r["method"] == "gloo"}
+    lines = [f"{'method':<13} {'workers':>7} {'elements':>10} {'ms':>9} {'ATE/s':>10} "
+             f"{'vs gloo':>8}"]  # fmt: skip
+    for r in rows:
+        base = gloo.get(r["elements"])
+        ratio = f"{r['ate_per_s'] / base:.2f}x" if base else "-"
+        lines.append(
+            f"{r['method']:<13} {r['workers']:>7} {r['elements']:>10} "
+            f"{1000 * r['seconds']:>9.1f} {r['ate_per_s'] / 1e6:>9.1f}M {ratio:>8}"
+        )
+    return "\n".join(lines)
