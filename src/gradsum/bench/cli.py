@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCH_MODULES = ("gradsum.bench.codecs",)
+BENCH_MODULES = ("gradsum.bench.codecs", "gradsum.bench.ate", "gradsum.bench.train")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
