@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "gradsum.codecs.thc.cli",
     "gradsum.net.switch_cli",
     "gradsum.net.server_cli",
+    "gradsum.train.cli",
     "gradsum.testbed.cli",
     "gradsum.sim.cli",
 )

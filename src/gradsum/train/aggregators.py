@@ -1,0 +1,51 @@
+"""Choosing the aggregator a worker talks to, and refusing combinations that cannot work."""
+
+from __future__ import annotations
+
+from ..codecs import Codec, make_codec, parse_options
+from ..sync.aggregator import Aggregator
+
+AGGREGATOR_NAMES = ("allreduce", "switch", "ps")
+
+
+class IncompatibleChoice(ValueError):
+    """The codec cannot run on the chosen aggregator; the message says what would."""
+
+
+def check_compatible(aggregator: str, codec: str) -> None:
+    if aggregator not in AGGREGATOR_NAMES:
+        raise IncompatibleChoice(
+            f"unknown aggregator {aggregator!r}; choose one of {', '.join(AGGREGATOR_NAMES)}"
+        )
+    built = make_codec(codec, workers=1)
+    if aggregator == "switch" and not built.aggregation.integer_only:
+        raise IncompatibleChoice(
+            f"codec {codec!r} cannot run on the switch: a switch only adds integers, and "
+            f"{codec!r} is {built.aggregation.value}; use bfp or thc (or thc-uniform) on the "
+            "switch, or --aggregator ps / allreduce"
+        )
+
+
+def make_aggregator(config, rank: int, world: int, codec: Codec) -> Aggregator:
+    check_compatible(config.aggregator, config.codec)
+    if config.aggregator == "allreduce":
+        from ..sync.allreduce import AllReduceAggregator
+
+        return AllReduceAggregator()
+    from ..sync.service import ServiceAggregator
+
+    addresses = [config.switch] if config.aggregator == "switch" else list(config.servers)
+    if not all(addresses):
+        flag = "--switch HOST:PORT" if config.aggregator == "switch" else "--servers HOST:PORT,..."
+        raise IncompatibleChoice(f"--aggregator {config.aggregator} needs {flag}")
+    return ServiceAggregator(
+        kind=config.aggregator,
+        addresses=addresses,
+        codec=codec,
+        codec_name=config.codec,
+        codec_options=parse_options(config.codec_options),
+        rank=rank,
+        world=world,
+        seed=config.seed,
+        timeout=config.timeout,
+    )

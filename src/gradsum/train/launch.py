@@ -1,0 +1,111 @@
+"""Starting workers: locally (``gradsum train`` spawns them) or under torchrun (one per process).
+
+Locally, the launcher starts whatever aggregation service the job needs on loopback, spawns one
+process per worker with a torch.distributed rendezvous on a free port, and shuts everything down
+on exit or Ctrl-C. Under torchrun (RANK/WORLD_SIZE set) it runs this process's worker only, with
+the aggregator addresses given by ``--switch``/``--servers``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .loop import TrainConfig, train_worker
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run_torchrun_worker(config: TrainConfig) -> dict:
+    """This process's worker, rendezvousing through torchrun's environment."""
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=config.timeout))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        return _train(config, rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_local(config: TrainConfig) -> dict:
+    """Spawn ``config.workers`` worker processes on this machine and return worker 0's summary."""
+    from .services import local_services
+
+    context = mp.get_context("spawn")
+    with local_services(config) as addresses, context.Manager() as manager:
+        results = manager.dict()
+        port = _free_port()
+        processes = [
+            context.Process(
+                target=_local_entry,
+                args=(config, addresses, rank, config.workers, port, results),
+                name=f"gradsum-worker-{rank}",
+            )
+            for rank in range(config.workers)
+        ]
+        try:
+            for process in processes:
+                process.start()
+            _join(processes, results, config)
+        finally:
+            for process in processes:
+                if process.is_alive():
+                    process.terminate()
+            for process in processes:
+                process.join(5)
+        return dict(results[0])
+
+
+def _join(processes, results, config: TrainConfig) -> None:
+    """Wait for every worker; the first failure stops the others and is re-raised here."""
+    while any(p.is_alive() for p in processes):
+        for process in processes:
+            process.join(0.2)
+            if process.exitcode not in (None, 0):
+                break
+        failed = [p for p in processes if p.exitcode not in (None, 0)]
+        if failed:
+            break
+    errors = {rank: value for rank, value in results.items() if isinstance(value, str)}
+    failed = [p.name for p in processes if p.exitcode not in (None, 0)]
+    if errors:
+        rank = min(errors)
+        raise RuntimeError(f"worker {rank} failed:\n{errors[rank]}")
+    if failed or 0 not in results:
+        raise RuntimeError(f"workers {failed or 'all'} exited without a result")
+
+
+def _local_entry(config, addresses, rank, world, port, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    local = TrainConfig(
+        **{**config.__dict__, **addresses, "progress": config.progress and rank == 0}
+    )
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=config.timeout)
+        )
+        results[rank] = _train(local, rank, world)
+    except KeyboardInterrupt:
+        pass
+    except BaseException:
+        results[rank] = traceback.format_exc()
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(config: TrainConfig, rank: int, world: int) -> dict:
+    return train_worker(config, rank, world)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

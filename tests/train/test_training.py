@@ -1,0 +1,106 @@
+"""`gradsum train`: real local jobs (spawned workers, Gloo), data loading and bad input."""
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from gradsum.cli import main
+from gradsum.train.data import DataError, load_dataset, shard_batches
+from gradsum.train.launch import run_local
+from gradsum.train.loop import TrainConfig
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_local_job_trains_digits_and_writes_a_summary(tmp_path):
+    log = tmp_path / "log.jsonl"
+    config = TrainConfig(
+        aggregator="allreduce", codec="thc", workers=2, epochs=3, log=str(log), progress=False
+    )
+    summary = run_local(config)
+    assert summary["test_accuracy"] >= 0.9
+    records = _lines(log)
+    assert [r["event"] for r in records] == ["config", "epoch", "epoch", "epoch", "summary"]
+    assert records[-1]["test_accuracy"] == summary["test_accuracy"]
+    assert records[-1]["samples_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_checkpoint_and_resume_continue_the_same_run(tmp_path):
+    checkpoint = tmp_path / "ckpt.pt"
+    common = {"aggregator": "allreduce", "codec": "topk", "workers": 2, "progress": False}
+    run_local(TrainConfig(epochs=1, checkpoint=str(checkpoint), **common))
+    assert checkpoint.is_file()
+    for rank in range(2):
+        own = torch.load(f"{checkpoint}.rank{rank}", weights_only=False)
+        assert own["codec"]["memory"], "error-feedback memory must be saved per worker"
+    log = tmp_path / "resumed.jsonl"
+    run_local(TrainConfig(epochs=2, resume=str(checkpoint), log=str(log), **common))
+    epochs = [r["epoch"] for r in _lines(log) if r["event"] == "epoch"]
+    assert epochs == [2]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--aggregator", "switch", "--codec", "topk"], "cannot run on the switch"),
+        (["--aggregator", "switch", "--codec", "qsgd"], "cannot run on the switch"),
+        (["--dataset", "cifar10"], "needs --data-dir"),
+        (["--codec", "zip"], "invalid choice: 'zip'"),
+        (["--model", "resnet9"], "invalid choice: 'resnet9'"),
+        (["--workers", "0"], "must be at least 1"),
+    ],
+)
+def test_bad_input_is_a_clear_error_before_anything_starts(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_cifar_files_are_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--dataset", "cifar10", "--model", "resnet18", "--data-dir", str(tmp_path)])
+    assert "data_batch_1" in capsys.readouterr().err
+
+
+def _write_cifar(root, images_per_batch=10):
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {
+            b"data": rng.integers(0, 256, (images_per_batch, 3072), dtype=np.uint8),
+            b"labels": rng.integers(0, 10, images_per_batch).tolist(),
+        }
+        with (folder / name).open("wb") as handle:
+            pickle.dump(batch, handle)
+
+
+def test_cifar10_loads_the_standard_python_format(tmp_path):
+    _write_cifar(tmp_path)
+    dataset = load_dataset("cifar10", tmp_path)
+    assert dataset.train.inputs.shape == (50, 3, 32, 32)
+    assert dataset.test.inputs.shape == (10, 3, 32, 32)
+    assert dataset.augment
+    with pytest.raises(DataError, match="not a CIFAR-10 python batch"):
+        (tmp_path / "cifar-10-batches-py" / "test_batch").write_bytes(pickle.dumps({b"x": 1}))
+        load_dataset("cifar10", tmp_path)
+
+
+def test_worker_shards_are_disjoint_and_equal_in_size():
+    dataset = load_dataset("digits")
+    seen = []
+    counts = []
+    for rank in range(3):
+        batches = list(shard_batches(dataset.train, rank, 3, 16, epoch=0, seed=0))
+        counts.append(len(batches))
+        seen.append({tuple(x.tolist()) for inputs, _ in batches for x in inputs})
+    assert len(set(counts)) == 1
+    assert not (seen[0] & seen[1]) and not (seen[1] & seen[2])
