@@ -51,7 +51,8 @@ class BlockFloatingPoint(Codec):
 
     def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         check_finite(x)
-        block_max = self._blocks(x.reshape(-1).to(torch.float32).abs()).amax(dim=1)
+        low, high = torch.aminmax(self._blocks(x.reshape(-1).to(torch.float32)), dim=1)
+        block_max = torch.maximum(high, low.neg_())
         exponents = torch.frexp(block_max).exponent.to(torch.float32)
         return torch.where(block_max > 0, exponents, torch.full_like(exponents, EXPONENT_FLOOR))
 
@@ -59,15 +60,13 @@ class BlockFloatingPoint(Codec):
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> Payload:
         check_finite(x)
-        shifts = self._shifts(shared, x.numel())
-        flat = x.reshape(-1).to(torch.float32)
-        scaled = torch.ldexp(self._blocks(flat), shifts.unsqueeze(1)).reshape(-1)[: x.numel()]
-        if bool((scaled.abs() > INT32_MAX // max(self.workers, 1)).any()):
-            raise WidthOverflowError(
-                "bfp: a coordinate exceeds its block's shared exponent; the preliminary round's "
-                "exponents must come from the same gradient"
-            )
-        return Payload({"values": scaled.round_().to(torch.int32)}, x.numel())
+        scale = torch.exp2(self._shifts(shared, x.numel())).unsqueeze(1)
+        scaled = torch.mul(self._blocks(x.reshape(-1).to(torch.float32)), scale)
+        # Exponents from the same gradient keep |scaled| < limit by construction; clamping makes
+        # a mismatched preliminary round saturate instead of wrapping around in int32.
+        limit = float(INT32_MAX // max(self.workers, 1))
+        values = scaled.round_().clamp_(-limit, limit).view(-1)[: x.numel()].to(torch.int32)
+        return Payload({"values": values}, x.numel())
 
     def aggregate(self, payloads: Sequence[Payload], ctx: CodecContext) -> Payload:
         length = check_same_length(payloads)
@@ -85,10 +84,9 @@ class BlockFloatingPoint(Codec):
     def decode(
         self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> torch.Tensor:
-        shifts = self._shifts(shared, payload.length)
-        sums = payload.fields["values"].to(torch.float32)
-        unscaled = torch.ldexp(self._blocks(sums), -shifts.unsqueeze(1)).reshape(-1)
-        return unscaled[: payload.length].div_(payload.contributors)
+        inverse = torch.exp2(-self._shifts(shared, payload.length)).div_(payload.contributors)
+        sums = self._blocks(payload.fields["values"].to(torch.float32))
+        return sums.mul_(inverse.unsqueeze(1)).view(-1)[: payload.length]
 
     def _shifts(self, shared: torch.Tensor | None, length: int) -> torch.Tensor:
         blocks = -(-length // self.block_size)
