@@ -32,6 +32,15 @@ def test_local_job_trains_digits_and_writes_a_summary(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("aggregator", "codec"), [("switch", "thc"), ("ps", "topk")])
+def test_local_job_through_gradsum_services_reaches_accuracy(aggregator, codec):
+    config = TrainConfig(aggregator=aggregator, codec=codec, workers=2, epochs=4, progress=False)
+    summary = run_local(config)
+    assert summary["test_accuracy"] >= 0.9
+    assert summary["aggregator"] == aggregator
+
+
+@pytest.mark.slow
 def test_checkpoint_and_resume_continue_the_same_run(tmp_path):
     checkpoint = tmp_path / "ckpt.pt"
     common = {"aggregator": "allreduce", "codec": "topk", "workers": 2, "progress": False}
@@ -55,6 +64,8 @@ def test_checkpoint_and_resume_continue_the_same_run(tmp_path):
         (["--codec", "zip"], "invalid choice: 'zip'"),
         (["--model", "resnet9"], "invalid choice: 'resnet9'"),
         (["--workers", "0"], "must be at least 1"),
+        (["--aggregator", "switch", "--switch", "127.0.0.1:9"], "no gradsum aggregator answers"),
+        (["--aggregator", "ps", "--servers", "127.0.0.1:9"], "no gradsum aggregator answers"),
     ],
 )
 def test_bad_input_is_a_clear_error_before_anything_starts(argv, message, capsys):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from ..bench.cli import positive_int
 
@@ -64,7 +66,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
     from .aggregators import IncompatibleChoice, check_compatible
-    from .launch import run_local, run_torchrun_worker, under_torchrun
+    from .launch import WorkerFailed, run_local, run_torchrun_worker, under_torchrun
     from .loop import TrainConfig
 
     config = TrainConfig(
@@ -93,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_compatible(config.aggregator, config.codec)
         _check_data(config)
-    except (IncompatibleChoice, ValueError) as error:
+        _check_reachable(config)
+    except (IncompatibleChoice, ValueError, ConnectionError) as error:
         raise UsageError(str(error)) from None
     if under_torchrun():
         summary = run_torchrun_worker(config)
@@ -103,7 +106,13 @@ def run(args: argparse.Namespace) -> int:
             f"{config.aggregator} + {config.codec}, scheduler {config.scheduler}",
             flush=True,
         )
-        summary = run_local(config)
+        try:
+            summary = run_local(config)
+        except WorkerFailed as error:
+            if os.environ.get("GRADSUM_TRACEBACK"):
+                print(error.details, file=sys.stderr)
+            print(f"gradsum train: {error} (GRADSUM_TRACEBACK=1 shows where)", file=sys.stderr)
+            return 1
     if summary.get("test_accuracy") is not None:
         print(
             f"done: test accuracy {summary['test_accuracy']:.4f}, "
@@ -119,3 +128,21 @@ def _check_data(config) -> None:
     from .models import input_shape
 
     load_dataset(config.dataset, config.data_dir, input_shape(config.model), config.seed)
+
+
+def _check_reachable(config, timeout: float = 5.0) -> None:
+    """Ask every given aggregator for its statistics, so a wrong address fails in seconds."""
+    from ..net.client import ControlError, aggregator_stats
+    from ..net.udp import parse_bind
+
+    given = [("--switch", config.switch)] if config.aggregator == "switch" and config.switch else []
+    if config.aggregator == "ps":
+        given = [("--servers", address) for address in config.servers]
+    for flag, text in given:
+        address = parse_bind(text, flag)
+        try:
+            aggregator_stats(address, timeout=timeout)
+        except ControlError as error:
+            raise ConnectionError(
+                f"{flag} {text}: no gradsum aggregator answers ({error})"
+            ) from None

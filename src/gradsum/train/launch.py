@@ -13,10 +13,20 @@ import socket
 import traceback
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .loop import TrainConfig, train_worker
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process raised; the message is its error, ``details`` its traceback."""
+
+    def __init__(self, rank: int, details: str):
+        last = details.strip().splitlines()[-1] if details.strip() else "unknown error"
+        super().__init__(f"worker {rank} failed: {last}")
+        self.details = details
 
 
 def under_torchrun() -> bool:
@@ -76,13 +86,15 @@ def _join(processes, results, config: TrainConfig) -> None:
     failed = [p.name for p in processes if p.exitcode not in (None, 0)]
     if errors:
         rank = min(errors)
-        raise RuntimeError(f"worker {rank} failed:\n{errors[rank]}")
+        raise WorkerFailed(rank, errors[rank])
     if failed or 0 not in results:
         raise RuntimeError(f"workers {failed or 'all'} exited without a result")
 
 
 def _local_entry(config, addresses, rank, world, port, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # Workers share this machine's cores: more intra-op threads than cores only thrash.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     local = TrainConfig(
         **{**config.__dict__, **addresses, "progress": config.progress and rank == 0}
     )
