@@ -33,15 +33,38 @@ def register(benches: argparse._SubParsersAction) -> None:
         "switch and server with codecs, n worker processes on this machine, side by side.",
     )
     parser.add_argument("--workers", type=positive_int, default=4)
-    parser.add_argument("--sizes", type=parse_size, nargs="+", default=[1 << 20, 1 << 22],
-                        help="elements per tensor (default 2^20 2^22; up to 2^24)")  # fmt: skip
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--sizes", type=parse_size, nargs="+", default=None,
+                        help="elements per tensor (default 2^20 2^22, with --link-rate 2^22; "
+                        "up to 2^24)")  # fmt: skip
+    parser.add_argument("--methods", nargs="+", default=None, choices=list(METHODS),
+                        help="default all; with --link-rate gloo switch+bfp switch+thc "
+                        "server+thc server+topk")  # fmt: skip
     parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per method")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--drop-rate", type=float, default=0.0,
                         help="loss injected at the switch/server in each direction")  # fmt: skip
-    parser.add_argument("--slots", type=positive_int, default=32, help="window (slots per job)")
+    parser.add_argument("--slots", type=positive_int, default=None,
+                        help="window (slots per job; default 32)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write one row per measurement")
+    testbed = parser.add_argument_group(
+        "across an emulated cluster (gradsum testbed; needs root and iproute2)"
+    )
+    testbed.add_argument("--link-rate", metavar="RATE[,RATE...]",
+                         help="run in a testbed with links of this rate (100mbit, 1gbit, 10gbit; "
+                         "a comma list runs each), built and removed by the command")  # fmt: skip
+    testbed.add_argument("--plot", metavar="PATH", help="PNG of ATE/s against link rate "
+                         "(default ate-link-rate.png when several rates run)")  # fmt: skip
+    testbed.add_argument(
+        "--from-json",
+        metavar="PATH",
+        nargs="+",
+        help="only plot rows of earlier --link-rate runs (with --plot)",
+    )
+    testbed.add_argument(
+        "--testbed-id",
+        default=None,
+        help="testbed id (default ate<pid>; an existing one is replaced)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -50,8 +73,18 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0.0 <= args.drop_rate < 1.0:
         raise UsageError(f"--drop-rate must be in [0, 1), got {args.drop_rate}")
-    if max(args.sizes) > 1 << 24:
+    if args.sizes and max(args.sizes) > 1 << 24:
         raise UsageError("--sizes: at most 2^24 elements")
+    if args.link_rate or args.from_json:
+        from . import ate_testbed
+
+        args.testbed_id = args.testbed_id or ate_testbed.default_testbed_id()
+        return ate_testbed.run(args)
+    if args.plot:
+        raise UsageError("--plot needs --link-rate or --from-json")
+    args.sizes = args.sizes or [1 << 20, 1 << 22]
+    args.methods = args.methods or list(METHODS)
+    args.slots = args.slots or 32
     rows = []
     for elements in args.sizes:
         for method in args.methods:

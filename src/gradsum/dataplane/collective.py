@@ -26,7 +26,7 @@ from .codec_wire import WireFormat, lanes_fitting
 from .jobspec import Address
 from .packet import MAX_PAYLOAD, Op
 from .transfer import LaneBuffers, PayloadBuffers, Transfer
-from .worker import ChunkLayout, RetryPolicy, StreamStats, shard_lanes
+from .worker import ChunkLayout, RetryPolicy, RoundTrip, StreamStats, shard_lanes
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,8 @@ class Collective:
         self.worker = jobs[0].worker if rank is None else rank
         self.step = 0
         self.stats = {(j.address, j.job): StreamStats() for j in jobs}
+        # round trips are learnt per job and kept across rounds and calls
+        self._round_trips = {(j.address, j.job): RoundTrip() for j in jobs}
         self._next_chunk = [0] * len(jobs)
         self._buffers: dict[tuple, torch.Tensor] = {}
 
@@ -195,6 +197,7 @@ class Collective:
             slots=job.slots, buffers=buffers, max_contributors=job.max_contributors,
             policy=self.policy, stats=self.stats[(job.address, job.job)],
             what=f"{job.address[0]}:{job.address[1]} job {job.job}",
+            rtt=self._round_trips[(job.address, job.job)],
         )  # fmt: skip
         self._next_chunk[index] += buffers.chunks
         return transfer

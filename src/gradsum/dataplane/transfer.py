@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .packet import MAX_PAYLOAD, Flag, Header, Kind, Op
-from .worker import ChunkLayout, ChunkStream, RetryPolicy, StreamStats
+from .worker import ChunkLayout, ChunkStream, RetryPolicy, RoundTrip, StreamStats
 
 
 class LaneBuffers:
@@ -94,6 +94,7 @@ class Transfer:
         policy: RetryPolicy | None = None,
         stats: StreamStats | None = None,
         what: str = "aggregator",
+        rtt: RoundTrip | None = None,
     ):
         self.job, self.worker, self.op = job, worker, op
         self.first, self.slots = first_chunk, slots
@@ -101,7 +102,7 @@ class Transfer:
         self.max_contributors = max_contributors
         self.stream = ChunkStream(
             first_chunk, buffers.chunks, slots, policy or RetryPolicy(), stats or StreamStats(),
-            what,
+            what, rtt or RoundTrip(),
         )  # fmt: skip
         self.contributors = np.zeros(buffers.chunks, dtype=np.int32)
         self.partial = False

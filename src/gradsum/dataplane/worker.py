@@ -53,6 +53,34 @@ class StreamStats:
 
 
 @dataclass
+class RoundTrip:
+    """A job's round-trip estimate, shared by all of a worker's streams through that job so it
+    outlives one allreduce: Jacobson's smoothed round trip and variance from chunks never resent
+    (Karn), and TCP's rule that after a timeout new chunks keep the backed-off timeout until a
+    fresh sample arrives (otherwise a window whose every chunk was resent spuriously never yields
+    a sample and keeps resending at the floor)."""
+
+    srtt: float | None = None
+    rttvar: float = 0.0
+    backoff: float = 0.0  # the last backed-off timeout, until the next clean sample
+
+    def timeout(self, policy: RetryPolicy) -> float:
+        adaptive = policy.timeout if self.srtt is None else self.srtt + 4 * self.rttvar
+        return min(max(policy.timeout, adaptive, self.backoff), policy.max_timeout)
+
+    def sample(self, rtt: float) -> None:
+        self.backoff = 0.0
+        if self.srtt is None:
+            self.srtt, self.rttvar = rtt, rtt / 2
+            return
+        self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
+        self.srtt = 0.875 * self.srtt + 0.125 * rtt
+
+    def backed_off(self, timeout: float) -> None:
+        self.backoff = max(self.backoff, timeout)
+
+
+@dataclass
 class _Outstanding:
     deadline: float
     timeout: float
@@ -68,6 +96,7 @@ class ChunkStream:
     policy: RetryPolicy = field(default_factory=RetryPolicy)
     stats: StreamStats = field(default_factory=StreamStats)
     what: str = "aggregator"  # names the peer in errors
+    rtt: RoundTrip = field(default_factory=RoundTrip)  # pass the job's to keep it across streams
 
     def __post_init__(self):
         if self.count < 0 or self.slots < 1 or self.first < 0:
@@ -75,17 +104,13 @@ class ChunkStream:
         self._end = self.first + self.count
         self._outstanding: dict[int, _Outstanding] = {}
         self._received = 0
-        self._srtt: float | None = None  # smoothed round trip, from chunks never resent (Karn)
-        self._rttvar = 0.0
 
     @property
     def timeout(self) -> float:
         """The first timeout of a new chunk: the policy's floor, or more when round trips are
-        slower (Jacobson: srtt + 4 rttvar), so a busy aggregator is not flooded by resends."""
-        if self._srtt is None:
-            return self.policy.timeout
-        adaptive = self._srtt + 4 * self._rttvar
-        return min(max(self.policy.timeout, adaptive), self.policy.max_timeout)
+        slower (Jacobson: srtt + 4 rttvar) or a timeout just backed off, so a busy aggregator
+        is not flooded by resends."""
+        return self.rtt.timeout(self.policy)
 
     @property
     def done(self) -> bool:
@@ -138,6 +163,7 @@ class ChunkStream:
             state.retries += 1
             state.timeout = min(state.timeout * self.policy.backoff, self.policy.max_timeout)
             state.deadline = now + state.timeout
+            self.rtt.backed_off(state.timeout)
         self.stats.timeouts += len(late)
         self.stats.retransmissions += len(late)
         self.stats.packets_sent += len(late)
@@ -147,11 +173,7 @@ class ChunkStream:
         return min((o.deadline for o in self._outstanding.values()), default=None)
 
     def _sample(self, rtt: float) -> None:
-        if self._srtt is None:
-            self._srtt, self._rttvar = rtt, rtt / 2
-            return
-        self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - rtt)
-        self._srtt = 0.875 * self._srtt + 0.125 * rtt
+        self.rtt.sample(rtt)
 
     def _send(self, chunk: int, now: float) -> None:
         timeout = self.timeout
