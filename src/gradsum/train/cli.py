@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
                 print(error.details, file=sys.stderr)
             print(f"gradsum train: {error} (GRADSUM_TRACEBACK=1 shows where)", file=sys.stderr)
             return 1
-    if summary.get("test_accuracy") is not None:
+    if summary.get("test_accuracy") is not None and int(os.environ.get("RANK", "0")) == 0:
         print(
             f"done: test accuracy {summary['test_accuracy']:.4f}, "
             f"{summary['samples_per_s']:,.0f} samples/s over {summary['epochs']} epochs "

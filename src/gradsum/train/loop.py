@@ -24,7 +24,7 @@ from .models import build_model, input_shape
 
 @dataclass
 class TrainConfig:
-    aggregator: str = "allreduce"
+    aggregator: str = "switch"
     codec: str = "thc"
     codec_options: str = ""
     scheduler: str = "wfbp"
