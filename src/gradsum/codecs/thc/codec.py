@@ -27,6 +27,7 @@ from ..base import (
     check_same_length,
 )
 from ..bits import bits_for, pack_bits, unpack_bits
+from . import native
 from .hadamard import Rotation, padded_length
 from .tables import clamp_threshold, solve_table
 
@@ -54,6 +55,7 @@ class _Lookups:
     interval_of_cell: torch.Tensor  # uint8 [g]: k with T[k] <= cell < T[k + 1]
     low_of_cell: torch.Tensor  # float32 [g]: T[k]
     inverse_width_of_cell: torch.Tensor  # float32 [g]: 1 / (T[k + 1] - T[k])
+    cell_entries: torch.Tensor  # int32 [g]: k | T[k] << 8 | width << 20 (the native encode's)
 
     @classmethod
     def build(cls, table: tuple[int, ...], device: torch.device) -> _Lookups:
@@ -65,12 +67,14 @@ class _Lookups:
         per_byte = 8 // bits if 8 % bits == 0 else 1
         lanes = [(torch.arange(256) >> (j * bits)) & (len(table) - 1) for j in range(per_byte)]
         value_of_byte = values[torch.stack(lanes, dim=1)].to(torch.int32)
+        entries = interval | values[interval] << 8 | (values[interval + 1] - values[interval]) << 20
         return cls(
             values.to(torch.int32).to(device),
             value_of_byte.to(device),
             interval.to(torch.uint8).to(device),
             low.to(device),
             (1.0 / width).to(device),
+            entries.to(torch.int32).to(device),
         )
 
 
@@ -116,6 +120,12 @@ class GridCodec(Codec):
                 f"{contributors} contributions exceed the {self.workers} workers this codec "
                 f"was configured for; sums would overflow {self.sum_bits} bits"
             )
+        if all(UPSTREAM in p.fields for p in payloads):
+            table = self._tables(_device_of(payloads[0])).value_of_index
+            upstream = [p.fields[UPSTREAM] for p in payloads]
+            packed = native.lookup_sum(upstream, self.bits, table, count, self.sum_bits)
+            if packed is not None:
+                return Payload({DOWNSTREAM: packed}, length, contributors)
         total = torch.zeros(count, dtype=torch.int32, device=_device_of(payloads[0]))
         for payload in payloads:
             total += self._grid_values(payload, count)
@@ -136,6 +146,34 @@ class GridCodec(Codec):
         return unpack_bits(payload.fields[DOWNSTREAM], self.sum_bits, count).to(torch.int32)
 
     # -- worker side --------------------------------------------------------------------------
+    def _encode_grid(
+        self, x: torch.Tensor, a: float, c: float, ctx: CodecContext, rotation: Rotation | None
+    ) -> Payload:
+        """Payload of u = clamp(a*y + c, 0, g) rounded to table indices; y = x or x rotated."""
+        lookups = self._tables(x.device)
+        seed = ctx.worker_seed()
+        g = self.granularity
+        packed = native.encode(x, rotation, a, c, g, lookups.cell_entries, seed, self.bits)
+        if packed is None:
+            y = x.mul(a) if rotation is None else rotation.forward(x).mul_(a)
+            indices = self._round_to_table(y.add_(c).clamp_(0, g), ctx)
+            packed = pack_bits(indices, self.bits, check=False)
+        return Payload({UPSTREAM: packed}, x.numel())
+
+    def _decode_grid(
+        self, payload: Payload, a: float, c: float, rotation: Rotation | None
+    ) -> torch.Tensor:
+        """y = a*S + c for the payload's grid sums S, rotated back if a rotation is given."""
+        count = self._coordinates(payload.length)
+        y = None
+        if DOWNSTREAM in payload.fields:
+            y = native.decode(payload.fields[DOWNSTREAM], self.sum_bits, count, a, c, rotation)
+        if y is None:
+            y = self._grid_values(payload, count).to(torch.float32).mul_(a).add_(c)
+            if rotation is not None:
+                return rotation.inverse(y)
+        return y[: payload.length]
+
     def _round_to_table(self, u: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         """Unbiased stochastic rounding of grid positions u in [0, g] to table indices (uint8).
 
@@ -167,15 +205,6 @@ class GridCodec(Codec):
         if device not in self._device_tables:
             self._device_tables[device] = _Lookups.build(self.table, device)
         return self._device_tables[device]
-
-    def _pack_indices(self, indices: torch.Tensor, length: int) -> Payload:
-        return Payload({UPSTREAM: pack_bits(indices, self.bits, check=False)}, length)
-
-    def _grid_average(self, payload: Payload) -> torch.Tensor:
-        """Average grid position over the payload's contributors, as float32."""
-        count = self._coordinates(payload.length)
-        sums = self._grid_values(payload, count).to(torch.float32)
-        return sums.div_(payload.contributors)
 
     def _coordinates(self, length: int) -> int:
         return length
@@ -220,11 +249,11 @@ class THC(GridCodec):
         max_norm = _shared_scalar(shared, self.name, "max norm")
         check_finite(x)
         rotation = self._rotation(x.numel(), ctx, x.device)
-        y = rotation.forward(x.reshape(-1).to(torch.float32))
         scale = math.sqrt(rotation.padded) / max_norm if max_norm > 0 else 0.0
-        t = self.threshold
-        u = y.mul_(scale).clamp_(-t, t).add_(t).mul_(self.granularity / (2 * t))
-        return self._pack_indices(self._round_to_table(u, ctx), x.numel())
+        t, g = self.threshold, self.granularity
+        # (clamp(scale * y, -t, t) + t) * g / 2t, the grid position, is clamp(a*y + g/2, 0, g)
+        a = scale * g / (2 * t)
+        return self._encode_grid(x.reshape(-1).to(torch.float32), a, g / 2, ctx, rotation)
 
     def decode(
         self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None
@@ -233,8 +262,8 @@ class THC(GridCodec):
         rotation = self._rotation(payload.length, ctx, _device_of(payload))
         t, g = self.threshold, self.granularity
         step = (2 * t / g) * max_norm / math.sqrt(rotation.padded)
-        y = self._grid_average(payload).sub_(g / 2).mul_(step)
-        return rotation.inverse(y)
+        # y = (S / contributors - g/2) * step
+        return self._decode_grid(payload, step / payload.contributors, -step * g / 2, rotation)
 
     def _coordinates(self, length: int) -> int:
         return padded_length(length, self.rotation_block)
@@ -273,15 +302,17 @@ class UniformTHC(GridCodec):
     ) -> Payload:
         low, span = self._range(shared)
         check_finite(x)
-        u = x.reshape(-1).to(torch.float32).sub(low)
-        u.mul_(self.granularity / span if span > 0 else 0.0).clamp_(0, self.granularity)
-        return self._pack_indices(self._round_to_table(u, ctx), x.numel())
+        a = self.granularity / span if span > 0 else 0.0
+        flat = x.reshape(-1).to(torch.float32).contiguous()
+        return self._encode_grid(flat, a, -low * a, ctx, rotation=None)
 
     def decode(
         self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> torch.Tensor:
         low, span = self._range(shared)
-        return self._grid_average(payload).mul_(span / self.granularity).add_(low)
+        return self._decode_grid(
+            payload, span / self.granularity / payload.contributors, low, rotation=None
+        )
 
     def _range(self, shared: torch.Tensor | None) -> tuple[float, float]:
         if shared is None or shared.numel() != 2:

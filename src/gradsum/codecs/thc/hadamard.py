@@ -1,4 +1,4 @@
-"""Randomized Hadamard transform (RHT) in torch: O(d log d), any device.
+"""Randomized Hadamard transform (RHT): O(d log d), any device; native kernels on the CPU.
 
 RHT(x) = H D x / sqrt(B) applied to each block of B coordinates (B = the padded length for a full
 rotation), with D a diagonal of random signs drawn from a seed that every worker shares. The
@@ -7,9 +7,13 @@ inverse is D H y / sqrt(B): H is symmetric and H H = B I.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+
+from ..bits import pack_bits
+from . import native
 
 
 def next_power_of_two(n: int) -> int:
@@ -51,11 +55,14 @@ def _dense_block(size: int, device: torch.device) -> torch.Tensor:
 def fwht_(x: torch.Tensor, block: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Orthonormal Walsh-Hadamard transform of every block of ``block`` coordinates.
 
-    ``x`` is 1-D float32 with a length that is a multiple of ``block`` (a power of two). Stages
-    alternate between ``x`` and ``scratch`` so none allocates; returns the one holding the result.
+    ``x`` is 1-D float32 with a length that is a multiple of ``block`` (a power of two). The
+    native kernel transforms ``x`` in place; torch's stages alternate between ``x`` and
+    ``scratch`` so none allocates. Returns the one holding the result.
     """
     if x.dim() != 1 or x.numel() % block or block & (block - 1):
         raise ValueError(f"fwht needs a 1-D tensor whose length is a multiple of {block}")
+    if native.fwht_(x, block, 1.0 / math.sqrt(block)):
+        return x
     if scratch is None:
         scratch = torch.empty_like(x)
     src, dst = x, scratch
@@ -91,17 +98,23 @@ class Rotation:
         self.padded = padded_length(length, block)
         self.block = self.padded if block is None else block
         self.signs = rotation_signs(self.padded, seed, device)
-        self._scratch = torch.empty(self.padded, dtype=torch.float32, device=device)
+        # work buffer of every call (the native encode's transform runs in it, too)
+        self.scratch = torch.empty(self.padded, dtype=torch.float32, device=device)
+
+    @functools.cached_property
+    def sign_bits(self) -> torch.Tensor:
+        """The signs as packed bits, set where negative: what the native kernels read."""
+        return pack_bits((self.signs < 0).to(torch.uint8), 1, check=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` (length ``self.length``) into a new tensor of the padded length."""
         buffer = torch.zeros(self.padded, dtype=torch.float32, device=x.device)
         torch.mul(x, self.signs[: self.length], out=buffer[: self.length])
-        return self._own(fwht_(buffer, self.block, self._scratch), buffer)
+        return self._own(fwht_(buffer, self.block, self.scratch), buffer)
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
         """Undo ``forward``; consumes ``y`` (padded length) and returns ``self.length`` values."""
-        result = self._own(fwht_(y, self.block, self._scratch), y)
+        result = self._own(fwht_(y, self.block, self.scratch), y)
         return result[: self.length].mul_(self.signs[: self.length])
 
     def _own(self, result: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,695 @@
+/* Native CPU kernels for THC's hot loops; native.py is the Python side and torch the fallback.
+
+Entry points take raw addresses (tensor.data_ptr()) that native.py has checked: CPU, contiguous,
+the right dtype and size. They release the GIL, so worker threads overlap.
+
+  fwht        in-place Walsh-Hadamard transform of every block, times a scale
+  encode      [rotate:] signs, FWHT; then u = clamp(a*y + c, 0, g), unbiased stochastic rounding
+              to a table index, b-bit packing (b in 1, 2, 4, 8)
+  lookup_sum  the aggregator: table lookup of packed indices, integer sum, packing of the sums
+  decode      unpacking of sums, y = a*S + c, [rotate back:] FWHT, signs
+
+Packed layout is bits.py's: element j at bits [j*w, (j+1)*w) of a little-endian bit stream.
+
+Portability: plain C with GCC/Clang vector extensions, which compile to SSE2 anywhere on x86-64;
+the hot functions also get an AVX2 clone picked at load time (no -march flags). The nibble table
+lookup uses AVX2 intrinsics behind a runtime CPU check, with a scalar loop otherwise.
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the packed wire layout is read and written as little-endian words"
+#endif
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#if defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+#endif
+#ifndef MULTIVERSION
+#define MULTIVERSION
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define SHUFFLE(v, ...) __builtin_shuffle(v, (i32x8){__VA_ARGS__})
+#endif
+
+enum {
+    LANES = 8,          /* floats per vector */
+    LEAF = 4096,        /* coordinates transformed in L1 (16 KiB) */
+    CHUNK = 1 << 16,    /* coordinates transformed in L2 (256 KiB) */
+    RADIX_LOG = 3,      /* 8 vectors per butterfly column: 16 registers hold them and temporaries */
+};
+
+INLINE f32x8 load(const float *p) {
+    f32x8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+INLINE void store(float *p, f32x8 v) { memcpy(p, &v, sizeof v); }
+
+/* ---------------------------------------------------------------------------------------------
+ * Walsh-Hadamard transform. The stages of a FWHT commute, so they are grouped by cache level:
+ * the strides across L2-sized chunks first (streaming passes), then per chunk the strides across
+ * L1-sized leaves, then per leaf all the rest, and a visitor runs on each finished leaf. A pass
+ * loads each column of up to 8 vectors once and does up to 3 stages on it in registers (16
+ * vectors would not leave the compiler room and spill). Even so the transform is bound by its
+ * 20 adds per coordinate (at 2^20), not by memory.
+ */
+
+/* Strides 1, 2 and 4 inside a vector: lane i becomes partner + v[i] (bit clear) or
+   partner - v[i] (bit set), the same sums as the scalar butterfly. */
+INLINE f32x8 lane_stages(f32x8 v) {
+    v = SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6) + v * (f32x8){1, -1, 1, -1, 1, -1, 1, -1};
+    v = SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5) + v * (f32x8){1, 1, -1, -1, 1, 1, -1, -1};
+    return SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3) + v * (f32x8){1, 1, 1, 1, -1, -1, -1, -1};
+}
+
+INLINE void butterflies(f32x8 *v, int log_count) {
+    for (int d = 1; d < 1 << log_count; d <<= 1)
+        for (int m = 0; m < 1 << log_count; m++)
+            if (!(m & d)) {
+                f32x8 a = v[m], b = v[m + d];
+                v[m] = a + b;
+                v[m + d] = a - b;
+            }
+}
+
+/* The stages of strides h, 2h, ..., h << (k - 1) on every span of h << k coordinates (h a
+   multiple of LANES), plus the in-vector stages when `lanes` is set (then h == LANES). */
+INLINE void radix_pass(float *x, size_t n, size_t h, int k, int lanes) {
+    for (size_t base = 0; base < n; base += h << k)
+        for (size_t j = base; j < base + h; j += LANES) {
+            f32x8 v[1 << RADIX_LOG];
+            for (int m = 0; m < 1 << k; m++) v[m] = load(x + j + m * h);
+            if (lanes)
+                for (int m = 0; m < 1 << k; m++) v[m] = lane_stages(v[m]);
+            butterflies(v, k);
+            for (int m = 0; m < 1 << k; m++) store(x + j + m * h, v[m]);
+        }
+}
+
+/* Dispatch to a pass with a compile-time radix, so its column stays in registers. */
+MULTIVERSION static void pass(float *x, size_t n, size_t h, int k, int lanes) {
+    switch (k) {
+    case 0: radix_pass(x, n, h, 0, lanes); break;
+    case 1: radix_pass(x, n, h, 1, lanes); break;
+    case 2: radix_pass(x, n, h, 2, lanes); break;
+    default: radix_pass(x, n, h, RADIX_LOG, lanes); break;
+    }
+}
+
+static int log2_of(size_t n) { return 63 - __builtin_clzll((unsigned long long)n); }
+
+/* All stages of strides from, 2 from, ..., block / 2 on every block of x[0, n). */
+static void strided_stages(float *x, size_t n, size_t block, size_t from) {
+    for (size_t h = from; h < block;) {
+        int k = MIN(RADIX_LOG, log2_of(block / h));
+        pass(x, n, h, k, 0);
+        h <<= k;
+    }
+}
+
+/* All stages of every block (LANES <= block <= LEAF) of a leaf of n <= LEAF coordinates. */
+static void leaf_stages(float *x, size_t n, size_t block) {
+    int k = MIN(RADIX_LOG, log2_of(block / LANES));
+    pass(x, n, LANES, k, 1);
+    strided_stages(x, n, block, LANES << k);
+}
+
+typedef void (*leaf_visitor)(void *state, float *leaf, size_t offset, size_t count);
+
+/* Unnormalised FWHT of every block of x[0, n), n a multiple of block, block >= LANES a power of
+   two; visit(state, leaf, offset, count) sees each leaf once its values are final. */
+static void fwht(float *x, size_t n, size_t block, leaf_visitor visit, void *state) {
+    strided_stages(x, n, block, CHUNK);
+    for (size_t c = 0; c < n; c += CHUNK) {
+        size_t chunk = MIN(CHUNK, n - c);
+        strided_stages(x + c, chunk, MIN(block, CHUNK), LEAF);
+        for (size_t l = c; l < c + chunk; l += LEAF) {
+            size_t count = MIN(LEAF, c + chunk - l);
+            leaf_stages(x + l, count, MIN(block, LEAF));
+            visit(state, x + l, l, count);
+        }
+    }
+}
+
+MULTIVERSION static void scale_leaf(void *state, float *leaf, size_t offset, size_t count) {
+    (void)offset;
+    float scale = *(const float *)state;
+    for (size_t i = 0; i < count; i++) leaf[i] *= scale;
+}
+
+/* Rotation signs travel as bits (set = negative), a 32nd of the float vector's traffic. */
+INLINE f32x8 apply_signs(f32x8 v, uint8_t bits) {
+    i32x8 negative = (((i32x8){0} + bits) & (i32x8){1, 2, 4, 8, 16, 32, 64, 128}) != 0;
+    return (f32x8)((i32x8)v ^ (negative & INT32_MIN));
+}
+
+MULTIVERSION static void sign_leaf(void *state, float *leaf, size_t offset, size_t count) {
+    const uint8_t *signs = (const uint8_t *)state + offset / LANES;
+    for (size_t i = 0; i < count; i += LANES) store(leaf + i, apply_signs(load(leaf + i), signs[i / LANES]));
+}
+
+/* dst[0, n) = src * signs, zero beyond length (the rotation's padding); n a multiple of LANES. */
+MULTIVERSION static void signed_copy(const float *src, size_t length, float *dst, size_t n,
+                                     const uint8_t *signs) {
+    size_t i = 0;
+    for (; i + LANES <= length; i += LANES) store(dst + i, apply_signs(load(src + i), signs[i / LANES]));
+    for (; i < n; i += LANES) {
+        float tail[LANES] = {0};
+        if (i < length) memcpy(tail, src + i, (length - i) * sizeof(float));
+        store(dst + i, apply_signs(load(tail), signs[i / LANES]));
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Bit packing. Eight w-bit values in the bytes (w <= 8) or 16-bit lanes (w <= 16) of 64-bit words
+ * are merged pairwise, lane width doubling each step, into the low 8w bits: exactly the w bytes
+ * the wire layout has for them. Four words take the steps at once, as one vector; unpacking runs
+ * them backwards. A group's word is stored whole where the buffer has room (its high bytes are
+ * zero and the next group overwrites them), so only a buffer's last groups are stored bytewise.
+ * Value arrays are read and written in whole vectors: callers leave room and zeros up to them.
+ */
+
+typedef uint64_t u64x4 __attribute__((vector_size(32)));
+
+/* Each lane of `lane_bits` bits holds the low w bits. */
+INLINE uint64_t lanes_mask(int lane_bits, int w) {
+    uint64_t unit = lane_bits == 64 ? 1 : ~0ull / ((1ull << lane_bits) - 1);
+    return unit * ((1ull << w) - 1);
+}
+
+/* Pairs of lanes of `lane_bits` bits, each holding w bits, become one lane holding 2w bits. */
+INLINE u64x4 squeeze(u64x4 x, int lane_bits, int w) {
+    uint64_t keep = lanes_mask(2 * lane_bits, w);
+    return (x & keep) | ((x >> (lane_bits - w)) & (keep << w));
+}
+
+INLINE u64x4 unsqueeze(u64x4 x, int lane_bits, int w) {
+    uint64_t keep = lanes_mask(2 * lane_bits, w);
+    return (x & keep) | ((x << (lane_bits - w)) & (keep << lane_bits));
+}
+
+INLINE void put(uint8_t *out, const uint8_t *end, const void *word, ptrdiff_t size) {
+    if (end - out >= size)
+        memcpy(out, word, (size_t)size);
+    else if (out < end)
+        memcpy(out, word, (size_t)(end - out));
+}
+
+INLINE void get(void *word, ptrdiff_t size, const uint8_t *in, const uint8_t *end) {
+    if (end - in >= size) {
+        memcpy(word, in, (size_t)size);
+    } else {
+        memset(word, 0, (size_t)size);
+        if (in < end) memcpy(word, in, (size_t)(end - in));
+    }
+}
+
+/* values[0, count), bytes if w <= 8 and uint16 otherwise, packed in w bits at out. */
+MULTIVERSION static void pack(const void *values, size_t count, int w, uint8_t *out,
+                              const uint8_t *end) {
+    uint64_t words[4];
+    u64x4 x;
+    for (size_t i = 0; i < count; i += w <= 8 ? 32 : 16) {
+        if (w <= 8) {
+            memcpy(&x, (const uint8_t *)values + i, sizeof x);
+            x = squeeze(squeeze(squeeze(x, 8, w), 16, 2 * w), 32, 4 * w);
+            memcpy(words, &x, sizeof words);
+            for (int g = 0; g < 4; g++, out += w) put(out, end, &words[g], 8);
+        } else {
+            memcpy(&x, (const uint16_t *)values + i, sizeof x);
+            x = squeeze(squeeze(x, 16, w), 32, 2 * w);
+            memcpy(words, &x, sizeof words);
+            for (int g = 0; g < 2; g++, out += w) {
+                unsigned __int128 bits = words[2 * g] | (unsigned __int128)words[2 * g + 1] << (4 * w);
+                put(out, end, &bits, 16);
+            }
+        }
+    }
+}
+
+/* The w bits (w <= 8) or w bits and the next w bits (w > 8) of the group at in. */
+INLINE uint64_t group_word(const uint8_t *in, const uint8_t *end, int w, int second) {
+    if (w <= 8) {
+        uint64_t word;
+        get(&word, 8, in, end);
+        return w == 8 ? word : word & ((1ull << 8 * w) - 1);
+    }
+    unsigned __int128 bits;
+    get(&bits, 16, in, end);
+    return (uint64_t)(bits >> (second ? 4 * w : 0)) & (w == 16 ? ~0ull : (1ull << 4 * w) - 1);
+}
+
+/* The inverse of pack: count values into values (rounded up to 32 bytes or 16 uint16). The
+   vector is built in registers: four stores and a wide reload would stall store forwarding. */
+MULTIVERSION static void unpack(const uint8_t *in, const uint8_t *end, int w, size_t count,
+                                void *values) {
+    for (size_t i = 0; i < count; i += w <= 8 ? 32 : 16) {
+        u64x4 x;
+        if (w <= 8) {
+            x = (u64x4){group_word(in, end, w, 0), group_word(in + w, end, w, 0),
+                        group_word(in + 2 * w, end, w, 0), group_word(in + 3 * w, end, w, 0)};
+            in += 4 * w;
+            x = unsqueeze(unsqueeze(unsqueeze(x, 32, 4 * w), 16, 2 * w), 8, w);
+            memcpy((uint8_t *)values + i, &x, sizeof x);
+        } else {
+            x = (u64x4){group_word(in, end, w, 0), group_word(in, end, w, 1),
+                        group_word(in + w, end, w, 0), group_word(in + w, end, w, 1)};
+            in += 2 * w;
+            x = unsqueeze(unsqueeze(x, 32, 2 * w), 16, w);
+            memcpy((uint16_t *)values + i, &x, sizeof x);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Worker encode: u = clamp(a*y + c, 0, g) on the grid, then unbiased stochastic rounding to the
+ * table. Randomness: xoshiro128+ in eight lanes (element i draws from lane i % 8), seeded by
+ * splitmix64 from the worker's seed; the top 24 bits of each draw make a uniform in [0, 1), so
+ * rounding probabilities are exact to float32 precision.
+ */
+
+struct rng8 {
+    u32x8 s0, s1, s2, s3;
+};
+
+static uint64_t splitmix64(uint64_t *state) {
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static void rng8_seed(struct rng8 *r, uint64_t seed) {
+    for (int lane = 0; lane < LANES; lane++) {
+        uint64_t a = splitmix64(&seed), b = splitmix64(&seed);
+        r->s0[lane] = (uint32_t)a;
+        r->s1[lane] = (uint32_t)(a >> 32);
+        r->s2[lane] = (uint32_t)b;
+        r->s3[lane] = (uint32_t)(b >> 32);
+    }
+}
+
+/* Eight uniforms in [0, 1), multiples of 2**-24 (xoshiro128+'s low bits are its weak ones). */
+INLINE f32x8 rng8_uniform(struct rng8 *r) {
+    u32x8 result = r->s0 + r->s3, t = r->s1 << 9;
+    r->s2 ^= r->s0;
+    r->s3 ^= r->s1;
+    r->s1 ^= r->s2;
+    r->s0 ^= r->s3;
+    r->s2 ^= t;
+    r->s3 = (r->s3 << 11) | (r->s3 >> 21);
+    return __builtin_convertvector((i32x8)(result >> 8), f32x8) * 0x1p-24f;
+}
+
+INLINE f32x8 blend(i32x8 mask, f32x8 a, f32x8 b) {
+    return (f32x8)((mask & (i32x8)a) | (~mask & (i32x8)b));
+}
+
+enum { SMALL_GRID = 32 }; /* cells whose table entries fit four vectors */
+
+struct grid {
+    float a, c, g;
+    int32_t last_cell; /* g - 1 */
+    /* per unit cell [i, i + 1): its table interval k | T[k] << 8 | (T[k + 1] - T[k]) << 20 */
+    const uint32_t *cells;
+    u32x8 small[SMALL_GRID / LANES]; /* the same, in registers, when g <= SMALL_GRID */
+};
+
+static void grid_init(struct grid *grid, int g, const uint32_t *cells) {
+    grid->g = (float)g;
+    grid->last_cell = g - 1;
+    grid->cells = cells;
+    memset(grid->small, 0, sizeof grid->small);
+    if (g <= SMALL_GRID) memcpy(grid->small, cells, sizeof(uint32_t) * (size_t)g);
+}
+
+INLINE u32x8 cell_entries(const struct grid *grid, i32x8 cell) {
+#if defined(__GNUC__) && !defined(__clang__) /* a variable permute (vpermd): GCC only */
+    if (grid->last_cell < SMALL_GRID) {
+        u32x8 entry = {0};
+        for (int part = 0; part < SMALL_GRID / LANES; part++)
+            entry |= __builtin_shuffle(grid->small[part], (u32x8)cell) & (u32x8)(cell >> 3 == part);
+        return entry;
+    }
+#endif
+    u32x8 entry;
+    for (int lane = 0; lane < LANES; lane++) entry[lane] = grid->cells[cell[lane]];
+    return entry;
+}
+
+/* u lies in unit cell floor(u), inside table interval k = [low, low + width]: the index is k,
+   plus one with probability (u - low) / width. */
+INLINE i32x8 round_to_table(const struct grid *grid, struct rng8 *rng, f32x8 y) {
+    f32x8 zero = {0}, g = zero + grid->g;
+    f32x8 u = y * grid->a + grid->c;
+    u = blend(u > zero, u, zero);
+    u = blend(u < g, u, g);
+    i32x8 cell = __builtin_convertvector(u, i32x8); /* truncation: floor, as u >= 0 */
+    i32x8 past = cell > grid->last_cell;            /* u == g: the last cell's upper end */
+    cell = (cell & ~past) | (past & grid->last_cell);
+    u32x8 entry = cell_entries(grid, cell);
+    f32x8 low = __builtin_convertvector((i32x8)(entry >> 8 & 0xFFF), f32x8);
+    f32x8 width = __builtin_convertvector((i32x8)(entry >> 20), f32x8);
+    i32x8 up = rng8_uniform(rng) < (u - low) / width; /* -1 where it rounds up */
+    return (i32x8)(entry & 0xFF) - up;
+}
+
+struct quantizer {
+    struct grid grid;
+    struct rng8 rng;
+    int bits;
+    uint8_t *out, *end;
+};
+
+/* Indices of y[0, count <= LEAF), packed at the place of coordinate `offset` (a multiple of 8). */
+MULTIVERSION static void quantize_leaf(void *state, float *y, size_t offset, size_t count) {
+    struct quantizer *q = state;
+    /* locals, kept in registers: stores to the arrays cannot alias them */
+    const struct grid grid = q->grid;
+    struct rng8 rng = q->rng;
+    int32_t wide[LEAF];
+    uint8_t indices[LEAF + 32];
+    size_t i = 0;
+    for (; i + LANES <= count; i += LANES) {
+        i32x8 index = round_to_table(&grid, &rng, load(y + i));
+        memcpy(wide + i, &index, sizeof index);
+    }
+    if (i < count) {
+        float tail[LANES] = {0};
+        memcpy(tail, y + i, (count - i) * sizeof(float));
+        i32x8 index = round_to_table(&grid, &rng, load(tail));
+        memcpy(wide + i, &index, sizeof index);
+    }
+    q->rng = rng;
+    for (i = 0; i < count; i++) indices[i] = (uint8_t)wide[i];
+    memset(indices + count, 0, sizeof indices - count); /* padding packs as zero bits */
+    pack(indices, count, q->bits, q->out + offset / 8 * q->bits, q->end);
+}
+
+static void quantize(struct quantizer *q, float *y, size_t n) {
+    for (size_t offset = 0; offset < n; offset += LEAF)
+        quantize_leaf(q, y + offset, offset, MIN(LEAF, n - offset));
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Worker decode: y = a*S + c from the packed sums S.
+ */
+MULTIVERSION static void dequantize(const uint8_t *in, const uint8_t *end, int w, size_t n,
+                                    float a, float c, float *out) {
+    union {
+        uint8_t narrow[LEAF];
+        uint16_t wide[LEAF];
+    } sums;
+    for (size_t offset = 0; offset < n; offset += LEAF, out += LEAF) {
+        size_t count = MIN(LEAF, n - offset);
+        unpack(in + offset / 8 * w, end, w, count, &sums);
+        if (w <= 8)
+            for (size_t i = 0; i < count; i++) out[i] = (float)sums.narrow[i] * a + c;
+        else
+            for (size_t i = 0; i < count; i++) out[i] = (float)sums.wide[i] * a + c;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Aggregator: sums of table values of b-bit indices, per L1-sized chunk, accumulated in bytes
+ * when the sums fit 8 bits and in 16-bit lanes otherwise, then packed to the sum width.
+ */
+
+static int have_avx2;
+
+INLINE void add_lookups(void *acc, int wide, const uint8_t *packed, size_t from, size_t count,
+                        int bits, const uint16_t *table) {
+    unsigned mask = (1u << bits) - 1;
+    for (size_t j = from; j < count; j++) {
+        size_t bit = j * bits;
+        uint16_t value = table[(packed[bit / 8] >> (bit % 8)) & mask];
+        if (wide)
+            ((uint16_t *)acc)[j] += value;
+        else
+            ((uint8_t *)acc)[j] += (uint8_t)value;
+    }
+}
+
+#if defined(__x86_64__)
+/* Four-bit indices, table values below 256: 64 lookups per vpshufb pair. Returns how many
+   coordinates it did (a multiple of 64). */
+__attribute__((target("avx2"))) static size_t add_nibble_lookups_avx2(void *acc, int wide,
+                                                                      const uint8_t *packed,
+                                                                      size_t count,
+                                                                      const uint8_t *table) {
+    __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table));
+    __m256i nibble = _mm256_set1_epi8(0x0F);
+    size_t j = 0;
+    for (; j + 64 <= count; j += 64) {
+        __m256i bytes = _mm256_loadu_si256((const __m256i *)(packed + j / 2));
+        __m256i even = _mm256_shuffle_epi8(lut, _mm256_and_si256(bytes, nibble));
+        __m256i odd = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
+        __m256i mixed_low = _mm256_unpacklo_epi8(even, odd);  /* coordinates 0-15 | 32-47 */
+        __m256i mixed_high = _mm256_unpackhi_epi8(even, odd); /* 16-31 | 48-63 */
+        __m256i values[2] = {_mm256_permute2x128_si256(mixed_low, mixed_high, 0x20),
+                             _mm256_permute2x128_si256(mixed_low, mixed_high, 0x31)};
+        for (int half = 0; half < 2; half++) {
+            if (wide) {
+                __m256i *sums = (__m256i *)((uint16_t *)acc + j + 32 * half);
+                __m256i low = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(values[half]));
+                __m256i high = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(values[half], 1));
+                _mm256_storeu_si256(sums, _mm256_add_epi16(_mm256_loadu_si256(sums), low));
+                _mm256_storeu_si256(sums + 1, _mm256_add_epi16(_mm256_loadu_si256(sums + 1), high));
+            } else {
+                __m256i *sums = (__m256i *)((uint8_t *)acc + j + 32 * half);
+                _mm256_storeu_si256(sums, _mm256_add_epi8(_mm256_loadu_si256(sums), values[half]));
+            }
+        }
+    }
+    return j;
+}
+#endif
+
+MULTIVERSION static void add_payload(void *acc, int wide, const uint8_t *packed, size_t count,
+                                     int bits, const uint16_t *table, const uint8_t *nibble_table) {
+    size_t done = 0;
+#if defined(__x86_64__)
+    if (nibble_table && have_avx2) done = add_nibble_lookups_avx2(acc, wide, packed, count, nibble_table);
+#endif
+    add_lookups(acc, wide, packed, done, count, bits, table);
+}
+
+struct lookup_sum {
+    const uint8_t *const *payloads;
+    size_t payload_count, n;
+    int bits, w;
+    uint16_t table[256];
+    uint8_t nibble_table[16]; /* the table as bytes, where vpshufb can use it */
+    int nibble;
+    uint8_t *out, *end;
+};
+
+static void lookup_sum(const struct lookup_sum *op) {
+    int wide = op->w > 8;
+    union {
+        uint8_t narrow[LEAF];
+        uint16_t wide[LEAF];
+    } acc;
+    for (size_t c = 0; c < op->n; c += LEAF) {
+        size_t count = MIN(LEAF, op->n - c);
+        memset(&acc, 0, sizeof acc);
+        for (size_t p = 0; p < op->payload_count; p++)
+            add_payload(&acc, wide, op->payloads[p] + c / 8 * op->bits, count, op->bits, op->table,
+                        op->nibble ? op->nibble_table : NULL);
+        pack(&acc, count, op->w, op->out + c / 8 * op->w, op->end);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Python bindings. Addresses arrive as ints; native.py guarantees what they point to.
+ */
+
+#define ADDRESS(type, value) ((type)(uintptr_t)(value))
+
+static int check_block(Py_ssize_t n, Py_ssize_t block) {
+    if (block < LANES || (block & (block - 1)) || n % block) {
+        PyErr_Format(PyExc_ValueError, "block %zd must be a power of two >= %d dividing %zd",
+                     block, LANES, n);
+        return 0;
+    }
+    return 1;
+}
+
+static int check_width(int w, int max_width) {
+    if (w < 1 || w > max_width) {
+        PyErr_Format(PyExc_ValueError, "bit width %d is not in 1..%d", w, max_width);
+        return 0;
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(fwht_doc, "fwht(x, n, block, scale): x[0:n] = scale * FWHT of every block, in place");
+
+static PyObject *py_fwht(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long x;
+    Py_ssize_t n, block;
+    float scale;
+    if (!PyArg_ParseTuple(args, "Knnf", &x, &n, &block, &scale) || !check_block(n, block))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    fwht(ADDRESS(float *, x), (size_t)n, (size_t)block, scale_leaf, &scale);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(encode_doc,
+             "encode(src, length, buffer, n, block, signs, a, c, g, cells, seed, bits, out, out_size)\n"
+             "Packed table indices of u = clamp(a*y + c, 0, g), y the unnormalised FWHT (in\n"
+             "blocks) of src[0:length] * signs padded to n in buffer, or y = src[0:n] if block is 0.");
+
+static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long src, buffer, signs, cells, seed, out;
+    Py_ssize_t length, n, block, out_size;
+    int g, bits;
+    struct quantizer q;
+    if (!PyArg_ParseTuple(args, "KnKnnKffiKKiKn", &src, &length, &buffer, &n, &block, &signs,
+                          &q.grid.a, &q.grid.c, &g, &cells, &seed, &bits, &out, &out_size))
+        return NULL;
+    if ((block && !check_block(n, block)) || !check_width(bits, 8) || (8 % bits) || g < 1 ||
+        g > 4095) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "unsupported bits %d or granularity %d", bits, g);
+        return NULL;
+    }
+    grid_init(&q.grid, g, ADDRESS(const uint32_t *, cells));
+    q.bits = bits;
+    q.out = ADDRESS(uint8_t *, out);
+    q.end = q.out + out_size;
+    rng8_seed(&q.rng, seed);
+    Py_BEGIN_ALLOW_THREADS
+    if (block) {
+        signed_copy(ADDRESS(const float *, src), (size_t)length, ADDRESS(float *, buffer), (size_t)n,
+                    ADDRESS(const uint8_t *, signs));
+        fwht(ADDRESS(float *, buffer), (size_t)n, (size_t)block, quantize_leaf, &q);
+    } else {
+        quantize(&q, ADDRESS(float *, src), (size_t)n);
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(lookup_sum_doc,
+             "lookup_sum(payloads, bits, table, n, w, out, out_size)\n"
+             "out = the sums over payloads (addresses of packed bits-bit indices) of table[index]\n"
+             "(int32, 2**bits entries, below 2**w), packed in w <= 16 bits.");
+
+static PyObject *py_lookup_sum(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *addresses;
+    unsigned long long table, out;
+    Py_ssize_t n, out_size;
+    struct lookup_sum op;
+    if (!PyArg_ParseTuple(args, "OiKniKn", &addresses, &op.bits, &table, &n, &op.w, &out, &out_size))
+        return NULL;
+    if (!check_width(op.bits, 8) || (8 % op.bits) || !check_width(op.w, 16)) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "unsupported index width %d", op.bits);
+        return NULL;
+    }
+    PyObject *sequence = PySequence_Fast(addresses, "payloads must be a sequence of addresses");
+    if (!sequence)
+        return NULL;
+    op.payload_count = (size_t)PySequence_Fast_GET_SIZE(sequence);
+    const uint8_t **payloads = PyMem_Malloc((op.payload_count + 1) * sizeof *payloads);
+    if (!payloads) {
+        Py_DECREF(sequence);
+        return PyErr_NoMemory();
+    }
+    for (size_t p = 0; p < op.payload_count; p++)
+        payloads[p] = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(sequence, (Py_ssize_t)p));
+    Py_DECREF(sequence);
+    if (PyErr_Occurred()) {
+        PyMem_Free(payloads);
+        return NULL;
+    }
+    const int32_t *values = ADDRESS(const int32_t *, table);
+    int32_t largest = 0;
+    for (int k = 0; k < 1 << op.bits; k++) {
+        op.table[k] = (uint16_t)values[k];
+        largest = values[k] > largest ? values[k] : largest;
+        if (k < 16)
+            op.nibble_table[k] = (uint8_t)values[k];
+    }
+    op.nibble = op.bits == 4 && largest < 256;
+    op.payloads = payloads;
+    op.n = (size_t)n;
+    op.out = ADDRESS(uint8_t *, out);
+    op.end = op.out + out_size;
+    Py_BEGIN_ALLOW_THREADS
+    lookup_sum(&op);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(payloads);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(decode_doc,
+             "decode(packed, packed_size, w, n, a, c, out, block, signs)\n"
+             "out[0:n] = a*S + c for the w-bit packed sums S; then, if block, the unnormalised\n"
+             "FWHT of every block, times signs.");
+
+static PyObject *py_decode(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long packed, out, signs;
+    Py_ssize_t packed_size, n, block;
+    int w;
+    float a, c;
+    if (!PyArg_ParseTuple(args, "KninffKnK", &packed, &packed_size, &w, &n, &a, &c, &out, &block,
+                          &signs) ||
+        !check_width(w, 16) || (block && !check_block(n, block)))
+        return NULL;
+    const uint8_t *in = ADDRESS(const uint8_t *, packed);
+    Py_BEGIN_ALLOW_THREADS
+    dequantize(in, in + packed_size, w, (size_t)n, a, c, ADDRESS(float *, out));
+    if (block)
+        fwht(ADDRESS(float *, out), (size_t)n, (size_t)block, sign_leaf, ADDRESS(void *, signs));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"fwht", py_fwht, METH_VARARGS, fwht_doc},
+    {"encode", py_encode, METH_VARARGS, encode_doc},
+    {"lookup_sum", py_lookup_sum, METH_VARARGS, lookup_sum_doc},
+    {"decode", py_decode, METH_VARARGS, decode_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_kernels",
+    .m_doc = "Native CPU kernels for THC (see native.py).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    have_avx2 = __builtin_cpu_supports("avx2");
+#endif
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,159 @@
+"""The optional native CPU path for THC's hot loops (``_kernels.c``); torch is the fallback.
+
+Each function takes torch tensors, checks that the kernel can handle them (extension built, not
+disabled, CPU, contiguous, right dtype and size) and returns ``None`` or ``False`` when it can't,
+so callers write ``result = native.f(...)`` and fall through to their torch code. Set
+``GRADSUM_NATIVE=0`` to force the torch path (read on every call, so tests can flip it).
+
+The kernels draw their stochastic-rounding randomness from their own generator (xoshiro128+
+seeded from the worker's seed), so native and torch payloads differ draw by draw but follow the
+same distribution; FWHTs agree to float32 rounding, aggregates bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .hadamard import Rotation
+
+try:
+    from . import _kernels
+except ImportError:  # built without a C compiler, or on a platform the C code does not support
+    _kernels = None
+
+LANES = 8  # the kernels' vector width: FWHT blocks must be at least this long
+MAX_SUM_BITS = 16  # widest downstream sum the aggregator kernel packs
+MAX_GRANULARITY = 4095  # the encode kernel's per-cell table packs grid values in 12 bits
+
+
+def built() -> bool:
+    """Whether the C extension was compiled and imports."""
+    return _kernels is not None
+
+
+def available() -> bool:
+    """Whether the native path is in use: built and not disabled by GRADSUM_NATIVE=0."""
+    return _kernels is not None and os.environ.get("GRADSUM_NATIVE", "1") != "0"
+
+
+def _ready(*tensors: tuple[torch.Tensor, torch.dtype]) -> bool:
+    return available() and all(
+        t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t, dtype in tensors
+    )
+
+
+def fwht_(x: torch.Tensor, block: int, scale: float) -> bool:
+    """x = scale * (unnormalised FWHT of every block of x), in place."""
+    if not (_ready((x, torch.float32)) and x.dim() == 1 and block >= LANES):
+        return False
+    _kernels.fwht(x.data_ptr(), x.numel(), block, scale)
+    return True
+
+
+def encode(
+    x: torch.Tensor,
+    rotation: Rotation | None,
+    a: float,
+    c: float,
+    granularity: int,
+    cells: torch.Tensor,
+    seed: int,
+    bits: int,
+) -> torch.Tensor | None:
+    """Packed ``bits``-bit table indices of u = clamp(a*y + c, 0, g), stochastically rounded.
+
+    y is x itself, or ``rotation.forward(x)`` (computed in the rotation's scratch buffer).
+    ``cells`` (int32, one per unit cell of the grid) packs the cell's table interval k, its
+    lower end T[k] and its width as k | T[k] << 8 | width << 20.
+    """
+    if not (
+        _ready((x, torch.float32), (cells, torch.int32))
+        and bits in (1, 2, 4, 8)
+        and granularity <= MAX_GRANULARITY
+    ):
+        return None
+    buffer, signs, block = x, 0, 0
+    if rotation is not None:
+        if not _rotation_ready(rotation):
+            return None
+        buffer, signs, block = rotation.scratch, rotation.sign_bits.data_ptr(), rotation.block
+        a /= math.sqrt(block)  # the kernel's transform is unnormalised
+    count = buffer.numel()
+    out = torch.empty((count * bits + 7) // 8, dtype=torch.uint8)
+    _kernels.encode(
+        x.data_ptr(),
+        x.numel(),
+        buffer.data_ptr(),
+        count,
+        block,
+        signs,
+        a,
+        c,
+        granularity,
+        cells.data_ptr(),
+        seed,
+        bits,
+        out.data_ptr(),
+        out.numel(),
+    )
+    return out
+
+
+def lookup_sum(
+    payloads: Sequence[torch.Tensor], bits: int, table: torch.Tensor, count: int, width: int
+) -> torch.Tensor | None:
+    """Sum over payloads (packed ``bits``-bit indices) of ``table[index]``, packed in ``width``
+    bits: the THC aggregator. The caller guarantees that the sums fit the width."""
+    packed_in = (count * bits + 7) // 8
+    if not (
+        _ready((table, torch.int32), *((p, torch.uint8) for p in payloads))
+        and bits in (1, 2, 4, 8)
+        and width <= MAX_SUM_BITS
+        and all(p.numel() >= packed_in for p in payloads)
+    ):
+        return None
+    out = torch.empty((count * width + 7) // 8, dtype=torch.uint8)
+    addresses = [p.data_ptr() for p in payloads]
+    _kernels.lookup_sum(
+        addresses, bits, table.data_ptr(), count, width, out.data_ptr(), out.numel()
+    )
+    return out
+
+
+def decode(
+    packed: torch.Tensor,
+    width: int,
+    count: int,
+    a: float,
+    c: float,
+    rotation: Rotation | None,
+) -> torch.Tensor | None:
+    """a*S + c for ``count`` packed ``width``-bit sums S, then ``rotation.inverse`` if given
+    (returning all ``count`` padded coordinates)."""
+    if not (
+        _ready((packed, torch.uint8))
+        and width <= MAX_SUM_BITS
+        and packed.numel() >= (count * width + 7) // 8
+    ):
+        return None
+    signs, block = 0, 0
+    if rotation is not None:
+        if not _rotation_ready(rotation):
+            return None
+        signs, block = rotation.sign_bits.data_ptr(), rotation.block
+        a, c = a / math.sqrt(block), c / math.sqrt(block)  # the kernel's transform is unnormalised
+    out = torch.empty(count, dtype=torch.float32)
+    _kernels.decode(
+        packed.data_ptr(), packed.numel(), width, count, a, c, out.data_ptr(), block, signs
+    )
+    return out
+
+
+def _rotation_ready(rotation: Rotation) -> bool:
+    return rotation.block >= LANES and _ready((rotation.scratch, torch.float32))

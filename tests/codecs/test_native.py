@@ -1,0 +1,247 @@
+"""The native CPU kernels against the torch path they replace.
+
+Every test forces the native path on (GRADSUM_NATIVE=1), even when the suite runs with it off,
+and switches to torch explicitly where it compares the two.
+"""
+
+import math
+
+import pytest
+import torch
+
+from gradsum.codecs import make_codec, nmse, run_round
+from gradsum.codecs.base import CodecContext, Payload
+from gradsum.codecs.bits import pack_bits, unpack_bits
+from gradsum.codecs.thc import native
+from gradsum.codecs.thc.codec import THC, GridCodec, UniformTHC
+from gradsum.codecs.thc.hadamard import Rotation, fwht_
+
+from .conftest import gaussian_inputs
+
+pytestmark = pytest.mark.skipif(
+    not native.built(),
+    reason="the C extension gradsum.codecs.thc._kernels is not built (no C compiler at install "
+    "time); the torch path it replaces is covered by the other codec tests",
+)
+
+ANALYTIC_THC_NMSE = 0.0203
+
+
+@pytest.fixture(autouse=True)
+def native_on(monkeypatch):
+    monkeypatch.setenv("GRADSUM_NATIVE", "1")
+
+
+@pytest.fixture
+def both(monkeypatch):
+    """both(fn) -> (fn() on the native path, fn() on the torch path)."""
+
+    def run(fn):
+        monkeypatch.setenv("GRADSUM_NATIVE", "1")
+        fast = fn()
+        monkeypatch.setenv("GRADSUM_NATIVE", "0")
+        slow = fn()
+        monkeypatch.setenv("GRADSUM_NATIVE", "1")
+        return fast, slow
+
+    return run
+
+
+@pytest.fixture
+def native_only(monkeypatch):
+    """Fail loudly if the codec falls back to torch's stochastic rounding."""
+
+    def torch_path(*args):
+        raise AssertionError("took the torch path")
+
+    monkeypatch.setattr(GridCodec, "_round_to_table", torch_path)
+
+
+def _random(count, seed, high=None, dtype=torch.float32):
+    """Gaussian floats, or integers in [0, high)."""
+    generator = torch.Generator().manual_seed(seed)
+    if high is None:
+        return torch.randn(count, generator=generator, dtype=dtype)
+    return torch.randint(0, high, (count,), generator=generator, dtype=dtype)
+
+
+# -- FWHT ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("length", "block"),
+    [(8, 8), (3 * 64, 64), (4096, 4096), (5 * 1024, 1024), (1 << 16, 1 << 16), (1 << 18, 1 << 18)],
+)
+def test_fwht_matches_torch(both, length, block):
+    x = _random(length, seed=length + block)
+    fast, slow = both(lambda: fwht_(x.clone(), block).clone())
+    assert torch.allclose(fast, slow, atol=1e-5)
+
+
+def test_fwht_falls_back_where_the_kernel_cannot_run():
+    x = torch.randn(64)
+    assert not native.fwht_(x.clone(), 4, 0.5)  # block shorter than a vector
+    assert not native.fwht_(x.double(), 64, 0.125)
+    assert not native.fwht_(torch.randn(64, 2)[:, 0], 64, 0.125)  # not contiguous
+
+
+@pytest.mark.parametrize(("length", "block"), [(1000, None), (1 << 17, None), (3000, 1024)])
+def test_rotation_roundtrip(both, length, block):
+    x = _random(length, seed=length)
+
+    def roundtrip():
+        rotation = Rotation(length, block, seed=7, device="cpu")
+        y = rotation.forward(x)
+        return y.clone(), rotation.inverse(y).clone()
+
+    (y_fast, back_fast), (y_slow, _) = both(roundtrip)
+    assert torch.allclose(y_fast, y_slow, atol=1e-5)
+    assert torch.allclose(back_fast, x, atol=1e-5)
+
+
+# -- aggregator and packing -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("codec", "workers"),
+    [
+        (THC(workers=1), 1),
+        (THC(workers=4), 4),
+        (THC(workers=8), 8),  # 8 * 30 = 240: the last byte-wide sum
+        (THC(workers=9), 9),  # 9 bits: 16-bit accumulators
+        (THC(workers=32), 32),
+        (THC(workers=3, bits=1, granularity=7), 3),
+        (THC(workers=5, bits=2, granularity=12), 5),
+        (THC(workers=4, bits=8, granularity=255), 4),
+        (THC(workers=2, bits=4, granularity=300), 2),  # table beyond a byte: no vpshufb
+        (UniformTHC(workers=6, bits=4), 6),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("length", [1, 77, 4096 + 40, 3 * 4096 + 64])
+def test_aggregate_is_bit_identical(both, codec, workers, length):
+    count = codec._coordinates(length)
+    upstream = [
+        pack_bits(_random(count, seed=w, high=1 << codec.bits, dtype=torch.int64), codec.bits)
+        for w in range(workers)
+    ]
+    payloads = [Payload({"indices": p}, length) for p in upstream]
+    ctx = CodecContext(worker=-1)
+    fast, slow = both(lambda: codec.aggregate(payloads, ctx).fields["sums"])
+    assert torch.equal(fast, slow)
+
+
+@pytest.mark.parametrize(("bits", "width"), [(1, 1), (1, 3), (2, 5), (4, 4), (4, 7), (8, 8)])
+@pytest.mark.parametrize("count", [1, 8, 33, 4096 + 8 * 3 + 5])
+def test_packing_matches_bits_module(bits, width, count):
+    """A single payload through an identity table is packed exactly like pack_bits."""
+    values = _random(count, seed=count, high=1 << bits, dtype=torch.int64)
+    identity = torch.arange(1 << bits, dtype=torch.int32)
+    packed = native.lookup_sum([pack_bits(values, bits)], bits, identity, count, width)
+    assert torch.equal(packed, pack_bits(values, width))
+
+
+@pytest.mark.parametrize("width", range(1, 17))
+@pytest.mark.parametrize("count", [1, 8, 31, 4096 + 57])
+def test_unpacking_matches_bits_module(width, count):
+    values = _random(count, seed=width * count, high=1 << width, dtype=torch.int64)
+    decoded = native.decode(pack_bits(values, width), width, count, 1.0, 0.0, rotation=None)
+    assert torch.equal(decoded, unpack_bits(pack_bits(values, width), width, count).float())
+
+
+def test_decode_matches_torch(both):
+    codec = THC(workers=4)
+    inputs = gaussian_inputs(4, 5000, seed=3)
+    result = run_round(codec, inputs)
+    ctx = CodecContext()
+    fast, slow = both(lambda: codec.decode(result.aggregate, ctx, result.shared))
+    assert fast.shape == slow.shape == (5000,)
+    assert torch.allclose(fast, slow, atol=1e-5)
+
+
+# -- worker encode ---------------------------------------------------------------------------------
+def _encode_indices(codec, u, seed):
+    """Table indices of grid positions u (in [0, g]) through native.encode."""
+    cells = codec._tables(u.device).cell_entries
+    packed = native.encode(u, None, 1.0, 0.0, codec.granularity, cells, seed, codec.bits)
+    return unpack_bits(packed, codec.bits, u.numel()).long()
+
+
+def test_rounding_is_unbiased_with_error_shrinking_like_one_over_trials():
+    codec = THC(workers=1)
+    table = torch.tensor(codec.table, dtype=torch.float64)
+    u = torch.rand(1 << 14, generator=torch.Generator().manual_seed(0)) * codec.granularity
+    u[:3] = torch.tensor([0.0, float(codec.granularity), 14.0])  # ends and a table value
+    total, errors = torch.zeros_like(u, dtype=torch.float64), {}
+    for trial in range(1, 257):
+        total += table[_encode_indices(codec, u, seed=trial)]
+        if trial in (64, 256):
+            errors[trial] = float((total / trial - u.double()).pow(2).mean())
+    # unbiased: the squared error of the mean is all variance, a quarter of it at 4x the trials
+    assert errors[256] / errors[64] == pytest.approx(0.25, rel=0.15)
+
+
+def test_rounding_has_the_same_distribution_as_the_torch_path():
+    """Both paths pick one of the two neighbouring table values, the upper one with probability
+    (u - low) / (high - low): a two-point distribution, checked by a chi-square statistic."""
+    codec, trials = THC(workers=1), 400
+    u = torch.linspace(0, codec.granularity, 997)
+    table = torch.tensor(codec.table, dtype=torch.float64)
+    below = torch.searchsorted(table, u.double(), right=True).clamp(max=15) - 1
+    p_up = (u.double() - table[below]) / (table[below + 1] - table[below])
+    native_indices = torch.stack([_encode_indices(codec, u, seed) for seed in range(trials)])
+    torch_indices = torch.stack(
+        [codec._round_to_table(u.clone(), CodecContext(step=s)).long() for s in range(trials)]
+    )
+    for indices in (native_indices, torch_indices):
+        up = indices - below
+        assert bool(((up == 0) | (up == 1)).all())
+        ups, expected = up.sum(0).double(), trials * p_up
+        certain = (p_up == 0) | (p_up == 1)
+        assert torch.equal(ups[certain], expected[certain])
+        chi2 = (ups - expected)[~certain].pow(2) / (expected * (1 - p_up))[~certain]
+        assert float(chi2.mean()) < 1.3  # 1 on average; 1.3 is about 6 standard deviations
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_thc_nmse_through_the_native_path(native_only, workers):
+    inputs = gaussian_inputs(workers, 1 << 18, seed=workers)
+    codec = make_codec("thc", workers=workers, error_feedback=False)
+    measured = nmse(run_round(codec, inputs).average, inputs)
+    assert measured == pytest.approx(ANALYTIC_THC_NMSE / workers, rel=0.10)
+
+
+@pytest.mark.parametrize(
+    ("name", "length"),
+    # a rotation shorter than 8 coordinates stays with torch; uniform THC has no rotation
+    [("thc", 13), ("thc", 1000), ("thc", 4096 + 3), ("thc-uniform", 1), ("thc-uniform", 4099)],
+)
+def test_odd_lengths_round_trip(native_only, name, length):
+    codec = make_codec(name, workers=2, error_feedback=False)
+    inputs = gaussian_inputs(2, length, seed=length)
+    result = run_round(codec, inputs)
+    assert result.average.shape == (length,)
+    assert nmse(result.average, inputs) < (0.02 if name == "thc" else 0.2)
+
+
+def test_encode_is_deterministic_in_the_seed(native_only):
+    codec = THC(workers=2)
+    x = _random(1 << 12, seed=1)
+    shared = codec.summarize(x, CodecContext())
+
+    def encode(worker, step):
+        ctx = CodecContext(seed=5, worker=worker, step=step)
+        return codec.encode(x, ctx, shared).fields["indices"]
+
+    assert torch.equal(encode(0, 0), encode(0, 0))
+    assert not torch.equal(encode(0, 0), encode(1, 0))  # independent per worker
+    assert not torch.equal(encode(0, 0), encode(0, 1))  # and per step
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("GRADSUM_NATIVE", "0")
+    assert not native.available()
+    assert not native.fwht_(torch.randn(64), 64, 0.125)
+
+
+def test_bits_of_the_rotation_signs_match_the_float_signs():
+    rotation = Rotation(100, None, seed=3, device="cpu")
+    negative = unpack_bits(rotation.sign_bits, 1, rotation.padded).bool()
+    assert torch.equal(negative, rotation.signs < 0)
+    assert math.isclose(float(rotation.signs.abs().sum()), rotation.padded)
