@@ -10,6 +10,7 @@ retransmitted).
 from __future__ import annotations
 
 import random
+import socket
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -33,11 +34,16 @@ class ServiceAggregator(Aggregator):
         timeout: float = 60.0,
     ):
         from ..net.client import SwitchClient
+        from ..net.udp import parse_bind
 
         super().__init__(rank, world)
         self.name = kind
+        parsed = [
+            parse_bind(a, f"--{'switch' if kind == 'switch' else 'servers'}") for a in addresses
+        ]
         self.client = SwitchClient(
-            addresses,
+            parsed,
+            bind=(local_address_towards(parsed[0]), 0),
             job=_agree_on_job_id(),
             worker=rank,
             workers=world,
@@ -85,3 +91,12 @@ def _agree_on_job_id() -> int:
     choice = [random.SystemRandom().randrange(1, 1 << 16) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     return int(choice[0])
+
+
+def local_address_towards(address: tuple[str, int]) -> str:
+    """This host's source address for packets to ``address`` (what the aggregator will see as
+    our source, so it is what must be registered); no packet is sent."""
+    family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]
