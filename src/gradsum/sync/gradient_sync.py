@@ -5,11 +5,17 @@
     sync.wait()                                              # every group back in param.grad
     optimizer.step()
 
-Each parameter gets a post-accumulate-grad hook. Parameters are sent in groups; a group is
-released to the communication thread once all its gradients are ready *and* every group before it
-in the send order has been released, so all workers issue the same transfers in the same order.
-Groups come from one place (``groups`` or ``fusion_elements``), so a scheduler's plan plugs in
-without touching this class.
+Each parameter gets a post-accumulate-grad hook. Gradients are sent in groups; a group is
+released to its sender once all its gradients are ready *and* every group before it in the send
+order has been released, so all workers issue the same transfers in the same order.
+
+Groups are whole parameters (``groups``, ``fusion_elements``, or one per parameter), or a
+scheduler's :class:`~gradsum.schedule.plan.Plan` (``plan=``, with its send ``order``): element
+ranges of the backward-order gradient buffer, possibly parts of a tensor, each split into parts
+on PS shards. A plan's trigger is honoured (``after_backward``: nothing leaves before the whole
+backward pass has finished); its parts go to their shards when the aggregator can address shards
+one by one (:class:`~gradsum.sync.sharded.ShardedServiceAggregator`), otherwise each group is one
+aggregator call (all-reduce, switch). See :mod:`gradsum.sync.senders`.
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ from collections.abc import Sequence
 import torch
 
 from ..codecs import Codec
+from ..schedule.plan import Plan
 from .aggregator import Aggregator
-from .comm import CommunicationThread, wait_all
+from .comm import wait_all
+from .layout import BufferLayout, Segment
 from .partition import PARTITION_ELEMENTS
+from .senders import SerialSender, ShardSender
 
 
 def backward_order(parameters: Sequence[torch.nn.Parameter]) -> list[int]:
@@ -58,76 +67,97 @@ class GradientSync:
         *,
         groups: Sequence[Sequence[int]] | None = None,
         fusion_elements: int | None = None,
+        plan: Plan | None = None,
+        order: Sequence[int] | None = None,
         seed: int = 0,
         timeout: float = 300.0,
         partition_elements: int = PARTITION_ELEMENTS,
     ):
         self.parameters = [p for p in model.parameters() if p.requires_grad]
-        if groups is None:
-            groups = (
-                fusion_groups(self.parameters, fusion_elements)
-                if fusion_elements
-                else wfbp_groups(self.parameters)
-            )
-        self.groups = [list(g) for g in groups]
+        if plan is not None and (groups is not None or fusion_elements):
+            raise ValueError("pass a plan, or groups / fusion_elements, not both")
+        self._segments = (
+            _plan_segments(plan, self.parameters)
+            if plan is not None
+            else _param_segments(self.parameters, groups, fusion_elements)
+        )
+        self.plan = plan
+        self.groups = [sorted({s.param for s in segs}) for segs in self._segments]
         _check_cover(self.groups, len(self.parameters))
+        self.order = _check_order(order, len(self.groups))
         self.codec = codec
         self.aggregator = aggregator
         self.seed = seed
         self.timeout = timeout
         self.partition_elements = partition_elements
         self.step = 0
-        self._group_of = {i: g for g, members in enumerate(self.groups) for i in members}
-        self._missing = [len(g) for g in self.groups]
+        after_backward = plan is not None and plan.trigger == "after_backward"
+        everything = list(range(len(self.parameters)))
+        self._needs = [everything if after_backward else g for g in self.groups]
+        self._waiting_on: dict[int, list[int]] = {}
+        for g, needed in enumerate(self._needs):
+            for i in needed:
+                self._waiting_on.setdefault(i, []).append(g)
+        self._missing = [len(n) for n in self._needs]
         self._released = 0
         self._futures: list[torch.futures.Future] = []
-        self._thread = CommunicationThread("gradsum-sync")
+        self._sender = self._make_sender()
         self._handles = [
             p.register_post_accumulate_grad_hook(self._hook(i))
             for i, p in enumerate(self.parameters)
         ]
 
+    def _make_sender(self):
+        if (
+            self.plan is not None
+            and self.plan.aggregator == "ps"
+            and hasattr(self.aggregator, "synchronize_part")
+        ):
+            return ShardSender(
+                self.aggregator, self.plan, self.aggregator.rank, timeout=self.timeout
+            )
+        return SerialSender(
+            self.aggregator,
+            self.codec,
+            seed=self.seed,
+            partition_elements=self.partition_elements,
+        )
+
     def _hook(self, index: int):
         def on_ready(_: torch.Tensor) -> None:
-            self._missing[self._group_of[index]] -= 1
+            for g in self._waiting_on[index]:
+                self._missing[g] -= 1
             self._release_ready_groups()
 
         return on_ready
 
     def _release_ready_groups(self) -> None:
-        while self._released < len(self.groups) and self._missing[self._released] == 0:
-            self._futures.append(self._send(self._released))
+        """Release groups strictly in send order: a ready group waits for those before it."""
+        while self._released < len(self.order) and self._missing[self.order[self._released]] == 0:
+            self._futures.append(self._send(self.order[self._released]))
             self._released += 1
 
     def _send(self, group: int) -> torch.futures.Future:
-        params = [self.parameters[i] for i in self.groups[group]]
-        grads = [p.grad for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
-        step = self.step
+        segments = self._segments[group]
+        views = [self.parameters[s.param].grad.reshape(-1)[s.start : s.stop] for s in segments]
+        flat = torch.cat(views) if len(views) > 1 else views[0]
 
-        def run() -> None:
-            average = self.aggregator.synchronize(
-                flat,
-                self.codec,
-                key=("group", group, flat.numel()),
-                step=step,
-                seed=self.seed,
-                partition_elements=self.partition_elements,
-            )
+        def write_back(future: torch.futures.Future) -> None:
+            average = future.wait()
             offset = 0
-            for grad in grads:
-                grad.copy_(average[offset : offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+            for view in views:
+                view.copy_(average[offset : offset + view.numel()])
+                offset += view.numel()
 
-        return self._thread.submit(run)
+        return self._sender.submit(group, flat, self.step).then(write_back)
 
     def wait(self) -> None:
         """Block until every group is aggregated and written back into ``param.grad``."""
-        if self._released < len(self.groups):
-            stuck = self.groups[self._released]
+        if self._released < len(self.order):
+            stuck = self.order[self._released]
             raise RuntimeError(
-                f"gradient group {self._released} (parameters {stuck}) never became ready: a "
-                "parameter received no gradient this step; every worker must use every parameter"
+                f"gradient group {stuck} (parameters {self.groups[stuck]}) never became ready: "
+                "a parameter received no gradient this step; every worker must use every parameter"
             )
         try:
             wait_all(
@@ -135,14 +165,39 @@ class GradientSync:
             )
         finally:
             self._futures = []
-            self._missing = [len(g) for g in self.groups]
+            self._missing = [len(n) for n in self._needs]
             self._released = 0
             self.step += 1
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._thread.close()
+        self._sender.close()
+
+
+def _param_segments(parameters, groups, fusion_elements) -> list[tuple[Segment, ...]]:
+    """Whole-parameter groups: the given ones, static fusion, or one per parameter (WFBP)."""
+    if groups is None:
+        groups = (
+            fusion_groups(parameters, fusion_elements)
+            if fusion_elements
+            else wfbp_groups(parameters)
+        )
+    return [tuple(Segment(i, 0, parameters[i].numel()) for i in g) for g in groups]
+
+
+def _plan_segments(plan: Plan, parameters) -> list[tuple[Segment, ...]]:
+    layout = BufferLayout(plan, [p.numel() for p in parameters])
+    return [layout.segments(g.start, g.stop) for g in plan.groups]
+
+
+def _check_order(order: Sequence[int] | None, count: int) -> list[int]:
+    if order is None:
+        return list(range(count))
+    order = [int(g) for g in order]
+    if sorted(order) != list(range(count)):
+        raise ValueError(f"a send order must list groups 0..{count - 1} once each, got {order}")
+    return order
 
 
 def _check_cover(groups: list[list[int]], count: int) -> None:

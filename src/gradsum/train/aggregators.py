@@ -33,11 +33,22 @@ def make_aggregator(config, rank: int, world: int, codec: Codec) -> Aggregator:
 
         return AllReduceAggregator()
     from ..sync.service import ServiceAggregator
+    from ..sync.sharded import ShardedServiceAggregator
 
     addresses = [config.switch] if config.aggregator == "switch" else list(config.servers)
     if not all(addresses):
         flag = "--switch HOST:PORT" if config.aggregator == "switch" else "--servers HOST:PORT,..."
         raise IncompatibleChoice(f"--aggregator {config.aggregator} needs {flag}")
+    if config.aggregator == "ps":  # shards addressed one by one: plans place parts on them
+        return ShardedServiceAggregator(
+            addresses,
+            codec,
+            config.codec,
+            parse_options(config.codec_options),
+            rank,
+            world,
+            seed=config.seed,
+        )
     return ServiceAggregator(
         kind=config.aggregator,
         addresses=addresses,

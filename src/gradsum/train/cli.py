@@ -29,11 +29,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--codec-options", default="", help="e.g. 'bits=4,granularity=30,p=1/32' (codec defaults)"
     )
+    from ..schedule import PLANNER_NAMES
+
     parser.add_argument(
         "--scheduler",
-        choices=("wfbp", "fusion"),
+        choices=PLANNER_NAMES,
         default=defaults.scheduler,
-        help="wfbp: each gradient as soon as it is ready; fusion: groups of --fusion-elements",
+        help="communication plan, made at start-up from a measured profile and α-β "
+        "(docs/scheduling.md); fusion uses --fusion-elements",
     )
     parser.add_argument("--fusion-elements", type=positive_int, default=defaults.fusion_elements)
     parser.add_argument("--model", choices=MODEL_NAMES, default=defaults.model)

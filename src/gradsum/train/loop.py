@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..codecs import make_codec, parse_options
 from ..sync.gradient_sync import GradientSync
+from ..sync.scheduling import agree_on_plan
 from .aggregators import make_aggregator
 from .data import augment_images, load_dataset, shard_batches, steps_per_epoch
 from .models import build_model, input_shape
@@ -76,18 +77,26 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
     optimizer = torch.optim.SGD(
         model.parameters(), lr=config.lr, momentum=momentum, weight_decay=config.weight_decay
     )
+    options = {"threshold": config.fusion_elements} if config.scheduler == "fusion" else {}
+    batch = dataset.train.inputs[: config.batch_size]
+    chosen = agree_on_plan(
+        config.scheduler, model, batch, aggregator, codec, options=options, model_name=config.model
+    )
     sync = GradientSync(
         model,
         codec,
         aggregator,
-        groups=None,
-        fusion_elements=config.fusion_elements if config.scheduler == "fusion" else None,
+        plan=chosen.plan,
+        order=chosen.order,
         seed=config.seed,
         timeout=config.timeout,
     )
     first_epoch = _resume(config, rank, model, optimizer, codec, sync) if config.resume else 0
     log = _Log(config.log if rank == 0 else None)
     log.write({"event": "config", "world": world, **asdict(config)})
+    log.write({"event": "plan", "describe": chosen.describe(), "order": chosen.order})
+    if rank == 0 and config.progress:
+        print(chosen.describe(), flush=True)
     history: list[EpochMetrics] = []
     augment = torch.Generator().manual_seed(config.seed * 7919 + rank)
     try:

@@ -177,6 +177,24 @@ class DigitsMLP(nn.Module):
         return self.net(torch.flatten(x, 1))
 
 
+class DigitsWide(nn.Module):
+    """64 → 2048 → 2048 → classes (4.35M parameters, 97% in the middle layer): a model whose
+    gradient exchange dwarfs its compute, for comparing communication schedules."""
+
+    def __init__(self, num_classes: int = 10, hidden: int = 2048) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(64, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.flatten(x, 1))
+
+
 class DigitsCNN(nn.Module):
     """Two 3×3 convolutions (1→16→32), pooled to 32×2×2, and a 128→classes linear layer."""
 
@@ -204,6 +222,7 @@ _BUILDERS: dict[str, Callable[[int], nn.Module]] = {
     "alexnet": AlexNet,
     "digits-mlp": DigitsMLP,
     "digits-cnn": DigitsCNN,
+    "digits-wide": DigitsWide,
 }
 
 MODEL_NAMES: tuple[str, ...] = tuple(_BUILDERS)
@@ -216,6 +235,7 @@ INPUT_SHAPES: dict[str, tuple[int, ...]] = {
     "alexnet": (3, 32, 32),
     "digits-mlp": (64,),
     "digits-cnn": (64,),
+    "digits-wide": (64,),
 }
 
 

@@ -1,0 +1,169 @@
+"""How a released gradient group travels: whole through one aggregator, or part by part to shards.
+
+Both senders take groups in the order ``GradientSync`` releases them (the plan's send order,
+identical on every worker) and return a future with the group's average.
+
+* :class:`SerialSender` — one FIFO thread; each group is one ``aggregator.synchronize`` call.
+  All-reduce, the switch, or a PS that spreads every tensor over all its servers.
+* :class:`ShardSender` — a plan's shard placement: each part of a group goes to its own shard.
+  One FIFO stream per shard, so every shard sees its parts in the same order on every worker
+  (what a shard's job needs), while different shards proceed independently. A dispatcher admits
+  groups within the plan's credit window (``None``: one group at a time).
+
+  Interleaving, concretely: a part completes only once every worker has contributed to it, so a
+  worker cannot finish its parts one after another in a *rotated* order (worker 0 would wait on
+  shard 0 for worker 1, which waits on shard 1 for worker 0). Interleaved parts are therefore all
+  put in flight at once, starting with part ``worker mod len(parts)``, each on its shard's stream;
+  every shard then receives from all workers at a fraction of their rate instead of all of them at
+  once. Non-interleaved parts go one after another — every worker pushing to the same shard at the
+  same moment, the synchronised incast that interleaving removes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from ..codecs import Codec
+from ..schedule.plan import Plan
+from .aggregator import Aggregator
+from .comm import CommunicationThread
+
+
+class SerialSender:
+    def __init__(self, aggregator: Aggregator, codec: Codec, *, seed: int, partition_elements):
+        self.aggregator, self.codec = aggregator, codec
+        self.seed, self.partition_elements = seed, partition_elements
+        self._thread = CommunicationThread("gradsum-sync")
+
+    def submit(self, group: int, flat: torch.Tensor, step: int) -> torch.futures.Future:
+        def run() -> torch.Tensor:
+            return self.aggregator.synchronize(
+                flat,
+                self.codec,
+                key=("group", group, flat.numel()),
+                step=step,
+                seed=self.seed,
+                partition_elements=self.partition_elements,
+            )
+
+        return self._thread.submit(run)
+
+    def close(self) -> None:
+        self._thread.close()
+
+
+class ShardSender:
+    """Sends plan groups part by part; ``shards.synchronize_part(shard, tensor, key)`` does one."""
+
+    def __init__(self, shards, plan: Plan, worker: int, *, timeout: float):
+        needed = 1 + max(p.shard for g in plan.groups for p in g.parts)
+        if needed > shards.num_shards:
+            raise ValueError(
+                f"the {plan.policy} plan places parts on {needed} shards but only "
+                f"{shards.num_shards} parameter servers are given (--servers)"
+            )
+        self.shards, self.plan, self.worker, self.timeout = shards, plan, worker, timeout
+        self.window = plan.credit_bytes or 0  # 0: one group in flight at a time
+        self._streams = [CommunicationThread(f"gradsum-shard{s}") for s in range(needed)]
+        self._dispatcher = CommunicationThread("gradsum-dispatch")
+        self._credit = threading.Condition()
+        self._in_flight = 0
+
+    def submit(self, group: int, flat: torch.Tensor, step: int) -> torch.futures.Future:
+        result: torch.futures.Future = torch.futures.Future()
+
+        def dispatch() -> None:
+            try:
+                self._dispatch(group, flat, result)
+            except BaseException as error:
+                result.set_exception(error)
+
+        self._dispatcher.submit(dispatch)
+        return result
+
+    def _dispatch(self, index: int, flat: torch.Tensor, result: torch.futures.Future) -> None:
+        group = self.plan.groups[index]
+        nbytes = 4 * flat.numel()
+        self._acquire(nbytes, index)
+        out = torch.empty(flat.numel(), dtype=torch.float32)
+        parts = self.plan.part_order(group, self.worker)
+        finished = _Countdown(len(parts), lambda error: self._finish(nbytes, out, result, error))
+        previous: threading.Event | None = None
+        for k, part in enumerate(parts):
+            done = threading.Event()
+            gate = None if self.plan.interleave else previous
+            run = self._part_job(index, k, part, flat, out, group.start, gate)
+            future = self._streams[part.shard].submit(run)
+            future.add_done_callback(_signal(done, finished))
+            previous = done
+
+    def _part_job(self, index, k, part, flat, out, base, gate) -> Callable[[], None]:
+        a, b = part.start - base, part.stop - base
+
+        def run() -> None:
+            if gate is not None and not gate.wait(self.timeout):
+                raise TimeoutError(
+                    f"part {k} of group {index} waited {self.timeout:.0f} s for part {k - 1}"
+                )
+            out[a:b] = self.shards.synchronize_part(part.shard, flat[a:b], ("part", index, k))
+
+        return run
+
+    def _acquire(self, nbytes: int, index: int) -> None:
+        with self._credit:
+            admitted = self._credit.wait_for(
+                lambda: self._in_flight == 0 or self._in_flight + nbytes <= self.window,
+                self.timeout,
+            )
+            if not admitted:
+                raise TimeoutError(
+                    f"group {index} waited {self.timeout:.0f} s for room in the credit window "
+                    f"({self._in_flight:,} of {self.window:,} bytes in flight)"
+                )
+            self._in_flight += nbytes
+
+    def _finish(self, nbytes, out, result, error) -> None:
+        with self._credit:
+            self._in_flight -= nbytes
+            self._credit.notify_all()
+        if error is None:
+            result.set_result(out)
+        else:
+            result.set_exception(error)
+
+    def close(self) -> None:
+        self._dispatcher.close()
+        for stream in self._streams:
+            stream.close()
+
+
+class _Countdown:
+    """Calls ``on_done(first error or None)`` once ``count`` parts have finished."""
+
+    def __init__(self, count: int, on_done: Callable[[BaseException | None], None]):
+        self._left, self._error, self._on_done = count, None, on_done
+        self._lock = threading.Lock()
+
+    def part_done(self, error: BaseException | None) -> None:
+        with self._lock:
+            self._left -= 1
+            self._error = self._error or error
+            last = self._left == 0
+        if last:
+            self._on_done(self._error)
+
+
+def _signal(done: threading.Event, finished: _Countdown):
+    def callback(future: torch.futures.Future) -> None:
+        error = None
+        try:
+            future.wait()
+        except BaseException as caught:
+            error = caught
+        done.set()
+        finished.part_done(error)
+
+    return callback

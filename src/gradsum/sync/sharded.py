@@ -1,0 +1,124 @@
+"""Parameter-server shards addressed one by one, so a plan's parts land on the shards it chose.
+
+``ServiceAggregator`` spreads every tensor evenly over all servers; a scheduler's plan instead puts
+each part of a group on one named shard. Here each shard gets its own client (its own socket and
+chunk numbering) for a job registered on that shard alone, so a shard's stream of parts is
+independent of the others: a worker can have parts in flight on several shards at once, in any
+order, as long as every worker gives each shard its parts in the same order (which the plan's
+fixed send order guarantees). Aggregation is the usual SUM round with the worker's codec.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Hashable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..codecs import Codec, CodecContext, Payload
+from .aggregator import Aggregator
+from .service import _agree_on_job_id, local_address_towards
+
+
+class ShardedServiceAggregator(Aggregator):
+    name = "ps"
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        codec: Codec,
+        codec_name: str,
+        codec_options: dict,
+        rank: int,
+        world: int,
+        seed: int = 0,
+    ):
+        from ..net.client import SwitchClient
+        from ..net.udp import parse_bind
+
+        super().__init__(rank, world)
+        if not addresses:
+            raise ValueError("a sharded parameter server needs at least one shard address")
+        job = _agree_on_job_id()
+        parsed = [parse_bind(address, "--servers") for address in addresses]
+        self.clients = [
+            SwitchClient(
+                [address],
+                bind=(local_address_towards(address), 0),
+                job=job,
+                worker=rank,
+                workers=world,
+                codec=codec_name,
+                codec_options=codec_options,
+                seed=seed,
+                rank=rank,
+            )
+            for address in parsed
+        ]
+        for client in self.clients:  # the worker's codec object keeps its state (error feedback)
+            client.codec = client.collective.codec = codec
+        mine = [client.address for client in self.clients]
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine)
+        if rank == 0:
+            for shard, client in enumerate(self.clients):
+                client.register([addresses_of[shard] for addresses_of in everyone])
+        dist.barrier()
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.clients)
+
+    def synchronize_part(self, shard: int, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
+        """The average over workers of ``flat``, aggregated on ``shard`` alone."""
+        if not 0 <= shard < len(self.clients):
+            raise ValueError(f"shard {shard} does not exist: this job has {len(self.clients)}")
+        return self.clients[shard].allreduce(flat, key=key)
+
+    def synchronize(
+        self, flat, codec, *, key: Hashable, step: int, seed: int = 0, partition_elements=None
+    ):
+        """Spread ``flat`` over every shard, one part after another (same order on all workers)."""
+        out = torch.empty_like(flat, dtype=torch.float32)
+        bounds = torch.linspace(0, flat.numel(), len(self.clients) + 1).round().long().tolist()
+        for shard, (a, b) in enumerate(itertools.pairwise(bounds)):
+            if b > a:
+                out[a:b] = self.synchronize_part(shard, flat[a:b], (key, shard))
+        return out
+
+    def max_reduce(self, summaries: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        return [None if s is None else self.clients[0].max_reduce(s) for s in summaries]
+
+    def reduce(
+        self,
+        codec: Codec,
+        payloads: Sequence[Payload],
+        contexts: Sequence[CodecContext],
+        shared: Sequence[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        raise NotImplementedError("the sharded server runs whole rounds: use synchronize()")
+
+    def close(self) -> None:
+        try:
+            if self.rank == 0:
+                for client in self.clients:
+                    client.teardown()
+        finally:
+            for client in self.clients:
+                client.close()
+
+
+def time_transfers(send, sizes: Sequence[int], repeats: int = 3) -> list[tuple[float, float]]:
+    """(bytes, seconds) of ``send(tensor)`` for fp32 tensors of each size; the first call of each
+    size is a warm-up. All workers must call this together with the same sizes."""
+    samples = []
+    for size in sizes:
+        tensor = torch.zeros(size)
+        send(tensor)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            send(tensor)
+            samples.append((4.0 * size, time.perf_counter() - start))
+    return samples
