@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gradsum.codecs import make_codec, nmse, run_round
-from gradsum.codecs.base import CodecContext, Payload
+from gradsum.codecs.base import CodecContext, NonFiniteGradientError, Payload
 from gradsum.codecs.bits import pack_bits, unpack_bits
 from gradsum.codecs.thc import native
 from gradsum.codecs.thc.codec import THC, GridCodec, UniformTHC
@@ -245,3 +245,26 @@ def test_bits_of_the_rotation_signs_match_the_float_signs():
     negative = unpack_bits(rotation.sign_bits, 1, rotation.padded).bool()
     assert torch.equal(negative, rotation.signs < 0)
     assert math.isclose(float(rotation.signs.abs().sum()), rotation.padded)
+
+
+@pytest.mark.parametrize("name", ["thc", "thc-uniform"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_input_raises_through_the_native_path(native_only, name, bad):
+    codec = make_codec(name, workers=1, error_feedback=False)
+    x = torch.randn(1000)
+    ctx = CodecContext()
+    shared = codec.summarize(x, ctx)
+    x[123] = bad
+    with pytest.raises(NonFiniteGradientError, match=r"\[123\]"):
+        codec.encode(x, ctx, shared)
+
+
+def test_norm_near_the_float32_limit_does_not_overflow_the_transform(native_only):
+    """Unnormalised, the rotated coordinates would be about the norm itself (2e38) times N(0, 1),
+    many beyond float32's 3.4e38; the kernel scales before it transforms."""
+    inputs = [t * (2e38 / 256) for t in gaussian_inputs(1, 1 << 16, seed=4)]
+    norm = float(torch.linalg.vector_norm(inputs[0], dtype=torch.float64))
+    assert 1e38 < norm < torch.finfo(torch.float32).max
+    average = run_round(make_codec("thc", workers=1, error_feedback=False), inputs).average
+    assert bool(torch.isfinite(average).all())
+    assert nmse(average, inputs) == pytest.approx(ANALYTIC_THC_NMSE, rel=0.15)

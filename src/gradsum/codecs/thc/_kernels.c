@@ -169,16 +169,28 @@ MULTIVERSION static void sign_leaf(void *state, float *leaf, size_t offset, size
     for (size_t i = 0; i < count; i += LANES) store(leaf + i, apply_signs(load(leaf + i), signs[i / LANES]));
 }
 
-/* dst[0, n) = src * signs, zero beyond length (the rotation's padding); n a multiple of LANES. */
-MULTIVERSION static void signed_copy(const float *src, size_t length, float *dst, size_t n,
-                                     const uint8_t *signs) {
+/* dst[0, n) = scale * src * signs, zero beyond length (the rotation's padding), n a multiple of
+   LANES. Returns whether src is all finite: the one pass over it checks that for free. */
+MULTIVERSION static int signed_copy(const float *src, size_t length, float scale, float *dst,
+                                    size_t n, const uint8_t *signs) {
+    f32x8 finite = {0}; /* stays zero unless some x - x is NaN: an Inf or NaN */
     size_t i = 0;
-    for (; i + LANES <= length; i += LANES) store(dst + i, apply_signs(load(src + i), signs[i / LANES]));
+    for (; i + LANES <= length; i += LANES) {
+        f32x8 x = load(src + i);
+        finite += x - x;
+        store(dst + i, apply_signs(x * scale, signs[i / LANES]));
+    }
     for (; i < n; i += LANES) {
         float tail[LANES] = {0};
         if (i < length) memcpy(tail, src + i, (length - i) * sizeof(float));
-        store(dst + i, apply_signs(load(tail), signs[i / LANES]));
+        f32x8 x = load(tail);
+        finite += x - x;
+        store(dst + i, apply_signs(x * scale, signs[i / LANES]));
     }
+    i32x8 clean = finite == finite;
+    for (int lane = 0; lane < LANES; lane++)
+        if (!clean[lane]) return 0;
+    return 1;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -561,7 +573,8 @@ static PyObject *py_fwht(PyObject *Py_UNUSED(self), PyObject *args) {
 PyDoc_STRVAR(encode_doc,
              "encode(src, length, buffer, n, block, signs, a, c, g, cells, seed, bits, out, out_size)\n"
              "Packed table indices of u = clamp(a*y + c, 0, g), y the unnormalised FWHT (in\n"
-             "blocks) of src[0:length] * signs padded to n in buffer, or y = src[0:n] if block is 0.");
+             "blocks) of src[0:length] * signs padded to n in buffer, or y = src[0:n] if block is 0.\n"
+             "Returns False, and no indices, where the rotated src holds an Inf or NaN.");
 
 static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long src, buffer, signs, cells, seed, out;
@@ -582,16 +595,21 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
     q.out = ADDRESS(uint8_t *, out);
     q.end = q.out + out_size;
     rng8_seed(&q.rng, seed);
+    int finite = 1;
     Py_BEGIN_ALLOW_THREADS
     if (block) {
-        signed_copy(ADDRESS(const float *, src), (size_t)length, ADDRESS(float *, buffer), (size_t)n,
-                    ADDRESS(const uint8_t *, signs));
-        fwht(ADDRESS(float *, buffer), (size_t)n, (size_t)block, quantize_leaf, &q);
+        /* a first, not after the transform (linearity): the unnormalised FWHT of a gradient
+           whose norm is near the float32 limit would overflow, its scaled values never do */
+        float *y = ADDRESS(float *, buffer);
+        finite = signed_copy(ADDRESS(const float *, src), (size_t)length, q.grid.a, y, (size_t)n,
+                             ADDRESS(const uint8_t *, signs));
+        q.grid.a = 1;
+        if (finite) fwht(y, (size_t)n, (size_t)block, quantize_leaf, &q);
     } else {
         quantize(&q, ADDRESS(float *, src), (size_t)n);
     }
     Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+    return PyBool_FromLong(finite);
 }
 
 PyDoc_STRVAR(lookup_sum_doc,

@@ -149,12 +149,14 @@ class GridCodec(Codec):
     def _encode_grid(
         self, x: torch.Tensor, a: float, c: float, ctx: CodecContext, rotation: Rotation | None
     ) -> Payload:
-        """Payload of u = clamp(a*y + c, 0, g) rounded to table indices; y = x or x rotated."""
+        """Payload of u = clamp(a*y + c, 0, g) rounded to table indices; y = x or x rotated.
+        NaN or Inf in x raises NonFiniteGradientError."""
         lookups = self._tables(x.device)
         seed = ctx.worker_seed()
         g = self.granularity
         packed = native.encode(x, rotation, a, c, g, lookups.cell_entries, seed, self.bits)
         if packed is None:
+            check_finite(x)
             y = x.mul(a) if rotation is None else rotation.forward(x).mul_(a)
             indices = self._round_to_table(y.add_(c).clamp_(0, g), ctx)
             packed = pack_bits(indices, self.bits, check=False)
@@ -247,7 +249,6 @@ class THC(GridCodec):
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> Payload:
         max_norm = _shared_scalar(shared, self.name, "max norm")
-        check_finite(x)
         rotation = self._rotation(x.numel(), ctx, x.device)
         scale = math.sqrt(rotation.padded) / max_norm if max_norm > 0 else 0.0
         t, g = self.threshold, self.granularity
@@ -301,7 +302,6 @@ class UniformTHC(GridCodec):
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> Payload:
         low, span = self._range(shared)
-        check_finite(x)
         a = self.granularity / span if span > 0 else 0.0
         flat = x.reshape(-1).to(torch.float32).contiguous()
         return self._encode_grid(flat, a, -low * a, ctx, rotation=None)

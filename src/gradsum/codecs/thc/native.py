@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..base import check_finite
+
 if TYPE_CHECKING:
     from .hadamard import Rotation
 
@@ -70,7 +72,8 @@ def encode(
 
     y is x itself, or ``rotation.forward(x)`` (computed in the rotation's scratch buffer).
     ``cells`` (int32, one per unit cell of the grid) packs the cell's table interval k, its
-    lower end T[k] and its width as k | T[k] << 8 | width << 20.
+    lower end T[k] and its width as k | T[k] << 8 | width << 20. Raises
+    ``NonFiniteGradientError`` for NaN or Inf in x, found by the rotation's first pass.
     """
     if not (
         _ready((x, torch.float32), (cells, torch.int32))
@@ -79,14 +82,16 @@ def encode(
     ):
         return None
     buffer, signs, block = x, 0, 0
-    if rotation is not None:
+    if rotation is None:
+        check_finite(x)
+    else:
         if not _rotation_ready(rotation):
             return None
         buffer, signs, block = rotation.scratch, rotation.sign_bits.data_ptr(), rotation.block
         a /= math.sqrt(block)  # the kernel's transform is unnormalised
     count = buffer.numel()
     out = torch.empty((count * bits + 7) // 8, dtype=torch.uint8)
-    _kernels.encode(
+    finite = _kernels.encode(
         x.data_ptr(),
         x.numel(),
         buffer.data_ptr(),
@@ -102,6 +107,8 @@ def encode(
         out.data_ptr(),
         out.numel(),
     )
+    if not finite:
+        check_finite(x)  # raises, naming the coordinates
     return out
 
 
