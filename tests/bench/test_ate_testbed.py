@@ -31,7 +31,7 @@ def test_the_testbed_has_a_switch_and_a_ps_host_only_when_a_method_needs_them():
 def test_the_window_fits_the_link_queue_and_the_aggregator_buffer():
     buffer = 8 << 20
     assert at.default_slots(10**8, 4, buffer) == 4  # 20 ms at 100 Mbit/s: 250 kB + a burst
-    assert at.default_slots(10**9, 4, buffer) == buffer // (4 * at.DATAGRAM_TRUESIZE)
+    assert at.default_slots(10**9, 4, buffer) == buffer // (2 * 4 * at.DATAGRAM_TRUESIZE)
     assert at.default_slots(10**10, 1, 1 << 30) == at.MAX_SLOTS
     assert at.default_slots(10**6, 4, buffer) == 2  # never fewer than two
 
@@ -103,3 +103,11 @@ def test_bad_arguments_are_named(argv, message, capsys):
         main(["bench", "ate", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_packet_counters_sum_every_worker_and_job():
+    stats = [
+        {"a/1": {"packets_sent": 10, "retransmissions": 2, "results": 8}},
+        {"a/1": {"packets_sent": 9, "retransmissions": 1}, "b/1": {"packets_sent": 1}},
+    ]
+    assert at.packet_counters(stats) == {"packets_sent": 20, "retransmissions": 3}

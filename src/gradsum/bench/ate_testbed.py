@@ -29,8 +29,11 @@ DEFAULT_ELEMENTS = 1 << 22
 MAX_SLOTS = 32
 DATAGRAM_BYTES = 1 << 16  # a full gradsum packet (64 KiB payloads by default)
 # Kernel memory one reassembled 64 KiB datagram of 1500-byte fragments holds in a socket buffer
-# (~45 fragment buffers; measured as UdpRcvbufErrors at the switch when windows exceeded it).
+# (45 fragment buffers: 102.6 kB measured with `ss -m` here). Windows are sized for half the
+# aggregator's buffer: retransmitted duplicates need room too (UdpRcvbufErrors at the switch
+# with 4 workers x 19 slots at 1 Gbit/s).
 DATAGRAM_TRUESIZE = 104 << 10
+BUFFER_HEADROOM = 2
 HEADER_BYTES = 32  # gradsum's packet header (docs/protocol.md)
 PS_HOST = "ps0"
 SWITCH_HOST = "switch"
@@ -81,7 +84,7 @@ def default_slots(rate: int, workers: int, receive_buffer: int, queue_s: float =
     by its qdisc, whatever does not fit is dropped) and the aggregator's socket receive buffer,
     which holds every worker's window when the aggregator lags. Between 2 and 32 slots."""
     by_queue = int((rate / 8 * queue_s + DATAGRAM_BYTES) // DATAGRAM_BYTES)
-    by_buffer = receive_buffer // (workers * DATAGRAM_TRUESIZE)
+    by_buffer = receive_buffer // (BUFFER_HEADROOM * workers * DATAGRAM_TRUESIZE)
     return max(2, min(MAX_SLOTS, by_queue, by_buffer))
 
 
@@ -301,14 +304,16 @@ def measure_rate(setup: Setup, rate: int, profiles: dict, progress=print) -> lis
                         timeout=600,
                     )  # fmt: skip
                 progress(f"  {format_rate(rate)}: {method}, {elements} elements ...")
-                seconds = measure_method(tb, method, elements, setup, rate)
+                seconds, counters = measure_method(tb, method, elements, setup, rate)
                 profile = profiles.get((codec, elements))
-                rows.append(make_row(method, setup, elements, rate, seconds, profile))
+                row = make_row(method, setup, elements, rate, seconds, profile)
+                rows.append({**row, **counters})
     return rows
 
 
-def measure_method(tb, method: str, elements: int, setup: Setup, rate: int) -> float:
-    """Seconds of one allreduce of ``method`` across ``tb``: median of the slowest worker."""
+def measure_method(tb, method: str, elements: int, setup: Setup, rate: int):
+    """Seconds of one allreduce of ``method`` across ``tb`` (median of the slowest worker) and
+    the gradsum workers' packet counters summed (sent, retransmitted; none for Gloo)."""
     from ..net.loopback import WorkerTask
     from ..testbed.aggregation import Daemon, aggregate
     from ..testbed.gloo import gloo_allreduce
@@ -317,7 +322,7 @@ def measure_method(tb, method: str, elements: int, setup: Setup, rate: int) -> f
     if kind is None:
         result = gloo_allreduce(tb, elements, iterations=setup.steps, warmup=setup.warmup,
                                 timeout=600)  # fmt: skip
-        return result.median_seconds
+        return result.median_seconds, {}
     host = SWITCH_HOST if kind == "switch" else PS_HOST
     task = WorkerTask((), job=1, workers=setup.workers, codec=codec, elements=elements,
                       steps=setup.warmup + setup.steps, slots=setup.slots_at(rate),
@@ -325,7 +330,18 @@ def measure_method(tb, method: str, elements: int, setup: Setup, rate: int) -> f
     with Daemon(tb, host, kind) as daemon:
         results = aggregate(tb, daemon, task, timeout=600)
     # the testbed's workers time every step; the first `warmup` ones (job start-up) are dropped
-    return step_seconds([r.seconds[setup.warmup :] for r in results])
+    seconds = step_seconds([r.seconds[setup.warmup :] for r in results])
+    return seconds, packet_counters(r.stats for r in results)
+
+
+def packet_counters(worker_stats) -> dict:
+    """Packets sent and retransmitted by all workers over all steps (warm-up included)."""
+    totals = {"packets_sent": 0, "retransmissions": 0}
+    for stats in worker_stats:
+        for job in stats.values():
+            for key in totals:
+                totals[key] += job.get(key, 0)
+    return totals
 
 
 @contextlib.contextmanager
