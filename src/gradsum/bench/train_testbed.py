@@ -49,7 +49,7 @@ def train_in_testbed(
 def _one_job(tb, workers: int, flags: list[str], port: int, timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         log = Path(folder) / "log.jsonl"
-        processes = []
+        processes, errs = [], []
         for rank in range(workers):
             env = {
                 "RANK": str(rank),
@@ -62,21 +62,17 @@ def _one_job(tb, workers: int, flags: list[str], port: int, timeout: float) -> d
             argv = [sys.executable, "-c", _CLI, "train", "--aggregator", "ps", *flags]
             if rank == 0:
                 argv += ["--log", str(log)]
-            processes.append(
-                tb.popen(
-                    f"w{rank}",
-                    argv,
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    text=True,
+            # stderr to a file: a pipe nobody reads fills up with progress output and blocks
+            errs.append(Path(folder) / f"w{rank}.err")
+            with errs[-1].open("w") as err:
+                processes.append(
+                    tb.popen(f"w{rank}", argv, env=env, stdout=subprocess.DEVNULL, stderr=err)
                 )
-            )
-        _wait(processes, timeout)
+        _wait(processes, errs, timeout)
         return json.loads(log.read_text().splitlines()[-1])
 
 
-def _wait(processes, timeout: float) -> None:
+def _wait(processes, errs, timeout: float) -> None:
     """Wait for every worker; a failure or the timeout stops all and names each failed worker."""
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in processes):
@@ -87,13 +83,11 @@ def _wait(processes, timeout: float) -> None:
         if process.poll() is None:
             process.kill()
     errors = []
-    for rank, process in enumerate(processes):
-        err = process.communicate()[1] or ""
-        if process.returncode != 0:
-            lines = [
-                line for line in err.strip().splitlines() if "Error" in line or "error" in line
-            ]
-            errors.append(f"worker {rank} (exit {process.returncode}): {' | '.join(lines[-2:])}")
+    for rank, (process, err) in enumerate(zip(processes, errs, strict=True)):
+        if process.wait() != 0:
+            lines = [line for line in err.read_text().splitlines() if line.strip()]
+            last = lines[-1] if lines else "no output"
+            errors.append(f"worker {rank} (exit {process.returncode}): {last}")
     if errors:
         raise RuntimeError(
             f"training in the testbed failed within {timeout:.0f} s:\n" + "\n".join(errors)

@@ -83,7 +83,8 @@ class GradientSync:
         )
         self.plan = plan
         self.groups = [sorted({s.param for s in segs}) for segs in self._segments]
-        _check_cover(self.groups, len(self.parameters))
+        if plan is None:  # a plan's groups tile the buffer (checked by Plan and BufferLayout)
+            _check_cover(self.groups, len(self.parameters))
         self.order = _check_order(order, len(self.groups))
         self.codec = codec
         self.aggregator = aggregator

@@ -10,7 +10,6 @@ fixed send order guarantees). Aggregation is the usual SUM round with the worker
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Hashable, Sequence
 
@@ -57,15 +56,32 @@ class ShardedServiceAggregator(Aggregator):
             )
             for address in parsed
         ]
-        for client in self.clients:  # the worker's codec object keeps its state (error feedback)
+        # A group over every shard runs as one more job spread over all of them, through one
+        # socket and one event loop: every part in flight at once without a thread per shard.
+        self.spread = SwitchClient(
+            parsed,
+            bind=(local_address_towards(parsed[0]), 0),
+            job=_agree_on_job_id(),
+            worker=rank,
+            workers=world,
+            codec=codec_name,
+            codec_options=codec_options,
+            seed=seed,
+            rank=rank,
+        )
+        for client in self._all_clients:  # the worker's codec object keeps its state
             client.codec = client.collective.codec = codec
-        mine = [client.address for client in self.clients]
+        mine = [client.address for client in self._all_clients]
         everyone: list = [None] * world
         dist.all_gather_object(everyone, mine)
         if rank == 0:
-            for shard, client in enumerate(self.clients):
-                client.register([addresses_of[shard] for addresses_of in everyone])
+            for k, client in enumerate(self._all_clients):
+                client.register([addresses_of[k] for addresses_of in everyone])
         dist.barrier()
+
+    @property
+    def _all_clients(self) -> list:
+        return [*self.clients, self.spread]
 
     @property
     def num_shards(self) -> int:
@@ -77,16 +93,15 @@ class ShardedServiceAggregator(Aggregator):
             raise ValueError(f"shard {shard} does not exist: this job has {len(self.clients)}")
         return self.clients[shard].allreduce(flat, key=key)
 
+    def synchronize_spread(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
+        """The average of ``flat``, cut into near-equal chunk-aligned parts, one per shard, all
+        in flight at once."""
+        return self.spread.allreduce(flat, key=key)
+
     def synchronize(
         self, flat, codec, *, key: Hashable, step: int, seed: int = 0, partition_elements=None
     ):
-        """Spread ``flat`` over every shard, one part after another (same order on all workers)."""
-        out = torch.empty_like(flat, dtype=torch.float32)
-        bounds = torch.linspace(0, flat.numel(), len(self.clients) + 1).round().long().tolist()
-        for shard, (a, b) in enumerate(itertools.pairwise(bounds)):
-            if b > a:
-                out[a:b] = self.synchronize_part(shard, flat[a:b], (key, shard))
-        return out
+        return self.synchronize_spread(flat, key)
 
     def max_reduce(self, summaries: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         return [None if s is None else self.clients[0].max_reduce(s) for s in summaries]
@@ -103,10 +118,10 @@ class ShardedServiceAggregator(Aggregator):
     def close(self) -> None:
         try:
             if self.rank == 0:
-                for client in self.clients:
+                for client in self._all_clients:
                     client.teardown()
         finally:
-            for client in self.clients:
+            for client in self._all_clients:
                 client.close()
 
 

@@ -1,0 +1,68 @@
+"""Plans' element ranges mapped onto parameter pieces, and plans executed by GradientSync."""
+
+import pytest
+import torch
+
+from gradsum.schedule import make_planner, uniform_profile
+from gradsum.schedule.cluster import ClusterSpec
+from gradsum.sync.layout import BufferLayout, Segment
+
+
+def _plan(params, **options):
+    profile = uniform_profile(params, [1e-3] * len(params))
+    return make_planner("priority", **options)(profile, ClusterSpec(workers=2, shards=2))
+
+
+def test_slices_map_to_pieces_of_parameters_across_boundaries():
+    plan = _plan([5, 3], slice_elements=4)  # layer i holds parameter i
+    layout = BufferLayout(plan, [5, 3])
+    assert layout.segments(0, 4) == (Segment(0, 0, 4),)
+    assert layout.segments(3, 7) == (Segment(0, 3, 5), Segment(1, 0, 2))
+    assert layout.segments(5, 8) == (Segment(1, 0, 3),)
+
+
+def test_a_plan_for_another_model_is_refused():
+    plan = _plan([5, 3])
+    with pytest.raises(ValueError, match="another model"):
+        BufferLayout(plan, [5, 4])
+    with pytest.raises(ValueError, match="another model"):
+        BufferLayout(plan, [5, 3, 1])
+
+
+class _Averager:
+    """An aggregator stand-in for one worker: the 'average' doubles, so writes are visible."""
+
+    rank = 0
+
+    def synchronize(self, flat, codec, **_):
+        return flat * 2
+
+
+def test_gradient_sync_writes_every_slice_back_and_honours_after_backward():
+    from gradsum.codecs import make_codec
+    from gradsum.sync.gradient_sync import GradientSync
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    params = list(model.parameters())
+    sizes = [p.numel() for p in params]
+    profile = uniform_profile(sizes[::-1], [1e-3] * 4)
+    profile = type(profile)(
+        "m",
+        tuple(
+            type(layer)(layer.name, layer.params, layer.backward_s, 0.0, (3 - i,))
+            for i, layer in enumerate(profile.layers)
+        ),
+    )
+    cluster = ClusterSpec(workers=2, shards=2)
+    for name, options in (("priority", {"slice_elements": 5}), ("default", {})):
+        plan = make_planner(name, **options)(profile, cluster)
+        sync = GradientSync(model, make_codec("none", workers=1), _Averager(), plan=plan)
+        model.zero_grad()
+        model(torch.ones(1, 4)).sum().backward()
+        expected = [p.grad.clone() * 2 for p in params]
+        if plan.trigger == "after_backward":
+            assert sync._released == len(plan.groups)  # all left only after the last hook
+        sync.wait()
+        sync.close()
+        for p, e in zip(params, expected, strict=True):
+            assert torch.equal(p.grad, e), name
