@@ -35,6 +35,20 @@ def test_timeouts_resend_with_backoff_up_to_the_ceiling():
     assert stream.stats.retransmissions == 3 and stream.stats.timeouts == 3
 
 
+def test_three_later_results_resend_an_outstanding_chunk_once_without_waiting_for_its_timer():
+    stream = ChunkStream(first=0, count=20, slots=5, policy=POLICY)
+    stream.start(0.0)  # chunks 0..4; 0 (or its result) is lost
+    assert stream.on_result(1, 0.1) == [6]
+    assert stream.on_result(2, 0.1) == [7]
+    assert stream.on_result(3, 0.1) == [0, 8]  # third result past chunk 0: resend it now
+    assert stream.on_result(4, 0.1) == [9]  # not again for the same send
+    assert stream.on_result(6, 0.2) == [11]
+    assert stream.stats.fast_retransmissions == 1 and stream.stats.retransmissions == 1
+    assert stream.next_deadline() == pytest.approx(1.1)  # its timer restarted at the resend
+    assert stream.on_result(0, 0.2) == [5]
+    assert stream.stats.timeouts == 0
+
+
 def test_first_timeout_adapts_to_measured_round_trips_within_the_policy():
     stream = ChunkStream(first=0, count=40, slots=1, policy=POLICY)
     stream.start(0.0)

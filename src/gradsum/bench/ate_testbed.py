@@ -28,11 +28,11 @@ TESTBED_METHODS = ("gloo", "switch+bfp", "switch+thc", "server+thc", "server+top
 DEFAULT_ELEMENTS = 1 << 22
 MAX_SLOTS = 32
 DATAGRAM_BYTES = 1 << 16  # a full gradsum packet (64 KiB payloads by default)
-# Kernel memory one reassembled 64 KiB datagram of 1500-byte fragments holds in a socket buffer
-# (45 fragment buffers: 102.6 kB measured with `ss -m` here). Windows are sized for half the
-# aggregator's buffer: retransmitted duplicates need room too (UdpRcvbufErrors at the switch
-# with 4 workers x 19 slots at 1 Gbit/s).
-DATAGRAM_TRUESIZE = 104 << 10
+# Kernel memory one reassembled 64 KiB datagram holds in a socket buffer: 45 fragment buffers of
+# 1500-byte frames took 102.6 kB (`ss -m`); 8 jumbo fragments (the testbed's MTU 9000) take
+# about 8 x 16 KiB. Windows are sized for half the aggregator's buffer: retransmitted duplicates
+# need room too (UdpRcvbufErrors at the switch with 4 workers x 19 slots in a 8 MiB buffer).
+DATAGRAM_TRUESIZE = 128 << 10
 BUFFER_HEADROOM = 2
 HEADER_BYTES = 32  # gradsum's packet header (docs/protocol.md)
 PS_HOST = "ps0"
@@ -50,7 +50,7 @@ class Setup:
     warmup: int
     slots: int | None  # None: default_slots for each rate
     testbed_id: str = "ate"
-    receive_buffer: int = 8 << 20  # the aggregator's socket receive buffer (bytes)
+    receive_buffer: int = 64 << 20  # the aggregator's socket receive buffer (bytes)
 
     def slots_at(self, rate: int) -> int:
         return self.slots or default_slots(rate, self.workers, self.receive_buffer)
@@ -386,14 +386,12 @@ def run(args) -> int:
     return 0
 
 
-def receive_buffer(requested: int = 8 << 20) -> int:
-    """What the daemons' sockets get for their requested receive buffer: the kernel caps it at
-    ``net.core.rmem_max`` and doubles it (bookkeeping)."""
-    try:
-        with open("/proc/sys/net/core/rmem_max") as source:
-            return 2 * min(requested, int(source.read()))
-    except (OSError, ValueError):
-        return requested
+def receive_buffer() -> int:
+    """What the daemons' sockets get as their receive buffer (root may exceed
+    ``net.core.rmem_max``; the kernel doubles the request for bookkeeping)."""
+    from ..net.udp import granted_receive_buffer
+
+    return granted_receive_buffer()
 
 
 def _progress(text: str) -> None:

@@ -3,7 +3,11 @@
 A ``ChunkStream`` streams chunks ``first .. first + count - 1`` of a job's stream through the
 job's s slots: at most one chunk per slot in flight, and chunk c + s is sent only once c's result
 is in (self-clocking). Each outstanding chunk has a deadline; when it passes, the chunk is resent
-and its timeout doubles up to a ceiling. Time is passed in; the shell owns sockets and clocks.
+and its timeout doubles up to a ceiling. Fast retransmit: results come back in chunk order when
+nothing is lost (every worker sends its chunks in order over a FIFO path, and a slot completes
+with its last contribution), so ``FAST_RETRANSMIT`` results of later chunks while a chunk is
+outstanding mean it (or its result) was lost: it is resent then, once per send, rather than after
+its timeout. Time is passed in; the shell owns sockets and clocks.
 
 ``ChunkLayout`` maps chunks to lanes and bytes of the upstream and result buffers, and
 ``shard_lanes`` spreads a tensor's lanes over several aggregators (multi-PS sharding).
@@ -12,6 +16,8 @@ and its timeout doubles up to a ceiling. Time is passed in; the shell owns socke
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+FAST_RETRANSMIT = 3  # results of later chunks that resend an outstanding one (TCP's dupthresh)
 
 
 class AggregationTimeout(TimeoutError):
@@ -43,6 +49,7 @@ class StreamStats:
     packets_sent: int = 0
     retransmissions: int = 0
     timeouts: int = 0
+    fast_retransmissions: int = 0
     results: int = 0
     duplicate_results: int = 0
     stale: int = 0
@@ -86,6 +93,7 @@ class _Outstanding:
     timeout: float
     first_sent: float
     retries: int = 0
+    later: int = 0  # results of later chunks since this chunk was last sent
 
 
 @dataclass
@@ -135,11 +143,31 @@ class ChunkStream:
             self._sample(now - state.first_sent)
         self._received += 1
         self.stats.results += 1
+        resend = self._overtaken(chunk, now)
         following = chunk + self.slots
         if following < self._end:
             self._send(following, now)
-            return [following]
-        return []
+            resend.append(following)
+        return resend
+
+    def _overtaken(self, chunk: int, now: float) -> list[int]:
+        """Earlier chunks that ``FAST_RETRANSMIT`` later results have now overtaken: resend them
+        (their timers restart, their timeouts do not back off)."""
+        lost = []
+        for earlier, state in self._outstanding.items():
+            if earlier < chunk:
+                state.later += 1
+                if state.later == FAST_RETRANSMIT:
+                    lost.append(earlier)
+        for earlier in lost:
+            state = self._outstanding[earlier]
+            state.retries += 1
+            state.later = 0
+            state.deadline = now + state.timeout
+        self.stats.fast_retransmissions += len(lost)
+        self.stats.retransmissions += len(lost)
+        self.stats.packets_sent += len(lost)
+        return lost
 
     def on_stale(self, chunk: int) -> None:
         if chunk in self._outstanding:
@@ -161,6 +189,7 @@ class ChunkStream:
                     f"retransmissions over {now - state.first_sent:.1f} s"
                 )
             state.retries += 1
+            state.later = 0
             state.timeout = min(state.timeout * self.policy.backoff, self.policy.max_timeout)
             state.deadline = now + state.timeout
             self.rtt.backed_off(state.timeout)

@@ -8,7 +8,10 @@ import socket
 from ..dataplane.jobspec import Address, SpecError, parse_address
 
 DEFAULT_PORT = 48864  # 0xBEE0, SwitchML's port
-SOCKET_BUFFER = 8 << 20  # the kernel caps this at net.core.{r,w}mem_max
+SOCKET_BUFFER = 32 << 20  # with CAP_NET_ADMIN; otherwise the kernel caps it at net.core.*mem_max
+# SO_{SND,RCV}BUFFORCE (socket(7)): a privileged process may exceed net.core.{w,r}mem_max, so a
+# switch's receive buffer holds every worker's window rather than 4 MiB of it.
+_FORCE = {socket.SO_SNDBUF: 32, socket.SO_RCVBUF: 33}
 
 
 class PortInUseError(OSError):
@@ -38,7 +41,7 @@ def open_socket(bind: Address) -> socket.socket:
     family = socket.AF_INET6 if ":" in bind[0] else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_DGRAM)
     for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-        sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+        set_buffer(sock, option, SOCKET_BUFFER)
     try:
         sock.bind(bind)
     except OSError as error:
@@ -50,6 +53,22 @@ def open_socket(bind: Address) -> socket.socket:
         raise OSError(error.errno, f"cannot bind {bind[0]}:{bind[1]}: {error.strerror}") from None
     sock.setblocking(False)
     return sock
+
+
+def set_buffer(sock: socket.socket, option: int, nbytes: int) -> int:
+    """Ask for an ``nbytes`` socket buffer, beyond ``net.core.*mem_max`` where privileged;
+    return what the kernel granted (it doubles the request for bookkeeping)."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _FORCE[option], nbytes)
+    except OSError:  # not privileged: capped at net.core.{w,r}mem_max
+        sock.setsockopt(socket.SOL_SOCKET, option, nbytes)
+    return sock.getsockopt(socket.SOL_SOCKET, option)
+
+
+def granted_receive_buffer() -> int:
+    """The receive buffer ``open_socket`` gets in this process (bytes, as the kernel counts)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        return set_buffer(sock, socket.SO_RCVBUF, SOCKET_BUFFER)
 
 
 def local_address(sock: socket.socket) -> Address:
