@@ -64,6 +64,8 @@ def test_real_input_is_gradients_of_a_digits_model():
         (["bench", "codecs", "--codecs", "thc,zip"], "--codecs: unknown zip"),
         (["bench", "codecs", "--size", "lots"], "not a size"),
         (["bench", "codecs", "--workers", "0"], "must be at least 1"),
+        (["bench", "codecs", "--options", "thc:bogus=1"], "thc has no option bogus"),
+        (["bench", "codecs", "--options", "rotation_block=4"], "expected CODEC:name=value"),
     ],
 )
 def test_bad_flags_are_clear_errors(argv, message, capsys):

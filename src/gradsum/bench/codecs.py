@@ -38,6 +38,7 @@ class CodecRow:
     decode_ms: float  # one worker
     copy_ms: float  # x.clone(): a plain copy of the partition into a new buffer
     copy_hot_ms: float  # copy into a buffer reused across calls (the memory-bandwidth floor)
+    clock: str = "thread-cpu"  # CPU time of one thread (1 torch thread), or "wall"
 
     @property
     def encode_decode_ratio(self) -> float:
@@ -65,6 +66,17 @@ def register(benches: argparse._SubParsersAction) -> None:
         "--codecs", default=",".join(CODEC_NAMES), help="comma-separated codecs (all)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--options",
+        default="",
+        help="codec options, e.g. 'thc:rotation_block=1024;qsgd:levels=15' (codec defaults)",
+    )
+    parser.add_argument(
+        "--wall-clock",
+        action="store_true",
+        help="time with the wall clock and torch's default threads instead of the CPU time of "
+        "one thread (CPU time is what stays comparable on a shared, loaded machine)",
+    )
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed rounds (median)")
     parser.add_argument(
         "--error-feedback",
@@ -82,14 +94,15 @@ def run(args: argparse.Namespace) -> int:
 
     inputs = _choices(args.input, INPUT_KINDS, "--input")
     codecs = _choices(args.codecs, CODEC_NAMES, "--codecs")
-    rows: list[CodecRow] = []
-    for kind in inputs:
-        vectors = _make_inputs(kind, args.workers, args.size, args.seed)
-        for name in codecs:
-            _progress(f"{kind}: {name}")
-            rows.append(measure_codec(name, kind, vectors, args.repeats, args.error_feedback))
-        print(format_table([r for r in rows if r.input == kind]))
-        print()
+    args.codec_options = _codec_options(args.options, codecs)
+    clock = time.perf_counter if args.wall_clock else time.thread_time
+    threads = torch.get_num_threads()
+    if not args.wall_clock:
+        torch.set_num_threads(1)  # all work on this thread, so its CPU time is all the work
+    try:
+        rows = _measure_all(inputs, codecs, args, clock)
+    finally:
+        torch.set_num_threads(threads)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
         print(f"wrote {len(rows)} rows to {args.json}")
@@ -97,6 +110,50 @@ def run(args: argparse.Namespace) -> int:
         plot_rows(rows, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _measure_all(inputs, codecs, args, clock) -> list[CodecRow]:
+    rows: list[CodecRow] = []
+    for kind in inputs:
+        vectors = _make_inputs(kind, args.workers, args.size, args.seed)
+        for name in codecs:
+            _progress(f"{kind}: {name}")
+            rows.append(
+                measure_codec(
+                    name,
+                    kind,
+                    vectors,
+                    args.repeats,
+                    args.error_feedback,
+                    clock,
+                    args.codec_options.get(name, {}),
+                )
+            )
+        print(format_table([r for r in rows if r.input == kind]))
+        print()
+    return rows
+
+
+def _codec_options(text: str, codecs: list[str]) -> dict[str, dict]:
+    from ..cli import UsageError
+    from ..codecs import codec_options, parse_options
+
+    options: dict[str, dict] = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        name, sep, values = item.partition(":")
+        if not sep or name not in codecs:
+            raise UsageError(
+                f"--options {item!r}: expected CODEC:name=value,... for a chosen codec"
+            )
+        try:
+            parsed = parse_options(values)
+        except ValueError as error:
+            raise UsageError(f"--options {item!r}: {error}") from None
+        unknown = sorted(set(parsed) - set(codec_options(name)))
+        if unknown:
+            raise UsageError(f"--options {item!r}: {name} has no option {', '.join(unknown)}")
+        options[name] = parsed
+    return options
 
 
 def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
@@ -123,7 +180,13 @@ def _progress(message: str) -> None:
 
 
 def measure_codec(
-    name: str, kind: str, inputs: list[torch.Tensor], repeats: int, error_feedback: bool = False
+    name: str,
+    kind: str,
+    inputs: list[torch.Tensor],
+    repeats: int,
+    error_feedback: bool = False,
+    clock: Callable[[], float] = time.thread_time,
+    options: dict | None = None,
 ) -> CodecRow:
     """One warm-up round, then ``repeats`` timed rounds; NMSE from the first round."""
     from ..codecs import make_codec, nmse
@@ -131,31 +194,31 @@ def measure_codec(
     from ..codecs.round import worker_contexts
 
     workers = len(inputs)
-    codec = make_codec(name, workers=workers, error_feedback=error_feedback)
+    codec = make_codec(name, workers=workers, error_feedback=error_feedback, **(options or {}))
     samples: dict[str, list[float]] = {"encode": [], "aggregate": [], "decode": []}
     first = None
     for step in range(repeats + 1):
         contexts = worker_contexts(workers, step=step)
         encode_times, payloads, summaries = [], [], []
         for x, ctx in zip(inputs, contexts, strict=True):
-            start = time.perf_counter()
+            start = clock()
             prepared = codec.precondition(x, ctx)
             summaries.append(codec.summarize(prepared, ctx))
-            encode_times.append(time.perf_counter() - start)
+            encode_times.append(clock() - start)
             payloads.append(prepared)
-        start = time.perf_counter()
+        start = clock()
         shared = combine_summaries(summaries)
-        summary_time = time.perf_counter() - start
+        summary_time = clock() - start
         for w, ctx in enumerate(contexts):
-            start = time.perf_counter()
+            start = clock()
             payloads[w] = codec.encode(payloads[w], ctx, shared)
-            encode_times[w] += time.perf_counter() - start
-        start = time.perf_counter()
+            encode_times[w] += clock() - start
+        start = clock()
         aggregate = codec.aggregate(payloads, aggregator_context(contexts[0]))
-        aggregate_time = time.perf_counter() - start + summary_time
-        start = time.perf_counter()
+        aggregate_time = clock() - start + summary_time
+        start = clock()
         average = codec.decode(aggregate, contexts[0], shared)
-        decode_time = time.perf_counter() - start
+        decode_time = clock() - start
         if first is None:
             first = (average, payloads[0], aggregate, shared)
         if step > 0:
@@ -166,7 +229,7 @@ def measure_codec(
     summary_bits = (
         0.0 if shared is None else shared.numel() * codec.summary_bits() / average.numel()
     )
-    copy_ms, copy_hot_ms = copy_times(inputs[0], repeats)
+    copy_ms, copy_hot_ms = copy_times(inputs[0], repeats, clock)
     return CodecRow(
         input=kind,
         codec=name,
@@ -181,24 +244,25 @@ def measure_codec(
         decode_ms=_median_ms(samples["decode"]),
         copy_ms=copy_ms,
         copy_hot_ms=copy_hot_ms,
+        clock="wall" if clock is time.perf_counter else "thread-cpu",
     )
 
 
-def copy_times(x: torch.Tensor, repeats: int) -> tuple[float, float]:
+def copy_times(x: torch.Tensor, repeats: int, clock: Callable[[], float]) -> tuple[float, float]:
     """Median ms of x.clone() and of a copy into a reused buffer (measured next to each codec)."""
     buffer = torch.empty_like(x)
-    clone = _time(lambda: x.clone(), repeats + 1)
-    hot = _time(lambda: buffer.copy_(x), repeats + 1)
+    clone = _time(lambda: x.clone(), repeats + 1, clock)
+    hot = _time(lambda: buffer.copy_(x), repeats + 1, clock)
     return clone, hot
 
 
-def _time(fn: Callable[[], object], repeats: int) -> float:
+def _time(fn: Callable[[], object], repeats: int, clock: Callable[[], float]) -> float:
     fn()
     samples = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        samples.append(time.perf_counter() - start)
+        samples.append(clock() - start)
     return _median_ms(samples)
 
 
@@ -214,7 +278,8 @@ def format_table(rows: list[CodecRow]) -> str:
     hot = statistics.median(r.copy_hot_ms for r in rows)
     lines = [
         f"input={head.input}  workers={head.workers}  size={head.size}  "
-        f"copy={copy:.3f} ms (clone; into a reused buffer {hot:.3f} ms)",
+        f"copy={copy:.3f} ms (clone; into a reused buffer {hot:.3f} ms)  "
+        f"[{'wall clock' if head.clock == 'wall' else 'CPU time of one thread'}]",
         f"{'codec':<12} {'homo':>4} {'bits up':>8} {'down':>6} {'NMSE':>10} "
         f"{'encode ms':>15} {'aggregate ms':>15} {'decode ms':>15} {'enc+dec':>8}",
     ]
