@@ -54,14 +54,20 @@ def test_gradient_sync_writes_every_slice_back_and_honours_after_backward():
         ),
     )
     cluster = ClusterSpec(workers=2, shards=2)
+    model.zero_grad()
+    model(torch.ones(1, 4)).sum().backward()
+    expected = [p.grad.clone() * 2 for p in params]  # before any hook: sends start in backward
     for name, options in (("priority", {"slice_elements": 5}), ("default", {})):
         plan = make_planner(name, **options)(profile, cluster)
         sync = GradientSync(model, make_codec("none", workers=1), _Averager(), plan=plan)
+        released_mid_backward = []
+        probe = params[2].register_post_accumulate_grad_hook(  # the last layer: ready first
+            lambda _, seen=released_mid_backward, s=sync: seen.append(s._released)
+        )
         model.zero_grad()
         model(torch.ones(1, 4)).sum().backward()
-        expected = [p.grad.clone() * 2 for p in params]
-        if plan.trigger == "after_backward":
-            assert sync._released == len(plan.groups)  # all left only after the last hook
+        probe.remove()
+        assert (released_mid_backward[0] == 0) == (plan.trigger == "after_backward"), name
         sync.wait()
         sync.close()
         for p, e in zip(params, expected, strict=True):
