@@ -25,7 +25,7 @@ def test_a_new_stream_starts_from_the_round_trips_an_earlier_one_measured():
 def test_after_a_timeout_new_chunks_keep_the_backed_off_timeout_until_a_clean_sample():
     stream = ChunkStream(first=0, count=4, slots=2, policy=POLICY)
     stream.start(0.0)
-    assert stream.expired(1.0) == [0, 1]  # both resent: their timeouts double to 2 s
+    assert stream.expired(1.0) == [0]  # a silent window: 0 probes; both timeouts double to 2 s
     assert stream.timeout == 2.0
     assert stream.on_result(0, 1.5) == [2]  # a resent chunk's result: no sample (Karn)
     assert stream.next_deadline() == pytest.approx(3.0)  # chunk 1 at 1 + 2; chunk 2 at 1.5 + 2

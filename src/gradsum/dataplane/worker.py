@@ -7,7 +7,11 @@ and its timeout doubles up to a ceiling. Fast retransmit: results come back in c
 nothing is lost (every worker sends its chunks in order over a FIFO path, and a slot completes
 with its last contribution), so ``FAST_RETRANSMIT`` results of later chunks while a chunk is
 outstanding mean it (or its result) was lost: it is resent then, once per send, rather than after
-its timeout. Time is passed in; the shell owns sockets and clocks.
+its timeout. When a timer fires and no result at all has come back since the late chunks were
+sent, the aggregator or a peer is slow rather than a packet lost (a round starts when the
+slowest worker has encoded): only the oldest late chunk is resent, as a probe, and the others'
+timers back off unsent, so a silent window costs one packet per timeout, not a window of them.
+Time is passed in; the shell owns sockets and clocks.
 
 ``ChunkLayout`` maps chunks to lanes and bytes of the upstream and result buffers, and
 ``shard_lanes`` spreads a tensor's lanes over several aggregators (multi-PS sharding).
@@ -94,6 +98,7 @@ class _Outstanding:
     first_sent: float
     retries: int = 0
     later: int = 0  # results of later chunks since this chunk was last sent
+    last_sent: float = 0.0
 
 
 @dataclass
@@ -112,6 +117,7 @@ class ChunkStream:
         self._end = self.first + self.count
         self._outstanding: dict[int, _Outstanding] = {}
         self._received = 0
+        self._last_result = float("-inf")
 
     @property
     def timeout(self) -> float:
@@ -142,6 +148,7 @@ class ChunkStream:
         if state.retries == 0:
             self._sample(now - state.first_sent)
         self._received += 1
+        self._last_result = now
         self.stats.results += 1
         resend = self._overtaken(chunk, now)
         following = chunk + self.slots
@@ -163,6 +170,7 @@ class ChunkStream:
             state = self._outstanding[earlier]
             state.retries += 1
             state.later = 0
+            state.last_sent = now
             state.deadline = now + state.timeout
         self.stats.fast_retransmissions += len(lost)
         self.stats.retransmissions += len(lost)
@@ -178,25 +186,37 @@ class ChunkStream:
             )
 
     def expired(self, now: float) -> list[int]:
-        """Chunks whose deadline has passed, to resend now; their timeouts back off."""
-        late = [c for c, o in self._outstanding.items() if o.deadline <= now]
+        """Chunks whose deadline has passed, to resend now (only the oldest when nothing came
+        back since they were sent); all late chunks' timeouts back off."""
+        late = sorted(c for c, o in self._outstanding.items() if o.deadline <= now)
         for chunk in late:
-            state = self._outstanding[chunk]
-            if now - state.first_sent >= self.policy.give_up_after:
-                raise AggregationTimeout(
-                    f"no result for chunk {chunk} (slot {chunk % self.slots}, version "
-                    f"{(chunk // self.slots) % 2}) from {self.what} after {state.retries} "
-                    f"retransmissions over {now - state.first_sent:.1f} s"
-                )
+            self._check_patience(chunk, now)
+        silent = late and self._last_result < min(self._outstanding[c].last_sent for c in late)
+        resend = late[:1] if silent else late
+        for chunk in late:
+            self._back_off(self._outstanding[chunk], now, chunk in resend)
+        self.stats.timeouts += len(resend)
+        self.stats.retransmissions += len(resend)
+        self.stats.packets_sent += len(resend)
+        return resend
+
+    def _check_patience(self, chunk: int, now: float) -> None:
+        state = self._outstanding[chunk]
+        if now - state.first_sent >= self.policy.give_up_after:
+            raise AggregationTimeout(
+                f"no result for chunk {chunk} (slot {chunk % self.slots}, version "
+                f"{(chunk // self.slots) % 2}) from {self.what} after {state.retries} "
+                f"retransmissions over {now - state.first_sent:.1f} s"
+            )
+
+    def _back_off(self, state: _Outstanding, now: float, resent: bool) -> None:
+        if resent:
             state.retries += 1
             state.later = 0
-            state.timeout = min(state.timeout * self.policy.backoff, self.policy.max_timeout)
-            state.deadline = now + state.timeout
-            self.rtt.backed_off(state.timeout)
-        self.stats.timeouts += len(late)
-        self.stats.retransmissions += len(late)
-        self.stats.packets_sent += len(late)
-        return late
+            state.last_sent = now
+        state.timeout = min(state.timeout * self.policy.backoff, self.policy.max_timeout)
+        state.deadline = now + state.timeout
+        self.rtt.backed_off(state.timeout)
 
     def next_deadline(self) -> float | None:
         return min((o.deadline for o in self._outstanding.values()), default=None)
@@ -206,7 +226,7 @@ class ChunkStream:
 
     def _send(self, chunk: int, now: float) -> None:
         timeout = self.timeout
-        self._outstanding[chunk] = _Outstanding(now + timeout, timeout, now)
+        self._outstanding[chunk] = _Outstanding(now + timeout, timeout, now, last_sent=now)
         self.stats.packets_sent += 1
         self.stats.chunks += 1
 
