@@ -59,11 +59,6 @@ def register(benches: argparse._SubParsersAction) -> None:
         help="comma-separated communication schedules, each run with every method "
         "(e.g. default,wfbp,imerge; see docs/scheduling.md)",
     )
-    parser.add_argument(
-        "--rate",
-        help="run inside an emulated cluster (gradsum testbed; root) whose links have this rate, "
-        "e.g. 100mbit, one PS shard per worker host; only ps methods",
-    )
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--model", default="digits-mlp")
     parser.add_argument("--dataset", default="digits")
@@ -73,7 +68,8 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--link-rate",
-        help="run inside an emulated cluster whose links have this rate (e.g. 1gbit; needs root)",
+        help="run inside an emulated cluster (gradsum testbed; root) whose links have this rate, "
+        "e.g. 100mbit: a switch host, or one PS shard per worker host",
     )
     parser.add_argument("--json", type=Path, help="write the rows as a JSON list here")
     parser.set_defaults(run=run)
@@ -110,17 +106,14 @@ def parse_schedulers(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cli import UsageError
 
     methods = parse_methods(args.methods)
     schedulers = parse_schedulers(args.schedulers)
-    if args.rate and any(aggregator != "ps" for aggregator, _ in methods):
-        raise UsageError("--rate runs in a testbed with PS shards: give only ps:CODEC methods")
     rows = []
     for aggregator, codec in methods:
         summaries = (
-            _testbed_summaries(args, codec, schedulers)
-            if args.rate
+            _testbed_summaries(args, aggregator, codec, schedulers)
+            if args.link_rate
             else [_local_summary(args, aggregator, codec, s) for s in schedulers]
         )
         for scheduler, summary in zip(schedulers, summaries, strict=True):
@@ -136,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
                     samples_per_s=summary["samples_per_s"],
                     test_accuracy=summary["test_accuracy"],
                     train_seconds=summary["train_seconds"],
+                    link_rate=args.link_rate or "loopback",
                 )
             )
     print(format_table(rows))
@@ -166,13 +160,15 @@ def _local_summary(args, aggregator: str, codec: str, scheduler: str) -> dict:
     return run_local(config)
 
 
-def _testbed_summaries(args, codec: str, schedulers: list[str]) -> list[dict]:
+def _testbed_summaries(args, aggregator: str, codec: str, schedulers: list[str]) -> list[dict]:
     from .train_testbed import train_in_testbed
 
     flags = ["--codec", codec, "--model", args.model, "--dataset", args.dataset]
     flags += ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
     flags += ["--lr", str(args.lr), "--seed", str(args.seed)]
-    return train_in_testbed(schedulers, rate=args.rate, workers=args.workers, train_flags=flags)
+    return train_in_testbed(
+        aggregator, schedulers, rate=args.link_rate, workers=args.workers, train_flags=flags
+    )
 
 
 def format_table(rows: list[TrainRow]) -> str:

@@ -1,10 +1,10 @@
-"""`gradsum train` on an emulated cluster: one worker per testbed host, a PS shard beside each.
+"""`gradsum train` on an emulated cluster: one worker per testbed host, over shaped links.
 
-On loopback the network is never the bottleneck (every process shares the same cores), so
-schedules that only move bytes differently look alike. Here every host has one shaped link, PS
-shards are colocated with workers (the seed's 1:1 setup: shard i on host w_i shares its link),
+On loopback the network is never the bottleneck (every process shares the same cores). Here
+every host has one shaped link; the switch is the testbed's switch host (one port per worker),
+PS shards are colocated with workers (the seed's 1:1 setup: shard i on host w_i shares its link),
 and workers run as torchrun-style processes (RANK, WORLD_SIZE, rendezvous on w0) — each scheduler
-in turn, against the same shards, inside one testbed.
+in turn, against the same aggregators, inside one testbed.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ _CLI = "import sys; from gradsum.cli import main; sys.exit(main())"
 
 
 def train_in_testbed(
+    aggregator: str,
     schedulers: list[str],
     *,
     rate: str,
@@ -27,23 +28,45 @@ def train_in_testbed(
     train_flags: list[str],
     timeout: float = 900.0,
 ) -> list[dict]:
-    """Each scheduler's rank-0 summary, trained with ``--aggregator ps`` on ``workers`` hosts."""
-    from ..testbed.aggregation import Daemon
+    """Each scheduler's rank-0 summary, trained through ``aggregator`` on ``workers`` hosts:
+    the switch on the testbed's switch host, PS shards beside the workers, or Gloo all-reduce."""
     from ..testbed.testbed import Testbed
 
     summaries = []
-    with Testbed(workers, rate=rate, id="benchsched") as tb:
-        daemons = [Daemon(tb, f"w{i}", "server") for i in range(workers)]
-        servers = ",".join(f"{host}:{port}" for host, port in (d.address for d in daemons))
+    with Testbed(workers, rate=rate, switch=aggregator == "switch", id="benchtrain") as tb:
+        daemons = _start_aggregators(tb, aggregator, workers)
         try:
             for k, scheduler in enumerate(schedulers):
-                print(f"  training with --scheduler {scheduler} at {rate} ...", flush=True)
-                flags = [*train_flags, "--scheduler", scheduler, "--servers", servers]
+                print(
+                    f"  training with {aggregator}, --scheduler {scheduler} at {rate} ...",
+                    flush=True,
+                )
+                flags = [*train_flags, "--aggregator", aggregator, "--scheduler", scheduler]
+                flags += _address_flags(aggregator, daemons)
                 summaries.append(_one_job(tb, workers, flags, 29500 + k, timeout))
         finally:
             for daemon in daemons:
                 daemon.stop()
     return summaries
+
+
+def _start_aggregators(tb, aggregator: str, workers: int) -> list:
+    from ..testbed.aggregation import Daemon
+
+    if aggregator == "switch":
+        return [Daemon(tb, "switch", "switch")]
+    if aggregator == "ps":
+        return [Daemon(tb, f"w{i}", "server") for i in range(workers)]
+    return []
+
+
+def _address_flags(aggregator: str, daemons: list) -> list[str]:
+    addresses = ",".join(f"{host}:{port}" for host, port in (d.address for d in daemons))
+    if aggregator == "switch":
+        return ["--switch", addresses]
+    if aggregator == "ps":
+        return ["--servers", addresses]
+    return []
 
 
 def _one_job(tb, workers: int, flags: list[str], port: int, timeout: float) -> dict:
@@ -59,7 +82,7 @@ def _one_job(tb, workers: int, flags: list[str], port: int, timeout: float) -> d
                 "GLOO_SOCKET_IFNAME": "eth0",
                 "OMP_NUM_THREADS": "1",
             }
-            argv = [sys.executable, "-c", _CLI, "train", "--aggregator", "ps", *flags]
+            argv = [sys.executable, "-c", _CLI, "train", *flags]
             if rank == 0:
                 argv += ["--log", str(log)]
             # stderr to a file: a pipe nobody reads fills up with progress output and blocks
