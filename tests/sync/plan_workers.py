@@ -7,6 +7,7 @@ import torch
 from gradsum.codecs import make_codec
 from gradsum.sync.gradient_sync import GradientSync
 from gradsum.sync.scheduling import agree_on_plan
+from gradsum.sync.service import JobSettings
 from gradsum.sync.sharded import ShardedServiceAggregator
 
 from .workers import _batches, _parameters, tiny_model
@@ -14,7 +15,7 @@ from .workers import _batches, _parameters, tiny_model
 
 def train_with_plan(rank, world, addresses, scheduler, options, steps):
     codec = make_codec("none", workers=world)
-    aggregator = ShardedServiceAggregator(addresses, codec, "none", {}, rank, world)
+    aggregator = ShardedServiceAggregator(addresses, JobSettings(codec, "none", {}, rank, world))
     model = tiny_model()
     batch = next(_batches(rank, 1))[0]
     chosen = agree_on_plan(scheduler, model, batch, aggregator, codec, options=options)

@@ -5,14 +5,15 @@ from __future__ import annotations
 import torch
 
 from gradsum.codecs import make_codec
-from gradsum.sync.service import ServiceAggregator
+from gradsum.sync.service import JobSettings, ServiceAggregator
 
 from .workers import _batches, _parameters, tiny_model
 
 
 def train_through_service(rank, world, kind, addresses, codec_name, steps, ddp):
     codec = make_codec(codec_name, workers=world)
-    aggregator = ServiceAggregator(kind, addresses, codec, codec_name, {}, rank, world, timeout=30)
+    settings = JobSettings(codec, codec_name, {}, rank, world)
+    aggregator = ServiceAggregator(kind, addresses, settings)
     model = tiny_model()
     if ddp:
         from torch.nn.parallel import DistributedDataParallel

@@ -12,54 +12,79 @@ from __future__ import annotations
 import random
 import socket
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..codecs import Codec, CodecContext, Payload
+from ..dataplane.jobspec import Address
 from .aggregator import Aggregator
 
 
+@dataclass(frozen=True)
+class JobSettings:
+    """What every worker's clients of one training job share."""
+
+    codec: Codec  # the worker's own codec object: its state is what the loop checkpoints
+    codec_name: str
+    codec_options: dict
+    rank: int
+    world: int
+    seed: int = 0
+
+
+def connect_jobs(address_groups: Sequence[Sequence[Address]], settings: JobSettings) -> list:
+    """One client per group of aggregator addresses, each for its own job; worker 0 registers
+    every job with all workers' addresses, gathered over the control group."""
+    from ..net.client import SwitchClient
+
+    clients = []
+    for group in address_groups:
+        client = SwitchClient(
+            group,
+            bind=(local_address_towards(group[0]), 0),
+            job=_agree_on_job_id(),
+            worker=settings.rank,
+            workers=settings.world,
+            codec=settings.codec_name,
+            codec_options=settings.codec_options,
+            seed=settings.seed,
+            rank=settings.rank,
+        )
+        client.codec = client.collective.codec = settings.codec
+        clients.append(client)
+    everyone: list = [None] * settings.world
+    dist.all_gather_object(everyone, [client.address for client in clients])
+    if settings.rank == 0:
+        for k, client in enumerate(clients):
+            client.register([addresses[k] for addresses in everyone])
+    dist.barrier()
+    return clients
+
+
+def disconnect_jobs(clients: Sequence, rank: int) -> None:
+    """Worker 0 removes the jobs; every worker closes its sockets."""
+    try:
+        if rank == 0:
+            for client in clients:
+                client.teardown()
+    finally:
+        for client in clients:
+            client.close()
+
+
 class ServiceAggregator(Aggregator):
-    def __init__(
-        self,
-        kind: str,
-        addresses: Sequence[str],
-        codec: Codec,
-        codec_name: str,
-        codec_options: dict,
-        rank: int,
-        world: int,
-        seed: int = 0,
-        timeout: float = 60.0,
-    ):
-        from ..net.client import SwitchClient
+    """Every tensor streamed through one job spread over all given aggregators."""
+
+    def __init__(self, kind: str, addresses: Sequence[str], settings: JobSettings):
         from ..net.udp import parse_bind
 
-        super().__init__(rank, world)
+        super().__init__(settings.rank, settings.world)
         self.name = kind
-        parsed = [
-            parse_bind(a, f"--{'switch' if kind == 'switch' else 'servers'}") for a in addresses
-        ]
-        self.client = SwitchClient(
-            parsed,
-            bind=(local_address_towards(parsed[0]), 0),
-            job=_agree_on_job_id(),
-            worker=rank,
-            workers=world,
-            codec=codec_name,
-            codec_options=codec_options,
-            seed=seed,
-            rank=rank,
-        )
-        # The worker's own codec object does the encoding, so its state (error feedback) is the
-        # one the training loop checkpoints.
-        self.client.codec = self.client.collective.codec = codec
-        addresses_of_workers: list = [None] * world
-        dist.all_gather_object(addresses_of_workers, self.client.address)
-        if rank == 0:
-            self.client.register(addresses_of_workers)
-        dist.barrier()
+        flag = "--switch" if kind == "switch" else "--servers"
+        parsed = [parse_bind(address, flag) for address in addresses]
+        (self.client,) = connect_jobs([parsed], settings)
 
     def synchronize(
         self, flat, codec, *, key: Hashable, step: int, seed: int = 0, partition_elements=None
@@ -79,11 +104,7 @@ class ServiceAggregator(Aggregator):
         raise NotImplementedError("the service aggregator runs whole rounds: use synchronize()")
 
     def close(self) -> None:
-        try:
-            if self.rank == 0:
-                self.client.teardown()
-        finally:
-            self.client.close()
+        disconnect_jobs([self.client], self.rank)
 
 
 def _agree_on_job_id() -> int:

@@ -14,70 +14,26 @@ import time
 from collections.abc import Hashable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ..codecs import Codec, CodecContext, Payload
 from .aggregator import Aggregator
-from .service import _agree_on_job_id, local_address_towards
+from .service import JobSettings, connect_jobs, disconnect_jobs
 
 
 class ShardedServiceAggregator(Aggregator):
     name = "ps"
 
-    def __init__(
-        self,
-        addresses: Sequence[str],
-        codec: Codec,
-        codec_name: str,
-        codec_options: dict,
-        rank: int,
-        world: int,
-        seed: int = 0,
-    ):
-        from ..net.client import SwitchClient
+    def __init__(self, addresses: Sequence[str], settings: JobSettings):
         from ..net.udp import parse_bind
 
-        super().__init__(rank, world)
+        super().__init__(settings.rank, settings.world)
         if not addresses:
             raise ValueError("a sharded parameter server needs at least one shard address")
-        job = _agree_on_job_id()
         parsed = [parse_bind(address, "--servers") for address in addresses]
-        self.clients = [
-            SwitchClient(
-                [address],
-                bind=(local_address_towards(address), 0),
-                job=job,
-                worker=rank,
-                workers=world,
-                codec=codec_name,
-                codec_options=codec_options,
-                seed=seed,
-                rank=rank,
-            )
-            for address in parsed
-        ]
-        # A group over every shard runs as one more job spread over all of them, through one
-        # socket and one event loop: every part in flight at once without a thread per shard.
-        self.spread = SwitchClient(
-            parsed,
-            bind=(local_address_towards(parsed[0]), 0),
-            job=_agree_on_job_id(),
-            worker=rank,
-            workers=world,
-            codec=codec_name,
-            codec_options=codec_options,
-            seed=seed,
-            rank=rank,
-        )
-        for client in self._all_clients:  # the worker's codec object keeps its state
-            client.codec = client.collective.codec = codec
-        mine = [client.address for client in self._all_clients]
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, mine)
-        if rank == 0:
-            for k, client in enumerate(self._all_clients):
-                client.register([addresses_of[k] for addresses_of in everyone])
-        dist.barrier()
+        # One job per shard, plus one spread over all of them: a group over every shard runs as
+        # that job, through one socket and one event loop -- every part in flight at once
+        # without a thread per shard.
+        *self.clients, self.spread = connect_jobs([[a] for a in parsed] + [parsed], settings)
 
     @property
     def _all_clients(self) -> list:
@@ -116,13 +72,7 @@ class ShardedServiceAggregator(Aggregator):
         raise NotImplementedError("the sharded server runs whole rounds: use synchronize()")
 
     def close(self) -> None:
-        try:
-            if self.rank == 0:
-                for client in self._all_clients:
-                    client.teardown()
-        finally:
-            for client in self._all_clients:
-                client.close()
+        disconnect_jobs(self._all_clients, self.rank)
 
 
 def time_transfers(send, sizes: Sequence[int], repeats: int = 3) -> list[tuple[float, float]]:

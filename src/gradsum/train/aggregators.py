@@ -32,31 +32,15 @@ def make_aggregator(config, rank: int, world: int, codec: Codec) -> Aggregator:
         from ..sync.allreduce import AllReduceAggregator
 
         return AllReduceAggregator()
-    from ..sync.service import ServiceAggregator
+    from ..sync.service import JobSettings, ServiceAggregator
     from ..sync.sharded import ShardedServiceAggregator
 
     addresses = [config.switch] if config.aggregator == "switch" else list(config.servers)
     if not all(addresses):
         flag = "--switch HOST:PORT" if config.aggregator == "switch" else "--servers HOST:PORT,..."
         raise IncompatibleChoice(f"--aggregator {config.aggregator} needs {flag}")
+    options = parse_options(config.codec_options)
+    settings = JobSettings(codec, config.codec, options, rank, world, seed=config.seed)
     if config.aggregator == "ps":  # shards addressed one by one: plans place parts on them
-        return ShardedServiceAggregator(
-            addresses,
-            codec,
-            config.codec,
-            parse_options(config.codec_options),
-            rank,
-            world,
-            seed=config.seed,
-        )
-    return ServiceAggregator(
-        kind=config.aggregator,
-        addresses=addresses,
-        codec=codec,
-        codec_name=config.codec,
-        codec_options=parse_options(config.codec_options),
-        rank=rank,
-        world=world,
-        seed=config.seed,
-        timeout=config.timeout,
-    )
+        return ShardedServiceAggregator(addresses, settings)
+    return ServiceAggregator(config.aggregator, addresses, settings)
