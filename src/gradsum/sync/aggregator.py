@@ -10,7 +10,6 @@ at once so a transport can batch them:
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -18,18 +17,17 @@ import torch
 from ..codecs import Codec, CodecContext, Payload
 
 
-class Aggregator(ABC):
+class Aggregator:
     name: str = ""
 
     def __init__(self, rank: int, world_size: int):
         self.rank = rank
         self.world_size = world_size
 
-    @abstractmethod
     def max_reduce(self, summaries: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Elementwise max of every partition's summary over all workers."""
+        raise NotImplementedError(f"the {self.name} aggregator runs whole rounds: synchronize()")
 
-    @abstractmethod
     def reduce(
         self,
         codec: Codec,
@@ -38,6 +36,7 @@ class Aggregator(ABC):
         shared: Sequence[torch.Tensor | None],
     ) -> list[torch.Tensor]:
         """The average over workers of every partition, decoded."""
+        raise NotImplementedError(f"the {self.name} aggregator runs whole rounds: synchronize()")
 
     def synchronize(
         self,
@@ -50,17 +49,15 @@ class Aggregator(ABC):
         partition_elements: int | None = None,
     ) -> torch.Tensor:
         """The average of ``flat`` over workers. By default: partition it, then ``max_reduce``
-        and ``reduce`` every partition at once; a transport with its own round overrides this."""
+        and ``reduce`` every partition at once (a transport implements those two); a transport
+        with its own whole round (the UDP services) overrides this instead."""
         from .pipeline import partitioned_round
 
         return partitioned_round(
             flat, codec, self, key=key, step=step, seed=seed, partition_elements=partition_elements
         )
 
-    def supports(self, codec: Codec) -> bool:
-        return True
-
-    def close(self) -> None:  # noqa: B027 -- optional hook; most aggregators hold nothing
+    def close(self) -> None:
         """Release transport resources (sockets, threads)."""
 
 

@@ -14,10 +14,9 @@ import socket
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
-from ..codecs import Codec, CodecContext, Payload
+from ..codecs import Codec
 from ..dataplane.jobspec import Address
 from .aggregator import Aggregator
 
@@ -90,18 +89,6 @@ class ServiceAggregator(Aggregator):
         self, flat, codec, *, key: Hashable, step: int, seed: int = 0, partition_elements=None
     ):
         return self.client.allreduce(flat, key=key)
-
-    def max_reduce(self, summaries: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        return [None if s is None else self.client.max_reduce(s) for s in summaries]
-
-    def reduce(
-        self,
-        codec: Codec,
-        payloads: Sequence[Payload],
-        contexts: Sequence[CodecContext],
-        shared: Sequence[torch.Tensor | None],
-    ) -> list[torch.Tensor]:
-        raise NotImplementedError("the service aggregator runs whole rounds: use synchronize()")
 
     def close(self) -> None:
         disconnect_jobs([self.client], self.rank)

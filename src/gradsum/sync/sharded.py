@@ -15,7 +15,6 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from ..codecs import Codec, CodecContext, Payload
 from .aggregator import Aggregator
 from .service import JobSettings, connect_jobs, disconnect_jobs
 
@@ -58,18 +57,6 @@ class ShardedServiceAggregator(Aggregator):
         self, flat, codec, *, key: Hashable, step: int, seed: int = 0, partition_elements=None
     ):
         return self.synchronize_spread(flat, key)
-
-    def max_reduce(self, summaries: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        return [None if s is None else self.clients[0].max_reduce(s) for s in summaries]
-
-    def reduce(
-        self,
-        codec: Codec,
-        payloads: Sequence[Payload],
-        contexts: Sequence[CodecContext],
-        shared: Sequence[torch.Tensor | None],
-    ) -> list[torch.Tensor]:
-        raise NotImplementedError("the sharded server runs whole rounds: use synchronize()")
 
     def close(self) -> None:
         disconnect_jobs(self._all_clients, self.rank)
