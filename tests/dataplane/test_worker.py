@@ -30,19 +30,21 @@ def test_timeouts_resend_with_backoff_up_to_the_ceiling():
     assert stream.expired(1.0) == [0]  # nothing came back yet: probe with the oldest only
     assert stream.next_deadline() == pytest.approx(3.0)  # both timeouts doubled to 2
     stream.on_result(1, 1.5)
-    assert stream.expired(3.0) == [0]
+    assert stream.expired(3.0) == []  # a result 1.5 s ago, within its 2 s: still flowing
     assert stream.next_deadline() == pytest.approx(6.0)  # capped at 3
+    assert stream.expired(6.0) == [0]  # silent for 4.5 s: resend
     assert stream.stats.retransmissions == 2 and stream.stats.timeouts == 2
 
 
-def test_a_silent_window_is_probed_one_chunk_per_timeout_and_resent_whole_after_progress():
+def test_a_silent_window_is_probed_one_chunk_per_timeout_and_a_flowing_one_waits():
     stream = ChunkStream(first=0, count=6, slots=3, policy=POLICY)
     stream.start(0.0)
     assert stream.expired(1.0) == [0]
     assert stream.expired(3.0) == [0]  # still silent: 1 and 2 back off unsent
-    stream.on_result(0, 3.5)  # progress: 3 is sent
-    assert stream.expired(6.0) == [1, 2]  # late after progress: lost, resend both
-    assert stream.stats.timeouts == 4
+    stream.on_result(0, 3.5)  # 3 is sent
+    assert stream.expired(6.0) == []  # 1 and 2 late, but a result came 2.5 s ago (< 3 s)
+    assert stream.expired(9.0) == [1]  # silent for 5.5 s: probe the oldest
+    assert stream.stats.timeouts == 3
 
 
 def test_three_later_results_resend_an_outstanding_chunk_once_without_waiting_for_its_timer():

@@ -7,10 +7,13 @@ and its timeout doubles up to a ceiling. Fast retransmit: results come back in c
 nothing is lost (every worker sends its chunks in order over a FIFO path, and a slot completes
 with its last contribution), so ``FAST_RETRANSMIT`` results of later chunks while a chunk is
 outstanding mean it (or its result) was lost: it is resent then, once per send, rather than after
-its timeout. When a timer fires and no result at all has come back since the late chunks were
-sent, the aggregator or a peer is slow rather than a packet lost (a round starts when the
-slowest worker has encoded): only the oldest late chunk is resent, as a probe, and the others'
-timers back off unsent, so a silent window costs one packet per timeout, not a window of them.
+its timeout. Timers handle what fast retransmit cannot see: when a timer fires while results
+are still coming back (one arrived within the late chunk's timeout), the late chunk is queued
+behind them on a busy path rather than lost (a loss would be overtaken), so it is not resent and
+its timer backs off; when nothing has come back for that long, only the oldest late chunk is
+resent, as a probe (a peer may still be encoding, the aggregator descheduled, or the tail of the
+stream lost), and the others' timers back off unsent. So a slow path costs no resends and a
+silent one one packet per timeout, not a window of them.
 Time is passed in; the shell owns sockets and clocks.
 
 ``ChunkLayout`` maps chunks to lanes and bytes of the upstream and result buffers, and
@@ -186,13 +189,13 @@ class ChunkStream:
             )
 
     def expired(self, now: float) -> list[int]:
-        """Chunks whose deadline has passed, to resend now (only the oldest when nothing came
-        back since they were sent); all late chunks' timeouts back off."""
+        """Chunks to resend now: the oldest late chunk when no result came back within its
+        timeout, none while results still flow; all late chunks' timeouts back off."""
         late = sorted(c for c, o in self._outstanding.items() if o.deadline <= now)
         for chunk in late:
             self._check_patience(chunk, now)
-        silent = late and self._last_result < min(self._outstanding[c].last_sent for c in late)
-        resend = late[:1] if silent else late
+        silent = late and now - self._last_result >= self._outstanding[late[0]].timeout
+        resend = late[:1] if silent else []
         for chunk in late:
             self._back_off(self._outstanding[chunk], now, chunk in resend)
         self.stats.timeouts += len(resend)
