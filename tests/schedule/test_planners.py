@@ -13,7 +13,12 @@ from gradsum.schedule import (
     uniform_profile,
 )
 from gradsum.schedule.grouping import mgwfbp_groups, pipeline_groups, threshold_groups
-from gradsum.schedule.placement import place_spread, place_whole
+from gradsum.schedule.placement import (
+    place_by_layer,
+    place_partitioned,
+    place_spread,
+    place_whole,
+)
 
 
 def linear(alpha, beta):
@@ -221,3 +226,28 @@ def test_spread_placement_continues_around_the_ring():
     assert [[p.shard for p in group] for group in parts] == [[0, 1, 2], [3, 0]]
     assert [(p.start, p.stop) for p in parts[0]] == [(0, 3), (3, 7), (7, 10)]
     assert [p[0].shard for p in place_whole([(0, 5), (5, 6), (6, 7)], 2)] == [0, 1, 1]
+
+
+def test_partitioned_placement_cuts_big_groups_over_distinct_shards():
+    parts = place_partitioned([(0, 10), (10, 35)], num_shards=4, partition=10)
+    assert [len(p) for p in parts] == [1, 3]
+    assert len({part.shard for part in parts[1]}) == 3
+    assert max(part.numel for part in parts[1]) <= 10
+
+
+def test_slices_stay_on_their_layers_shard():
+    parts = place_by_layer([(0, 5), (5, 10), (10, 12)], [0, 10, 12], num_shards=4)
+    assert parts[0][0].shard == parts[1][0].shard != parts[2][0].shard
+
+
+def test_all_reduce_fit_through_the_ps_counts_concurrency_twice():
+    cluster = ClusterSpec(32, 32, 2, shard_bw=2.5e9, alpha_worker=1e-4, alpha_shard=5e-5)
+    fitted = AllReduceCost.fitted_through_ps(cluster)
+    assert fitted.link.alpha == pytest.approx(2 * (1e-4 + 32 * 5e-5))
+    assert fitted.alpha == pytest.approx(62 * fitted.link.alpha)
+
+
+def test_partitioned_stage_gets_faster_per_byte_with_more_pieces():
+    cost = PSCost(ClusterSpec(8, 8, 1, worker_bw=10e9, shard_bw=1e9, alpha_shard=0, alpha_worker=0))
+    assert cost.partitioned_time(8e6, 1e6) == pytest.approx(8e6 / 1e9)  # 8 shards, 8 senders each
+    assert cost.partitioned_time(1e6, 1e6) == pytest.approx(8 * 1e6 / 1e9)

@@ -1,35 +1,86 @@
 """`gradsum simulate --preset imerge-seed` at 32 workers against the IMerge seed's findings.
 
-Only communication-heavy VGG16 and AlexNet are run here (each 32-worker imerge simulation takes
-tens of seconds); docs/scheduling.md has the full measured table. Findings the calibrated model
-does not reproduce are strict xfails, so a change that fixes them shows up.
+All four models, all seven policies (minutes: the 32-worker priority and imerge runs carry
+thousands of concurrent flows). docs/scheduling.md has the measured table. Findings the
+calibrated model does not reproduce are strict xfails with the reason, so a change that fixes
+them shows up.
 """
 
 import pytest
 
+from gradsum.schedule.planners import make_planner
 from gradsum.sim.presets import get_preset
 from gradsum.sim.scaling import sweep
 
 pytestmark = pytest.mark.slow
-POLICIES = ("default", "wfbp", "fusion", "mgwfbp", "merge", "imerge")
+MODELS = ("resnet18", "vgg16", "alexnet", "resnet50")
+POLICIES = ("default", "wfbp", "fusion", "mgwfbp", "priority", "merge", "imerge")
 
 
 @pytest.fixture(scope="module")
 def table():
-    rows = sweep(get_preset("imerge-seed"), ["vgg16", "alexnet"], [32], POLICIES)
+    rows = sweep(get_preset("imerge-seed"), MODELS, [32], POLICIES)
     return {(r["model"], r["policy"]): r for r in rows}
 
 
-@pytest.mark.parametrize("model", ["vgg16", "alexnet"])
-def test_imerge_beats_wfbp_beats_default(table, model):
-    throughput = {p: table[(model, p)]["throughput"] for p in POLICIES}
-    assert throughput["imerge"] >= throughput["wfbp"] >= throughput["default"]
-    assert throughput["imerge"] > 1.5 * throughput["default"]
+def speedup(table, model, policy):
+    return table[(model, policy)]["speedup"]
 
 
-@pytest.mark.parametrize("model", ["vgg16", "alexnet"])
+@pytest.mark.parametrize("model", MODELS)
+def test_wfbp_beats_default(table, model):
+    assert speedup(table, model, "wfbp") > 1.1 * speedup(table, model, "default")
+
+
+@pytest.mark.parametrize("model", ["vgg16", "alexnet", "resnet50"])
+def test_imerge_at_least_as_fast_as_wfbp(table, model):
+    assert speedup(table, model, "imerge") >= speedup(table, model, "wfbp")
+
+
+@pytest.mark.xfail(strict=True, reason="both hide all communication: imerge 31.77, wfbp 31.85")
+def test_imerge_at_least_as_fast_as_wfbp_on_resnet18(table):
+    assert speedup(table, "resnet18", "imerge") >= speedup(table, "resnet18", "wfbp")
+
+
+def test_merge_at_least_as_fast_as_wfbp_on_resnet50(table):
+    assert speedup(table, "resnet50", "merge") >= speedup(table, "resnet50", "wfbp")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the PS pipeline rule assumes one group in flight and over-merges, while wfbp's "
+    "partitioned layers overlap in the window (docs/scheduling.md, 'What matches')",
+)
+@pytest.mark.parametrize("model", ["resnet18", "vgg16", "alexnet"])
+def test_merge_at_least_as_fast_as_wfbp(table, model):
+    assert speedup(table, model, "merge") >= speedup(table, model, "wfbp")
+
+
+@pytest.mark.parametrize("model", MODELS)
 def test_all_reduce_model_fusion_falls_behind_static_fusion(table, model):
-    assert table[(model, "mgwfbp")]["throughput"] < table[(model, "fusion")]["throughput"]
+    assert speedup(table, model, "mgwfbp") < speedup(table, model, "fusion")
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("workers", [16, 32])
+def test_all_reduce_model_puts_every_layer_in_one_group(model, workers):
+    preset = get_preset("imerge-seed")
+    plan = make_planner("mgwfbp")(preset.profile(model), preset.cluster(workers))
+    assert len(plan.groups) == 1
+
+
+def test_priority_slicing_collapses_on_alexnet(table):
+    assert speedup(table, "alexnet", "priority") < 0.5 * speedup(table, "alexnet", "default")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="compute-heavy backward hides the per-slice costs; VGG16 priority stays just "
+    "above default (docs/scheduling.md)",
+)
+@pytest.mark.parametrize("model", ["resnet18", "vgg16", "resnet50"])
+def test_priority_slicing_at_most_default(table, model):
+    assert speedup(table, model, "priority") <= speedup(table, model, "default")
 
 
 def test_vgg16_scales_almost_linearly_with_imerge(table):
@@ -37,13 +88,11 @@ def test_vgg16_scales_almost_linearly_with_imerge(table):
 
 
 def test_alexnet_stays_far_from_linear_even_with_imerge(table):
-    assert 0.15 < table[("alexnet", "imerge")]["efficiency"] < 0.7
+    assert table[("alexnet", "imerge")]["efficiency"] < 0.7
 
 
 @pytest.mark.xfail(
-    strict=True,
-    reason="whole-group PS placement makes merge's bigger groups "
-    "incast harder than wfbp's (docs/scheduling.md, 'What matches and what does not')",
+    strict=True, reason="NIC-bound at 29%: 93 MB per worker per iteration (docs/scheduling.md)"
 )
-def test_merge_at_least_as_fast_as_wfbp(table):
-    assert table[("vgg16", "merge")]["throughput"] >= table[("vgg16", "wfbp")]["throughput"]
+def test_alexnet_around_half_efficiency_with_imerge(table):
+    assert 0.4 < table[("alexnet", "imerge")]["efficiency"] < 0.6

@@ -59,6 +59,18 @@ class AllReduceCost:
         bandwidth = min(cluster.worker_bw, cluster.shard_bw, cluster.nic_bw)
         return cls(AlphaBeta(alpha, 1.0 / bandwidth), cluster.workers)
 
+    @classmethod
+    def fitted_through_ps(cls, cluster: ClusterSpec) -> AllReduceCost:
+        """The α–β MG-WFBP's regression gets from round trips through the PS, all workers at once.
+
+        Each of the two stages pays α_worker + n·α_shard and moves M at B_shard/n (incast), so the
+        fit is α = 2(α_worker + n·α_shard), β = 2n/B_shard. The ring formula then multiplies this
+        already n-way start-up by 2(n−1) again — the miscounted concurrency the seed blames.
+        """
+        n = cluster.workers
+        alpha = 2 * (cluster.alpha_worker + n * cluster.alpha_shard)
+        return cls(AlphaBeta(alpha, 2 * n / cluster.shard_bw), n)
+
     @property
     def alpha(self) -> float:
         """Start-up cost of one all-reduce, the saving a merge buys."""
@@ -107,6 +119,20 @@ class PSCost:
         span = max(1, min(span, self.cluster.shards))
         overhead = span * self.part_overhead(span, interleaved)
         return overhead + nbytes / self.worker_rate(span, interleaved)
+
+    def partitioned_time(self, nbytes: float, partition_bytes: float) -> float:
+        """One stage of a group cut into pieces of ≤ ``partition_bytes`` pushed all at once.
+
+        Every worker sends the same pieces (n-way incast per shard), but the pieces' shards work
+        in parallel: the worker thread pays α_worker per piece, each core n·α_shard.
+        """
+        c = self.cluster
+        pieces = max(1, min(c.shards, math.ceil(nbytes / partition_bytes)))
+        rate = min(c.worker_bw, pieces * c.shard_bw / c.workers)
+        crossing = c.workers_per_machine * c.remote_fraction
+        if crossing > 0:
+            rate = min(rate, c.nic_bw / crossing)
+        return pieces * c.alpha_worker + c.workers * c.alpha_shard + nbytes / rate
 
     def best_span(self, nbytes: float, interleaved: bool) -> int:
         """The span that minimises :meth:`time` (1 when not interleaved: parts only add α)."""

@@ -5,10 +5,16 @@
 * :func:`place_spread` — group g is cut into ``spans[g]`` near-equal parts on consecutive shards,
   continuing around the ring where the previous group stopped, so consecutive groups — whose push
   and pull overlap in time — land on different shards.
+* :func:`place_partitioned` — BytePS-style: a group larger than ``partition`` elements is cut
+  into near-equal pieces of at most ``partition`` elements, each on the least-loaded shard, so no
+  big tensor sits whole on one server.
+* :func:`place_by_layer` — every range on the shard of the layer it belongs to (ByteScheduler's
+  slices keep their tensor's key, hence its server).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -42,3 +48,30 @@ def place_spread(
         )
         next_shard = (next_shard + span) % num_shards
     return parts
+
+
+def place_partitioned(
+    ranges: Sequence[tuple[int, int]], num_shards: int, partition: int
+) -> list[tuple[Part, ...]]:
+    load = np.zeros(num_shards, dtype=np.int64)
+    parts = []
+    for start, stop in ranges:
+        pieces = min(num_shards, -(-(stop - start) // partition))
+        cuts = np.linspace(start, stop, pieces + 1).round().astype(np.int64)
+        group = []
+        for a, b in itertools.pairwise(cuts):
+            free = np.where(np.isin(np.arange(num_shards), [p.shard for p in group]), np.inf, load)
+            shard = int(np.argmin(free))
+            load[shard] += b - a
+            group.append(Part(shard, int(a), int(b)))
+        parts.append(tuple(group))
+    return parts
+
+
+def place_by_layer(
+    ranges: Sequence[tuple[int, int]], layer_offsets: Sequence[int], num_shards: int
+) -> list[tuple[Part, ...]]:
+    layers = list(itertools.pairwise(layer_offsets))
+    shard_of_layer = [p[0].shard for p in place_whole(layers, num_shards)]
+    owner = np.searchsorted(np.asarray(layer_offsets), [a for a, _ in ranges], side="right") - 1
+    return [(Part(shard_of_layer[k], a, b),) for (a, b), k in zip(ranges, owner, strict=True)]

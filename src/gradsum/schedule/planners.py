@@ -30,11 +30,14 @@ from .grouping import (
     single_layers,
     threshold_groups,
 )
-from .placement import place_spread, place_whole
+from .placement import place_by_layer, place_partitioned, place_spread
 from .plan import Group, Plan, plan_skeleton
 from .profile import ModelProfile
 
 Planner = Callable[[ModelProfile, ClusterSpec], Plan]
+
+# BytePS's default partition (BYTEPS_PARTITION_BYTES = 4,096,000) in fp32 elements.
+PARTITION_ELEMENTS = 1_024_000
 
 
 def _element_ranges(profile: ModelProfile, layer_ranges: LayerRanges) -> list[tuple[int, int]]:
@@ -43,11 +46,19 @@ def _element_ranges(profile: ModelProfile, layer_ranges: LayerRanges) -> list[tu
 
 
 def _layer_plan(profile, cluster, policy, layer_ranges, aggregator="ps", **fields) -> Plan:
-    """Groups of whole layers, each on its least-loaded shard (or no parts for all-reduce)."""
+    """Groups of whole layers, partitioned over shards as BytePS does (no parts for all-reduce).
+
+    A PS client pushes every partition of a tensor asynchronously, so the window admits the
+    largest group whole: its pieces are in flight together, each an n-way incast at its shard.
+    """
     ranges = _element_ranges(profile, layer_ranges)
-    parts = place_whole(ranges, cluster.shards) if aggregator == "ps" else [()] * len(ranges)
+    if aggregator != "ps":
+        groups = tuple(Group(a, b) for a, b in ranges)
+        return Plan(policy, groups, aggregator=aggregator, **plan_skeleton(profile), **fields)
+    parts = place_partitioned(ranges, cluster.shards, PARTITION_ELEMENTS)
     groups = tuple(Group(a, b, p) for (a, b), p in zip(ranges, parts, strict=True))
-    return Plan(policy, groups, aggregator=aggregator, **plan_skeleton(profile), **fields)
+    window = max(g.numel for g in groups) * cluster.bytes_per_element
+    return Plan(policy, groups, credit_bytes=window, **plan_skeleton(profile), **fields)
 
 
 def plan_default(profile: ModelProfile, cluster: ClusterSpec, *, aggregator: str = "ps") -> Plan:
@@ -79,7 +90,12 @@ def plan_mgwfbp(
     cost: AllReduceCost | None = None,
     aggregator: str = "ps",
 ) -> Plan:
-    cost = cost or AllReduceCost.from_cluster(cluster)
+    if cost is None:
+        # MG-WFBP fits α, β on the transfers it actually makes: here, through the PS.
+        ps = aggregator == "ps"
+        cost = (
+            AllReduceCost.fitted_through_ps(cluster) if ps else AllReduceCost.from_cluster(cluster)
+        )
     element_bytes = cluster.bytes_per_element
     layers = mgwfbp_groups(
         profile.params, profile.ready_times(), lambda n: cost.time(n * element_bytes), cost.alpha
@@ -98,8 +114,10 @@ def plan_merge(profile: ModelProfile, cluster: ClusterSpec, *, cost: PSCost | No
     cost = cost or PSCost(cluster)
     element_bytes = cluster.bytes_per_element
 
+    partition_bytes = PARTITION_ELEMENTS * element_bytes
+
     def stage(n: int) -> float:
-        return cost.time(n * element_bytes, 1, interleaved=False)
+        return cost.partitioned_time(n * element_bytes, partition_bytes)
 
     layers = pipeline_groups(profile.params, profile.ready_times(), stage, stage)
     return _layer_plan(profile, cluster, "merge", layers)
@@ -139,7 +157,7 @@ def plan_priority(
         for start in range(int(offsets[layer]), int(offsets[layer + 1]), slice_elements):
             slices.append((start, min(start + slice_elements, int(offsets[layer + 1]))))
             priorities.append(last - layer)  # front layers (highest backward index) first
-    parts = place_whole(slices, cluster.shards)
+    parts = place_by_layer(slices, profile.offsets, cluster.shards)
     groups = tuple(
         Group(a, b, p, prio) for (a, b), p, prio in zip(slices, parts, priorities, strict=True)
     )

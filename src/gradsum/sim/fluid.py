@@ -29,22 +29,21 @@ def max_min_rates(paths: np.ndarray, capacity: np.ndarray) -> np.ndarray:
     remaining = np.append(capacity.astype(float), np.inf)
     counts = np.bincount(resources.ravel(), minlength=spare + 1).astype(float)
     counts[spare] = 0.0
-    live = np.ones(flows, dtype=bool)
+    live = np.arange(flows)  # frozen flows are dropped, so each round scans only the rest
     share = np.empty_like(remaining)
-    while True:
+    while live.size:
         share.fill(np.inf)
         np.divide(remaining, counts, out=share, where=counts > 0)
         level = share.min()
         saturated = share <= level * (1 + _RELATIVE_TIE)
-        hit = live & saturated[resources].any(axis=1)
-        rates[hit] = level
-        live &= ~hit
-        if not live.any():
-            return rates
+        hit = saturated[resources].any(axis=1)
+        rates[live[hit]] = level
         freed = np.bincount(resources[hit].ravel(), minlength=spare + 1)
         freed[spare] = 0
         remaining -= level * freed
         counts -= freed
+        live, resources = live[~hit], resources[~hit]
+    return rates
 
 
 class FluidNetwork:
