@@ -26,7 +26,7 @@ def test_local_job_trains_digits_and_writes_a_summary(tmp_path):
     summary = run_local(config)
     assert summary["test_accuracy"] >= 0.9
     records = _lines(log)
-    assert [r["event"] for r in records] == ["config", "epoch", "epoch", "epoch", "summary"]
+    assert [r["event"] for r in records] == ["config", "plan", "epoch", "epoch", "epoch", "summary"]
     assert records[-1]["test_accuracy"] == summary["test_accuracy"]
     assert records[-1]["samples_per_s"] > 0
 
