@@ -27,9 +27,8 @@ def test_after_a_timeout_new_chunks_keep_the_backed_off_timeout_until_a_clean_sa
     stream.start(0.0)
     assert stream.expired(1.0) == [0]  # a silent window: 0 probes; both timeouts double to 2 s
     assert stream.timeout == 2.0
-    # the probe's result: no sample (Karn); 1, overdue, is resent at once and 2 is sent
-    assert stream.on_result(0, 1.5) == [1, 2]
-    assert stream.next_deadline() == pytest.approx(3.5)  # both at 1.5 + 2
+    assert stream.on_result(0, 1.5) == [2]  # a resent chunk's result: no sample (Karn)
+    assert stream.next_deadline() == pytest.approx(3.0)  # chunk 1 at 1 + 2; chunk 2 at 1.5 + 2
     assert stream.expired(3.0) == []  # a result came 1.5 s ago, within 1's 2 s: it waits
     assert stream.expired(3.4) == []  # chunk 2 got 2 s, not the 1 s floor
     assert stream.on_result(2, 3.6) == []  # sent once, 2.1 s: a clean sample

@@ -12,10 +12,8 @@ are still coming back (one arrived within the late chunk's timeout), the late ch
 behind them on a busy path rather than lost (a loss would be overtaken), so it is not resent and
 its timer backs off; when nothing has come back for that long, only the oldest late chunk is
 resent, as a probe (a peer may still be encoding, the aggregator descheduled, or the tail of the
-stream lost), and the others' timers back off unsent. When the probe's result comes back, the
-path is alive again and every chunk whose timer had expired unsent is resent at once (a burst
-loss is recovered in one round trip, not one timeout per chunk). So a slow path costs no resends
-and a silent one one packet per timeout, not a window of them.
+stream lost), and the others' timers back off unsent. So a slow path costs no resends and a
+silent one one packet per timeout, not a window of them.
 Time is passed in; the shell owns sockets and clocks.
 
 ``ChunkLayout`` maps chunks to lanes and bytes of the upstream and result buffers, and
@@ -104,18 +102,6 @@ class _Outstanding:
     retries: int = 0
     later: int = 0  # results of later chunks since this chunk was last sent
     last_sent: float = 0.0
-    overdue: bool = False  # its timer expired and it was not resent
-    probe: bool = False  # last sent as the probe of a silent window
-
-
-def _restart(state: _Outstanding, now: float) -> None:
-    """A chunk resent outside its timer (fast retransmit, after an answered probe): its timer
-    restarts with its current timeout."""
-    state.retries += 1
-    state.later = 0
-    state.overdue = state.probe = False
-    state.last_sent = now
-    state.deadline = now + state.timeout
 
 
 @dataclass
@@ -168,23 +154,11 @@ class ChunkStream:
         self._last_result = now
         self.stats.results += 1
         resend = self._overtaken(chunk, now)
-        if state.probe:
-            resend += self._overdue(now)
         following = chunk + self.slots
         if following < self._end:
             self._send(following, now)
             resend.append(following)
         return resend
-
-    def _overdue(self, now: float) -> list[int]:
-        """A probe was answered: resend every chunk whose timer expired while it waited."""
-        late = sorted(c for c, o in self._outstanding.items() if o.overdue)
-        for chunk in late:
-            _restart(self._outstanding[chunk], now)
-        self.stats.timeouts += len(late)
-        self.stats.retransmissions += len(late)
-        self.stats.packets_sent += len(late)
-        return late
 
     def _overtaken(self, chunk: int, now: float) -> list[int]:
         """Earlier chunks that ``FAST_RETRANSMIT`` later results have now overtaken: resend them
@@ -196,7 +170,11 @@ class ChunkStream:
                 if state.later == FAST_RETRANSMIT:
                     lost.append(earlier)
         for earlier in lost:
-            _restart(self._outstanding[earlier], now)
+            state = self._outstanding[earlier]
+            state.retries += 1
+            state.later = 0
+            state.last_sent = now
+            state.deadline = now + state.timeout
         self.stats.fast_retransmissions += len(lost)
         self.stats.retransmissions += len(lost)
         self.stats.packets_sent += len(lost)
@@ -219,7 +197,7 @@ class ChunkStream:
         silent = late and now - self._last_result >= self._outstanding[late[0]].timeout
         resend = late[:1] if silent else []
         for chunk in late:
-            self._back_off(self._outstanding[chunk], now, chunk in resend, probe=silent)
+            self._back_off(self._outstanding[chunk], now, chunk in resend)
         self.stats.timeouts += len(resend)
         self.stats.retransmissions += len(resend)
         self.stats.packets_sent += len(resend)
@@ -234,13 +212,11 @@ class ChunkStream:
                 f"retransmissions over {now - state.first_sent:.1f} s"
             )
 
-    def _back_off(self, state: _Outstanding, now: float, resent: bool, probe: bool) -> None:
-        state.overdue = not resent
+    def _back_off(self, state: _Outstanding, now: float, resent: bool) -> None:
         if resent:
             state.retries += 1
             state.later = 0
             state.last_sent = now
-            state.probe = probe
         state.timeout = min(state.timeout * self.policy.backoff, self.policy.max_timeout)
         state.deadline = now + state.timeout
         self.rtt.backed_off(state.timeout)
