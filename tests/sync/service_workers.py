@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-
 from gradsum.codecs import make_codec
 from gradsum.sync.service import JobSettings, ServiceAggregator
 
-from .workers import _batches, _parameters, tiny_model
+from .workers import tiny_model, train_steps
 
 
 def train_through_service(rank, world, kind, addresses, codec_name, steps, ddp):
@@ -28,17 +26,9 @@ def train_through_service(rank, world, kind, addresses, codec_name, steps, ddp):
 
         wrapped = model
         sync = GradientSync(model, codec, aggregator)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses, snapshots = [], []
-    for x, y in _batches(rank, steps):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(wrapped(x), y)
-        loss.backward()
-        if not ddp:
-            sync.wait()
-        optimizer.step()
-        losses.append(loss.item())
-        snapshots.append(_parameters(model))
+    losses, snapshots = train_steps(
+        rank, steps, model, wrapped, (lambda: None) if ddp else sync.wait
+    )
     if ddp:
         state.close()
     else:

@@ -53,6 +53,21 @@ def _parameters(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
+def train_steps(rank, steps, model, forward, after_backward=lambda: None):
+    """SGD steps on this rank's batches: the losses, and the parameters after every step."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, snapshots = [], []
+    for x, y in _batches(rank, steps):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(forward(x), y)
+        loss.backward()
+        after_backward()
+        optimizer.step()
+        losses.append(loss.item())
+        snapshots.append(_parameters(model))
+    return losses, snapshots
+
+
 def train_with_ddp_hook(rank, world, codec_name, steps):
     from torch.nn.parallel import DistributedDataParallel
 
@@ -61,15 +76,7 @@ def train_with_ddp_hook(rank, world, codec_name, steps):
     model = DistributedDataParallel(tiny_model(), bucket_cap_mb=0.01)  # several buckets
     state = GradsumHookState(make_codec(codec_name, workers=world), AllReduceAggregator())
     model.register_comm_hook(state, gradsum_hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses, snapshots = [], []
-    for x, y in _batches(rank, steps):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        snapshots.append(_parameters(model.module))
+    losses, snapshots = train_steps(rank, steps, model.module, model)
     state.close()
     return {"losses": losses, "snapshots": snapshots, "steps": state.step}
 
@@ -84,16 +91,7 @@ def train_with_gradient_sync(rank, world, codec_name, steps, fusion_elements):
         AllReduceAggregator(),
         fusion_elements=fusion_elements,
     )
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses, snapshots = [], []
-    for x, y in _batches(rank, steps):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        sync.wait()
-        optimizer.step()
-        losses.append(loss.item())
-        snapshots.append(_parameters(model))
+    losses, snapshots = train_steps(rank, steps, model, model, sync.wait)
     sync.close()
     dist.barrier()
     return {"losses": losses, "snapshots": snapshots, "groups": len(sync.groups)}
