@@ -54,7 +54,7 @@ typedef uint8_t u8x8 __attribute__((vector_size(8)));
 enum {
     LANES = 8,          /* floats per vector */
     LEAF = 4096,        /* coordinates transformed in L1 (16 KiB) */
-    CHUNK = 1 << 16,    /* coordinates transformed in L2 (256 KiB) */
+    CHUNK = 1 << 17,    /* coordinates transformed in L2 (512 KiB) */
     RADIX_LOG = 3,      /* 8 vectors per butterfly column: 16 registers hold them and temporaries */
 };
 
@@ -68,12 +68,45 @@ INLINE void store(float *p, f32x8 v) { memcpy(p, &v, sizeof v); }
 
 /* ---------------------------------------------------------------------------------------------
  * Walsh-Hadamard transform. The stages of a FWHT commute, so they are grouped by cache level:
- * the strides across L2-sized chunks first (streaming passes), then per chunk the strides across
- * L1-sized leaves, then per leaf all the rest, and a visitor runs on each finished leaf. A pass
- * loads each column of up to 8 vectors once and does up to 3 stages on it in registers (16
- * vectors would not leave the compiler room and spill). Even so the transform is bound by its
- * 20 adds per coordinate (at 2^20), not by memory.
+ * strides across L2-sized chunks (streaming passes), strides across L1-sized leaves inside a
+ * chunk, and the rest inside a leaf. A pass loads each column of up to 8 vectors once and does
+ * up to 3 stages on it in registers (16 vectors would not leave the compiler room and spill).
+ *
+ * The encode runs the groups largest stride first and quantizes each leaf as soon as it is
+ * final; its first pass reads the gradient itself, applying scale and rotation signs as it loads
+ * (a `source`). The decode runs them smallest stride first: each leaf is dequantized straight
+ * into L1 and transformed there, and the last pass applies the signs as it stores. Either way no
+ * pass over the whole vector is spent on anything but butterflies.
  */
+
+/* Rotation signs travel as bits (set = negative), a 32nd of the float vector's traffic. */
+INLINE f32x8 apply_signs(f32x8 v, uint8_t bits) {
+    i32x8 negative = (((i32x8){0} + bits) & (i32x8){1, 2, 4, 8, 16, 32, 64, 128}) != 0;
+    return (f32x8)((i32x8)v ^ (negative & INT32_MIN));
+}
+
+/* What a transform's first pass reads instead of x: scale * src * signs, zero from `length` on
+   (the rotation's padding). */
+struct source {
+    const float *src;
+    size_t length;
+    float scale;
+    const uint8_t *signs;
+};
+
+/* Coordinates i..i+7 of the source; `finite` stays zero unless one of them is an Inf or NaN. */
+INLINE f32x8 source_load(const struct source *in, size_t i, f32x8 *finite) {
+    f32x8 v;
+    if (i + LANES <= in->length) {
+        v = load(in->src + i);
+    } else {
+        float tail[LANES] = {0};
+        if (i < in->length) memcpy(tail, in->src + i, (in->length - i) * sizeof(float));
+        v = load(tail);
+    }
+    *finite += v - v;
+    return apply_signs(v * in->scale, in->signs[i / LANES]);
+}
 
 /* Strides 1, 2 and 4 inside a vector: lane i becomes partner + v[i] (bit clear) or
    partner - v[i] (bit set), the same sums as the scalar butterfly. */
@@ -93,104 +126,138 @@ INLINE void butterflies(f32x8 *v, int log_count) {
             }
 }
 
-/* The stages of strides h, 2h, ..., h << (k - 1) on every span of h << k coordinates (h a
-   multiple of LANES), plus the in-vector stages when `lanes` is set (then h == LANES). */
-INLINE void radix_pass(float *x, size_t n, size_t h, int k, int lanes) {
-    for (size_t base = 0; base < n; base += h << k)
+/* The stages of strides h, 2h, ..., h << (k - 1) on every span of h << k coordinates of
+   x[from, from + n) (h a multiple of LANES), plus the in-vector stages when `lanes` is set (then
+   h == LANES). Loads come from `in` if given; stores apply `out_signs` if given. */
+INLINE void radix_pass(float *x, size_t from, size_t n, size_t h, int k, int lanes,
+                       const struct source *in, f32x8 *finite, const uint8_t *out_signs) {
+    f32x8 clean = {0};
+    for (size_t base = from; base < from + n; base += h << k)
         for (size_t j = base; j < base + h; j += LANES) {
             f32x8 v[1 << RADIX_LOG];
-            for (int m = 0; m < 1 << k; m++) v[m] = load(x + j + m * h);
+            for (int m = 0; m < 1 << k; m++)
+                v[m] = in ? source_load(in, j + m * h, &clean) : load(x + j + m * h);
             if (lanes)
                 for (int m = 0; m < 1 << k; m++) v[m] = lane_stages(v[m]);
             butterflies(v, k);
-            for (int m = 0; m < 1 << k; m++) store(x + j + m * h, v[m]);
+            for (int m = 0; m < 1 << k; m++)
+                store(x + j + m * h,
+                      out_signs ? apply_signs(v[m], out_signs[(j + m * h) / LANES]) : v[m]);
         }
+    if (in) *finite += clean;
 }
 
-/* Dispatch to a pass with a compile-time radix, so its column stays in registers. */
-MULTIVERSION static void pass(float *x, size_t n, size_t h, int k, int lanes) {
+/* Dispatch to a pass with a compile-time radix and source/sink, so its column stays in
+   registers and the plain pass carries no branches. */
+#define RADIX_PASS_VARIANTS(k)                                                                   \
+    do {                                                                                         \
+        if (in)                                                                                  \
+            radix_pass(x, from, n, h, k, lanes, in, finite, NULL);                               \
+        else if (out_signs)                                                                      \
+            radix_pass(x, from, n, h, k, lanes, NULL, NULL, out_signs);                          \
+        else                                                                                     \
+            radix_pass(x, from, n, h, k, lanes, NULL, NULL, NULL);                               \
+    } while (0)
+
+MULTIVERSION static void pass(float *x, size_t from, size_t n, size_t h, int k, int lanes,
+                              const struct source *in, f32x8 *finite, const uint8_t *out_signs) {
     switch (k) {
-    case 0: radix_pass(x, n, h, 0, lanes); break;
-    case 1: radix_pass(x, n, h, 1, lanes); break;
-    case 2: radix_pass(x, n, h, 2, lanes); break;
-    default: radix_pass(x, n, h, RADIX_LOG, lanes); break;
+    case 0: RADIX_PASS_VARIANTS(0); break;
+    case 1: RADIX_PASS_VARIANTS(1); break;
+    case 2: RADIX_PASS_VARIANTS(2); break;
+    default: RADIX_PASS_VARIANTS(RADIX_LOG); break;
     }
 }
 
 static int log2_of(size_t n) { return 63 - __builtin_clzll((unsigned long long)n); }
 
-/* All stages of strides from, 2 from, ..., block / 2 on every block of x[0, n). */
-static void strided_stages(float *x, size_t n, size_t block, size_t from) {
-    for (size_t h = from; h < block;) {
+/* How the stages of a group are run: the first pass reads `in`, the last stores `out_signs`. */
+struct pass_ends {
+    const struct source *in;
+    f32x8 *finite;
+    const uint8_t *out_signs;
+};
+
+static const struct pass_ends PLAIN = {NULL, NULL, NULL};
+
+/* All stages of strides stride, 2 stride, ..., block / 2 on every block of x[from, from + n). */
+static void strided_stages(float *x, size_t from, size_t n, size_t block, size_t stride,
+                           struct pass_ends ends) {
+    for (size_t h = stride; h < block;) {
         int k = MIN(RADIX_LOG, log2_of(block / h));
-        pass(x, n, h, k, 0);
+        int last = h << k >= block;
+        pass(x, from, n, h, k, 0, ends.in, ends.finite, last ? ends.out_signs : NULL);
+        ends.in = NULL;
         h <<= k;
     }
 }
 
-/* All stages of every block (LANES <= block <= LEAF) of a leaf of n <= LEAF coordinates. */
-static void leaf_stages(float *x, size_t n, size_t block) {
+/* All stages of every block (LANES <= block <= LEAF) of a leaf x[from, from + n), n <= LEAF. */
+static void leaf_stages(float *x, size_t from, size_t n, size_t block, struct pass_ends ends) {
     int k = MIN(RADIX_LOG, log2_of(block / LANES));
-    pass(x, n, LANES, k, 1);
-    strided_stages(x, n, block, LANES << k);
+    int last = (size_t)LANES << k >= block;
+    pass(x, from, n, LANES, k, 1, ends.in, ends.finite, last ? ends.out_signs : NULL);
+    ends.in = NULL;
+    strided_stages(x, from, n, block, LANES << k, ends);
 }
 
 typedef void (*leaf_visitor)(void *state, float *leaf, size_t offset, size_t count);
 
-/* Unnormalised FWHT of every block of x[0, n), n a multiple of block, block >= LANES a power of
-   two; visit(state, leaf, offset, count) sees each leaf once its values are final. */
-static void fwht(float *x, size_t n, size_t block, leaf_visitor visit, void *state) {
-    strided_stages(x, n, block, CHUNK);
+/* Unnormalised FWHT of every block of x[0, n) (n a multiple of block, block >= LANES a power of
+   two), largest strides first; with a source, x is first filled from it (returns 0, and stops
+   before visiting anything, where the source holds an Inf or NaN). visit(state, leaf, offset,
+   count) sees each leaf once its values are final. */
+static int fwht_forward(float *x, size_t n, size_t block, const struct source *in,
+                        leaf_visitor visit, void *state) {
+    f32x8 finite = {0};
+    struct pass_ends first = {in, &finite, NULL};
+    if (block > CHUNK) {
+        strided_stages(x, 0, n, block, CHUNK, first);
+        first = PLAIN;
+    }
     for (size_t c = 0; c < n; c += CHUNK) {
         size_t chunk = MIN(CHUNK, n - c);
-        strided_stages(x + c, chunk, MIN(block, CHUNK), LEAF);
+        struct pass_ends ends = first;
+        if (MIN(block, CHUNK) > LEAF) {
+            strided_stages(x, c, chunk, MIN(block, CHUNK), LEAF, ends);
+            ends = PLAIN;
+        }
         for (size_t l = c; l < c + chunk; l += LEAF) {
             size_t count = MIN(LEAF, c + chunk - l);
-            leaf_stages(x + l, count, MIN(block, LEAF));
+            leaf_stages(x, l, count, MIN(block, LEAF), ends);
+            if (in) {
+                i32x8 clean = finite == finite;
+                for (int lane = 0; lane < LANES; lane++)
+                    if (!clean[lane]) return 0;
+            }
             visit(state, x + l, l, count);
         }
     }
+    return 1;
+}
+
+/* The same transform, smallest strides first: produce(state, leaf, offset, count) fills each
+   leaf, and the signs multiply the final values as they are stored. */
+static void fwht_reverse(float *x, size_t n, size_t block, leaf_visitor produce, void *state,
+                         const uint8_t *signs) {
+    struct pass_ends last = {NULL, NULL, signs};
+    for (size_t c = 0; c < n; c += CHUNK) {
+        size_t chunk = MIN(CHUNK, n - c);
+        for (size_t l = c; l < c + chunk; l += LEAF) {
+            size_t count = MIN(LEAF, c + chunk - l);
+            produce(state, x + l, l, count);
+            leaf_stages(x, l, count, MIN(block, LEAF), block <= LEAF ? last : PLAIN);
+        }
+        if (MIN(block, CHUNK) > LEAF)
+            strided_stages(x, c, chunk, MIN(block, CHUNK), LEAF, block <= CHUNK ? last : PLAIN);
+    }
+    if (block > CHUNK) strided_stages(x, 0, n, block, CHUNK, last);
 }
 
 MULTIVERSION static void scale_leaf(void *state, float *leaf, size_t offset, size_t count) {
     (void)offset;
     float scale = *(const float *)state;
     for (size_t i = 0; i < count; i++) leaf[i] *= scale;
-}
-
-/* Rotation signs travel as bits (set = negative), a 32nd of the float vector's traffic. */
-INLINE f32x8 apply_signs(f32x8 v, uint8_t bits) {
-    i32x8 negative = (((i32x8){0} + bits) & (i32x8){1, 2, 4, 8, 16, 32, 64, 128}) != 0;
-    return (f32x8)((i32x8)v ^ (negative & INT32_MIN));
-}
-
-MULTIVERSION static void sign_leaf(void *state, float *leaf, size_t offset, size_t count) {
-    const uint8_t *signs = (const uint8_t *)state + offset / LANES;
-    for (size_t i = 0; i < count; i += LANES) store(leaf + i, apply_signs(load(leaf + i), signs[i / LANES]));
-}
-
-/* dst[0, n) = scale * src * signs, zero beyond length (the rotation's padding), n a multiple of
-   LANES. Returns whether src is all finite: the one pass over it checks that for free. */
-MULTIVERSION static int signed_copy(const float *src, size_t length, float scale, float *dst,
-                                    size_t n, const uint8_t *signs) {
-    f32x8 finite = {0}; /* stays zero unless some x - x is NaN: an Inf or NaN */
-    size_t i = 0;
-    for (; i + LANES <= length; i += LANES) {
-        f32x8 x = load(src + i);
-        finite += x - x;
-        store(dst + i, apply_signs(x * scale, signs[i / LANES]));
-    }
-    for (; i < n; i += LANES) {
-        float tail[LANES] = {0};
-        if (i < length) memcpy(tail, src + i, (length - i) * sizeof(float));
-        f32x8 x = load(tail);
-        finite += x - x;
-        store(dst + i, apply_signs(x * scale, signs[i / LANES]));
-    }
-    i32x8 clean = finite == finite;
-    for (int lane = 0; lane < LANES; lane++)
-        if (!clean[lane]) return 0;
-    return 1;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -428,20 +495,24 @@ static void quantize(struct quantizer *q, float *y, size_t n) {
 /* ---------------------------------------------------------------------------------------------
  * Worker decode: y = a*S + c from the packed sums S.
  */
-MULTIVERSION static void dequantize(const uint8_t *in, const uint8_t *end, int w, size_t n,
-                                    float a, float c, float *out) {
+struct dequantizer {
+    const uint8_t *in, *end;
+    int w;
+    float a, c;
+};
+
+/* y[0, count <= LEAF) = a*S + c for the sums S of coordinates offset.. (offset a multiple of 8). */
+MULTIVERSION static void dequantize_leaf(void *state, float *y, size_t offset, size_t count) {
+    const struct dequantizer *d = state;
     union {
         uint8_t narrow[LEAF];
         uint16_t wide[LEAF];
     } sums;
-    for (size_t offset = 0; offset < n; offset += LEAF, out += LEAF) {
-        size_t count = MIN(LEAF, n - offset);
-        unpack(in + offset / 8 * w, end, w, count, &sums);
-        if (w <= 8)
-            for (size_t i = 0; i < count; i++) out[i] = (float)sums.narrow[i] * a + c;
-        else
-            for (size_t i = 0; i < count; i++) out[i] = (float)sums.wide[i] * a + c;
-    }
+    unpack(d->in + offset / 8 * d->w, d->end, d->w, count, &sums);
+    if (d->w <= 8)
+        for (size_t i = 0; i < count; i++) y[i] = (float)sums.narrow[i] * d->a + d->c;
+    else
+        for (size_t i = 0; i < count; i++) y[i] = (float)sums.wide[i] * d->a + d->c;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -566,7 +637,7 @@ static PyObject *py_fwht(PyObject *Py_UNUSED(self), PyObject *args) {
     if (!PyArg_ParseTuple(args, "Knnf", &x, &n, &block, &scale) || !check_block(n, block))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    fwht(ADDRESS(float *, x), (size_t)n, (size_t)block, scale_leaf, &scale);
+    fwht_forward(ADDRESS(float *, x), (size_t)n, (size_t)block, NULL, scale_leaf, &scale);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -601,11 +672,11 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
     if (block) {
         /* a first, not after the transform (linearity): the unnormalised FWHT of a gradient
            whose norm is near the float32 limit would overflow, its scaled values never do */
-        float *y = ADDRESS(float *, buffer);
-        finite = signed_copy(ADDRESS(const float *, src), (size_t)length, q.grid.a, y, (size_t)n,
-                             ADDRESS(const uint8_t *, signs));
+        struct source in = {ADDRESS(const float *, src), (size_t)length, q.grid.a,
+                            ADDRESS(const uint8_t *, signs)};
         q.grid.a = 1;
-        if (finite) fwht(y, (size_t)n, (size_t)block, quantize_leaf, &q);
+        finite = fwht_forward(ADDRESS(float *, buffer), (size_t)n, (size_t)block, &in,
+                              quantize_leaf, &q);
     } else {
         quantize(&q, ADDRESS(float *, src), (size_t)n);
     }
@@ -682,9 +753,14 @@ static PyObject *py_decode(PyObject *Py_UNUSED(self), PyObject *args) {
         return NULL;
     const uint8_t *in = ADDRESS(const uint8_t *, packed);
     Py_BEGIN_ALLOW_THREADS
-    dequantize(in, in + packed_size, w, (size_t)n, a, c, ADDRESS(float *, out));
-    if (block)
-        fwht(ADDRESS(float *, out), (size_t)n, (size_t)block, sign_leaf, ADDRESS(void *, signs));
+    struct dequantizer d = {in, in + packed_size, w, a, c};
+    float *y = ADDRESS(float *, out);
+    if (block) {
+        fwht_reverse(y, (size_t)n, (size_t)block, dequantize_leaf, &d, ADDRESS(const uint8_t *, signs));
+    } else {
+        for (size_t offset = 0; offset < (size_t)n; offset += LEAF)
+            dequantize_leaf(&d, y + offset, offset, MIN(LEAF, (size_t)n - offset));
+    }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
