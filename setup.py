@@ -1,7 +1,7 @@
-"""Builds the optional C kernels of THC; all package metadata lives in pyproject.toml.
+"""Builds the optional C kernels of THC and of bfp; all package metadata lives in pyproject.toml.
 
-The extension is optional: without a working C compiler the build skips it and gradsum runs
-its torch code instead (see src/gradsum/codecs/thc/native.py).
+The extensions are optional: without a working C compiler the build skips them and gradsum runs
+its torch code instead (see src/gradsum/codecs/thc/native.py and src/gradsum/codecs/bfp_native.py).
 """
 
 from setuptools import Extension, setup
@@ -13,6 +13,13 @@ setup(
             sources=["src/gradsum/codecs/thc/_kernels.c"],
             extra_compile_args=["-O3", "-std=gnu11", "-Wno-psabi"],
             optional=True,
-        )
+        ),
+        Extension(
+            "gradsum.codecs._bfp_kernels",
+            sources=["src/gradsum/codecs/_bfp_kernels.c"],
+            # no fused multiply-adds: the results must match torch's bit for bit
+            extra_compile_args=["-O3", "-std=gnu11", "-Wno-psabi", "-ffp-contract=off"],
+            optional=True,
+        ),
     ]
 )

@@ -8,6 +8,10 @@ workers scale the sum back and divide by the number of contributors.
 A power-of-two scale keeps the scaling exact. With |x| < 2**e (e from frexp of the block
 maximum), the shift s = 30 - e - ceil(log2 n) bounds every sum of n rounded values below 2**31.
 An all-zero block reports exponent ``EXPONENT_FLOOR``; it quantizes to zeros with a finite scale.
+
+On the CPU the summary, encode, decode and the aggregator's sum run as native one-pass kernels
+(``bfp_native``) when the extension is built; the torch code here is the reference they match bit
+for bit, and the path for other devices, dtypes and ``GRADSUM_NATIVE=0``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import bfp_native
 from .base import (
     Aggregation,
     Codec,
@@ -42,6 +47,7 @@ class BlockFloatingPoint(Codec):
             raise ValueError(f"bfp block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.headroom = math.ceil(math.log2(workers)) if workers > 1 else 0
+        self.limit = saturation_limit(workers)
 
     def integer_op(self) -> IntegerOp:
         return IntegerOp(in_bits=32, out_bits=32, signed=True)
@@ -50,6 +56,9 @@ class BlockFloatingPoint(Codec):
         return 8  # exponents in [-126, 128] travel as int8 offsets in SwitchML; we count 8
 
     def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
+        fast = bfp_native.summarize(x, self.block_size)
+        if fast is not None:
+            return fast
         check_finite(x)
         low, high = torch.aminmax(self._blocks(x.reshape(-1).to(torch.float32)), dim=1)
         block_max = torch.maximum(high, low.neg_())
@@ -59,12 +68,16 @@ class BlockFloatingPoint(Codec):
     def encode(
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> Payload:
+        self._check_shared(shared, x.numel())
+        fast = bfp_native.encode(x, self.block_size, shared, self.headroom, self.limit)
+        if fast is not None:
+            return Payload({"values": fast}, x.numel())
         check_finite(x)
         scale = torch.exp2(self._shifts(shared, x.numel())).unsqueeze(1)
         scaled = torch.mul(self._blocks(x.reshape(-1).to(torch.float32)), scale)
         # Exponents from the same gradient keep |scaled| < limit by construction; clamping makes
         # a mismatched preliminary round saturate instead of wrapping around in int32.
-        limit = float(INT32_MAX // max(self.workers, 1))
+        limit = self.limit
         values = scaled.round_().clamp_(-limit, limit).view(-1)[: x.numel()].to(torch.int32)
         return Payload({"values": values}, x.numel())
 
@@ -76,6 +89,9 @@ class BlockFloatingPoint(Codec):
                 f"{contributors} contributions exceed the {self.workers} workers the scale was "
                 "chosen for; the int32 sum could overflow"
             )
+        fast = bfp_native.sum_([p.fields["values"] for p in payloads], length)
+        if fast is not None:
+            return Payload({"values": fast}, length, contributors)
         total = payloads[0].fields["values"].clone()
         for payload in payloads[1:]:
             total += payload.fields["values"]
@@ -84,14 +100,24 @@ class BlockFloatingPoint(Codec):
     def decode(
         self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> torch.Tensor:
+        self._check_shared(shared, payload.length)
+        fast = bfp_native.decode(
+            payload.fields["values"], payload.length, self.block_size, shared, self.headroom,
+            payload.contributors,
+        )  # fmt: skip
+        if fast is not None:
+            return fast
         inverse = torch.exp2(-self._shifts(shared, payload.length)).div_(payload.contributors)
         sums = self._blocks(payload.fields["values"].to(torch.float32))
         return sums.mul_(inverse.unsqueeze(1)).view(-1)[: payload.length]
 
-    def _shifts(self, shared: torch.Tensor | None, length: int) -> torch.Tensor:
+    def _check_shared(self, shared: torch.Tensor | None, length: int) -> None:
         blocks = -(-length // self.block_size)
         if shared is None or shared.numel() != blocks:
             raise ValueError(f"bfp needs {blocks} block exponents from the preliminary round")
+
+    def _shifts(self, shared: torch.Tensor | None, length: int) -> torch.Tensor:
+        self._check_shared(shared, length)
         return (30 - self.headroom - shared.to(torch.float32)).clamp_(max=120)
 
     def _blocks(self, flat: torch.Tensor) -> torch.Tensor:
@@ -102,3 +128,16 @@ class BlockFloatingPoint(Codec):
 
     def __repr__(self) -> str:
         return f"BlockFloatingPoint(workers={self.workers}, block_size={self.block_size})"
+
+
+def saturation_limit(workers: int) -> float:
+    """The largest float32 at most INT32_MAX // workers: the clamp of a rounded value.
+
+    The quotient itself is not a float32 in general; rounded to the nearest one it can land
+    above the quotient (2**31 for one worker, which int32 conversion wraps to -2**31; for three
+    workers 715827904 > 715827882, so a sum of three saturated values overflows). Keeping its
+    top 24 significant bits rounds it down instead.
+    """
+    quotient = INT32_MAX // max(workers, 1)
+    drop = max(quotient.bit_length() - 24, 0)
+    return float(quotient >> drop << drop)

@@ -1,0 +1,117 @@
+"""The optional native CPU path of block floating point (``_bfp_kernels.c``); torch is the
+reference and the fallback.
+
+Each function takes torch tensors, checks that the kernel can handle them (extension built, not
+disabled, CPU, contiguous, right dtype and size) and returns ``None`` when it can't, so callers
+write ``result = bfp_native.f(...)`` and fall through to their torch code. Set
+``GRADSUM_NATIVE=0`` to force the torch path (read on every call, so tests can flip it).
+
+Results are bit-identical to bfp.py's torch code: every step is one IEEE operation on float32
+(scales are exact powers of two), and shared exponents that would give a shift the kernels do not
+take (not an integer in [-126, 120]) send the call back to torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from .base import check_finite
+
+try:
+    from . import _bfp_kernels
+except ImportError:  # built without a C compiler, or on a platform the C code does not support
+    _bfp_kernels = None
+
+
+def built() -> bool:
+    """Whether the C extension was compiled and imports."""
+    return _bfp_kernels is not None
+
+
+def available() -> bool:
+    """Whether the native path is in use: built and not disabled by GRADSUM_NATIVE=0."""
+    return _bfp_kernels is not None and os.environ.get("GRADSUM_NATIVE", "1") != "0"
+
+
+def _ready(*tensors: tuple[torch.Tensor, torch.dtype]) -> bool:
+    return available() and all(
+        t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t, dtype in tensors
+    )
+
+
+def _blocks(length: int, block: int) -> int:
+    return -(-length // block)
+
+
+def summarize(x: torch.Tensor, block: int) -> torch.Tensor | None:
+    """Per block of ``block`` coordinates of x (flattened), the frexp exponent of max |x| as
+    float32, ``EXPONENT_FLOOR`` for an all-zero block. Raises ``NonFiniteGradientError`` for NaN
+    or Inf in x (the same pass finds them)."""
+    if not _ready((x, torch.float32)):
+        return None
+    exponents = torch.empty(_blocks(x.numel(), block), dtype=torch.float32)
+    if not _bfp_kernels.summarize(x.data_ptr(), x.numel(), block, exponents.data_ptr()):
+        check_finite(x)  # raises, naming the coordinates
+        return None
+    return exponents
+
+
+def encode(
+    x: torch.Tensor, block: int, shared: torch.Tensor, headroom: int, limit: float
+) -> torch.Tensor | None:
+    """int32 round(clamp(x * 2**shift, -limit, limit)), shift = min(30 - headroom - shared, 120)
+    per block (``shared``: one exponent per block). Raises ``NonFiniteGradientError`` for NaN or
+    Inf in x."""
+    shared = _exponents(shared, _blocks(x.numel(), block))
+    if shared is None or not _ready((x, torch.float32)):
+        return None
+    values = torch.empty(x.numel(), dtype=torch.int32)
+    status = _bfp_kernels.encode(
+        x.data_ptr(), x.numel(), block, shared.data_ptr(), headroom, limit, values.data_ptr()
+    )
+    if status == 0:
+        check_finite(x)  # raises, naming the coordinates
+    return values if status == 1 else None
+
+
+def sum_(payloads: Sequence[torch.Tensor], length: int) -> torch.Tensor | None:
+    """The int32 sum of ``payloads`` (each at least ``length`` int32), wrapping like torch's."""
+    if not (payloads and _ready(*((p, torch.int32) for p in payloads))):
+        return None
+    if any(p.numel() < length for p in payloads):
+        return None
+    out = torch.empty(length, dtype=torch.int32)
+    _bfp_kernels.sum([p.data_ptr() for p in payloads], length, out.data_ptr())
+    return out
+
+
+def decode(
+    values: torch.Tensor, length: int, block: int, shared: torch.Tensor, headroom: int,
+    contributors: int,
+) -> torch.Tensor | None:  # fmt: skip
+    """float32 values * (2**-shift / contributors) for the first ``length`` int32 sums."""
+    shared = _exponents(shared, _blocks(length, block))
+    if not (
+        shared is not None
+        and _ready((values, torch.int32))
+        and values.numel() >= length
+        and 1 <= contributors <= 1 << 24
+    ):
+        return None
+    out = torch.empty(length, dtype=torch.float32)
+    if not _bfp_kernels.decode(
+        values.data_ptr(), length, block, shared.data_ptr(), headroom, contributors,
+        out.data_ptr(),
+    ):  # fmt: skip
+        return None
+    return out
+
+
+def _exponents(shared: torch.Tensor | None, blocks: int) -> torch.Tensor | None:
+    """The shared exponents as a contiguous float32 CPU vector, or None where they can't be."""
+    if shared is None or shared.numel() != blocks or shared.device.type != "cpu":
+        return None
+    return shared.reshape(-1).to(torch.float32).contiguous()

@@ -1,0 +1,280 @@
+"""bfp's native CPU kernels against the torch code they replace: bit for bit.
+
+Every test forces the native path on (GRADSUM_NATIVE=1), even when the suite runs with it off,
+and switches to torch explicitly where it compares the two.
+"""
+
+import math
+
+import pytest
+import torch
+
+from gradsum.codecs import bfp_native, make_codec
+from gradsum.codecs.base import CodecContext, NonFiniteGradientError, Payload, combine_summaries
+from gradsum.codecs.bfp import INT32_MAX, BlockFloatingPoint, saturation_limit
+
+pytestmark = pytest.mark.skipif(
+    not bfp_native.built(),
+    reason="the C extension gradsum.codecs._bfp_kernels is not built (no C compiler at install "
+    "time); the torch path it replaces is covered by the other codec tests",
+)
+
+CTX = CodecContext()
+
+
+@pytest.fixture(autouse=True)
+def native_on(monkeypatch):
+    monkeypatch.setenv("GRADSUM_NATIVE", "1")
+
+
+@pytest.fixture
+def both(monkeypatch):
+    """both(fn) -> (fn() on the native path, fn() on the torch path)."""
+
+    def run(fn):
+        monkeypatch.setenv("GRADSUM_NATIVE", "1")
+        fast = fn()
+        monkeypatch.setenv("GRADSUM_NATIVE", "0")
+        slow = fn()
+        monkeypatch.setenv("GRADSUM_NATIVE", "1")
+        return fast, slow
+
+    return run
+
+
+@pytest.fixture
+def native_only(monkeypatch):
+    """Fail loudly if the codec runs its torch code (it pads into blocks; the kernels don't)."""
+
+    def torch_path(*args):
+        raise AssertionError("took the torch path")
+
+    monkeypatch.setattr(BlockFloatingPoint, "_blocks", torch_path)
+
+
+def _generator(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def gaussian(length, seed):
+    return torch.randn(length, generator=_generator(seed))
+
+
+def lognormal(length, seed):
+    """Magnitudes over ~60 binades, random signs: blocks with very different exponents."""
+    g = _generator(seed)
+    signs = torch.randint(0, 2, (length,), generator=g).mul_(2).sub_(1)
+    return torch.randn(length, generator=g).mul_(10).exp_().mul_(1e-12).mul_(signs).float()
+
+
+def edge(length, seed, block=256):
+    """Zero blocks, subnormals, values at the float32 limits, signed zeros, exact ties."""
+    x = gaussian(length, seed)
+    specials = torch.tensor(
+        [0.0, -0.0, 1e-45, -1e-45, 2**-127, 1.17549435e-38, 3.4028235e38, -3.4028235e38,
+         0.5, 1.5, 2.5, -2.5, 2**-24, 1.0, -1.0]
+    )  # fmt: skip
+    x[: min(length, len(specials))] = specials[: min(length, len(specials))]
+    for b in range(0, length, 3 * block):  # every third block all zero, some all subnormal
+        x[b + block : b + 2 * block] = 0.0
+        x[b + 2 * block : b + 3 * block] = torch.sign(x[b + 2 * block : b + 3 * block]) * 1e-40
+    return x
+
+
+INPUTS = {"gaussian": gaussian, "lognormal": lognormal, "edge": edge}
+LENGTHS = [1, 7, 255, 256, 257, 1000, 3 * 256 + 5, 1 << 14, (1 << 16) + 3]
+
+
+def _same_bits(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if a.dtype == torch.float32:
+        a, b = a.view(torch.int32), b.view(torch.int32)
+    assert torch.equal(a, b), f"{int((a != b).sum())} of {a.numel()} differ"
+
+
+def _round(codec, inputs, shared=None, contributors=None):
+    """summaries, shared exponents, payloads, aggregate, decode: everything a round produces."""
+    summaries = [codec.summarize(x, CTX) for x in inputs]
+    if shared is None:
+        shared = combine_summaries(summaries)
+    payloads = [codec.encode(x, CTX, shared) for x in inputs]
+    total = codec.aggregate(payloads, CTX)
+    if contributors is not None:
+        total = Payload(total.fields, total.length, contributors)
+    return summaries, shared, payloads, total, codec.decode(total, CTX, shared)
+
+
+def _same_round(fast, slow):
+    for a, b in zip(fast[0], slow[0], strict=True):
+        _same_bits(a, b)
+    _same_bits(fast[1], slow[1])
+    for a, b in zip(fast[2], slow[2], strict=True):
+        _same_bits(a.fields["values"], b.fields["values"])
+    _same_bits(fast[3].fields["values"], slow[3].fields["values"])
+    _same_bits(fast[4], slow[4])
+
+
+@pytest.mark.parametrize("kind", sorted(INPUTS))
+@pytest.mark.parametrize("length", LENGTHS)
+def test_round_is_bit_identical_to_torch(both, kind, length):
+    inputs = [INPUTS[kind](length, seed=length + w) for w in range(3)]
+    codec = BlockFloatingPoint(workers=3)
+    _same_round(*both(lambda: _round(codec, inputs)))
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 4, 5, 8, 64])
+@pytest.mark.parametrize("block", [1, 3, 8, 100, 256, 4096])
+def test_workers_and_block_sizes(both, workers, block):
+    length = 2 * block + 37
+    inputs = [edge(length, seed=w, block=block) * 0.7**w for w in range(min(workers, 4))]
+    codec = BlockFloatingPoint(workers=workers, block_size=block)
+    _same_round(*both(lambda: _round(codec, inputs)))
+
+
+def test_the_native_path_runs(native_only):
+    codec = BlockFloatingPoint(workers=2)
+    inputs = [gaussian(1000, seed=s) for s in range(2)]
+    _, _, _, _, average = _round(codec, inputs)
+    assert torch.allclose(average, (inputs[0] + inputs[1]) / 2, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("contributors", [1, 2, 3, 7])
+def test_decode_divides_like_torch(both, contributors):
+    """Partial aggregation: fewer (or, for the collective's lane-wise decode, 1) contributors;
+    2**-shift / 3 is not exact, so the division itself must match."""
+    inputs = [lognormal(5000, seed=s) for s in range(2)]
+    codec = BlockFloatingPoint(workers=8)
+    _same_round(*both(lambda: _round(codec, inputs, contributors=contributors)))
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 4, 7])
+def test_mismatched_exponents_saturate_at_the_limit(both, workers):
+    """Exponents from a smaller gradient: values clamp to +-limit, and a sum of `workers` of them
+    still fits int32 (the limit is a float32 at most INT32_MAX // workers)."""
+    codec = BlockFloatingPoint(workers=workers)
+    x = gaussian(3000, seed=workers) * 1e6
+    small = codec.summarize(x * 1e-9, CTX)
+    fast, slow = both(lambda: codec.encode(x, CTX, small).fields["values"])
+    _same_bits(fast, slow)
+    limit = saturation_limit(workers)
+    assert int(fast.max()) == limit and int(fast.min()) == -limit
+    assert workers * limit <= INT32_MAX
+    assert limit == float(torch.tensor(limit, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 4, 5, 6, 7, 8, 100, 1000])
+def test_saturation_limit(workers):
+    limit = saturation_limit(workers)
+    quotient = INT32_MAX // workers
+    assert limit <= quotient
+    assert limit == float(torch.tensor(limit, dtype=torch.float32))
+    assert float(torch.tensor(quotient, dtype=torch.float64).float()) >= limit  # largest below
+    assert torch.nextafter(torch.tensor(limit), torch.tensor(math.inf)).item() > quotient
+
+
+@pytest.mark.parametrize(
+    "shared",
+    [
+        torch.full((4,), 1000.0),  # shift far below -126
+        torch.full((4,), 0.5),  # not an integer
+        torch.tensor([1.0, float("nan"), 2.0, 3.0]),
+        torch.tensor([-100.0, -126.0, 128.0, 160.0]),  # 160: shift -132
+    ],
+)
+def test_exponents_the_kernels_refuse_fall_back_to_torch(both, shared):
+    codec = BlockFloatingPoint(workers=4)
+    x = gaussian(1000, seed=3)
+
+    def run():
+        values = codec.encode(x, CTX, shared)
+        return values.fields["values"], codec.decode(values, CTX, shared)
+
+    (fast_values, fast_avg), (slow_values, slow_avg) = both(run)
+    _same_bits(fast_values, slow_values)
+    assert torch.equal(fast_avg.isnan(), slow_avg.isnan())
+    _same_bits(fast_avg.nan_to_num(), slow_avg.nan_to_num())
+
+
+def test_extreme_shared_exponents_are_exact(both):
+    """The full range of exponents a float32 block can report, and the 120 shift cap."""
+    codec = BlockFloatingPoint(workers=2, block_size=4)
+    values = [math.ldexp(0.75, e) for e in range(-148, 129) for _ in range(4)]
+    x = torch.tensor(values, dtype=torch.float32)
+    x[1::4] *= -0.5
+    _same_round(*both(lambda: _round(codec, [x, x.flip(0)])))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", [0, 255, 256, 999])
+def test_non_finite_input_raises_the_same_error(monkeypatch, bad, where):
+    codec = BlockFloatingPoint(workers=2)
+    x = gaussian(1000, seed=1)
+    good_shared = codec.summarize(x, CTX)
+    x[where] = bad
+    messages = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("GRADSUM_NATIVE", native)
+        with pytest.raises(NonFiniteGradientError, match="contains NaN or Inf") as summary:
+            codec.summarize(x, CTX)
+        with pytest.raises(NonFiniteGradientError) as encode:
+            codec.encode(x, CTX, good_shared)
+        messages.append((str(summary.value), str(encode.value)))
+    assert messages[0] == messages[1]
+    assert f"[{where}]" in messages[0][0]
+
+
+def test_native_off_runs_torch(monkeypatch):
+    monkeypatch.setenv("GRADSUM_NATIVE", "0")
+    assert not bfp_native.available()
+
+    class Refuse:
+        def __getattr__(self, name):
+            raise AssertionError(f"called the kernel {name} with GRADSUM_NATIVE=0")
+
+    monkeypatch.setattr(bfp_native, "_bfp_kernels", Refuse())
+    inputs = [gaussian(1000, seed=s) for s in range(2)]
+    average = _round(BlockFloatingPoint(workers=2), inputs)[4]
+    assert torch.allclose(average, (inputs[0] + inputs[1]) / 2, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: x.double(),  # another dtype
+        lambda x: torch.stack([x, x], dim=1)[:, 0],  # not contiguous
+        lambda x: x.reshape(10, 100),  # contiguous, not flat: the kernels take it as is
+    ],
+)
+def test_inputs_the_kernels_do_not_take_match_too(both, make):
+    codec = BlockFloatingPoint(workers=2)
+    inputs = [make(lognormal(1000, seed=s)) for s in range(2)]
+    _same_round(*both(lambda: _round(codec, inputs)))
+
+
+def test_aggregate_wraps_like_torch(both):
+    """The int32 sum wraps where torch's does (only a broken codec would get there)."""
+    g = _generator(0)
+    values = [
+        torch.randint(-(2**31), 2**31 - 1, (3001,), generator=g, dtype=torch.int32)
+        for _ in range(5)
+    ]
+    codec = BlockFloatingPoint(workers=5)
+    payloads = [Payload({"values": v}, 3001) for v in values]
+    fast, slow = both(lambda: codec.aggregate(payloads, CTX))
+    _same_bits(fast.fields["values"], slow.fields["values"])
+    assert fast.contributors == 5
+    single = codec.aggregate(payloads[:1], CTX).fields["values"]
+    assert torch.equal(single, values[0]) and single.data_ptr() != values[0].data_ptr()
+
+
+def test_empty_input(both):
+    codec = BlockFloatingPoint(workers=2)
+    fast, slow = both(lambda: codec.summarize(torch.empty(0), CTX))
+    _same_bits(fast, slow)
+
+
+def test_registry_codec_uses_the_kernels(native_only):
+    codec = make_codec("bfp", workers=4)
+    inputs = [gaussian(4096, seed=s) for s in range(4)]
+    average = _round(codec, inputs)[4]
+    assert torch.allclose(average, torch.stack(inputs).mean(0), rtol=1e-5, atol=1e-7)
