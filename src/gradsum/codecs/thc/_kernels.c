@@ -29,7 +29,7 @@ lookup uses AVX2 intrinsics behind a runtime CPU check, with a scalar loop other
 #include <immintrin.h>
 #if defined(__has_attribute)
 #if __has_attribute(target_clones)
-#define MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#define MULTIVERSION __attribute__((target_clones("arch=x86-64-v3", "default")))
 #endif
 #endif
 #endif
@@ -116,13 +116,19 @@ INLINE f32x8 lane_stages(f32x8 v) {
     return SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3) + v * (f32x8){1, 1, 1, 1, -1, -1, -1, -1};
 }
 
+static volatile float opaque_minus_one = -1;
+
+/* a - b is computed as a + b * -1, which the compiler cannot fold back into a subtraction
+   (the -1 is opaque to it): with FMA the differences run on the multiply-add pipes while the
+   sums run on the add pipes, so a butterfly issues in one cycle instead of two. */
 INLINE void butterflies(f32x8 *v, int log_count) {
+    f32x8 minus_one = (f32x8){0} + opaque_minus_one;
     for (int d = 1; d < 1 << log_count; d <<= 1)
         for (int m = 0; m < 1 << log_count; m++)
             if (!(m & d)) {
                 f32x8 a = v[m], b = v[m + d];
                 v[m] = a + b;
-                v[m + d] = a - b;
+                v[m + d] = a + b * minus_one;
             }
 }
 
@@ -405,34 +411,39 @@ INLINE f32x8 blend(i32x8 mask, f32x8 a, f32x8 b) {
     return (f32x8)((mask & (i32x8)a) | (~mask & (i32x8)b));
 }
 
-enum { SMALL_GRID = 32 }; /* cells whose table entries fit four vectors */
+enum { SMALL_GRID = 32 }; /* cell tables that fit four vectors */
 
 struct grid {
     float a, c, g;
-    int32_t last_cell; /* g - 1 */
-    /* per unit cell [i, i + 1): its table interval k | T[k] << 8 | (T[k + 1] - T[k]) << 20 */
+    int small; /* whether the g + 1 cell entries fit `table` */
+    /* per unit cell [i, i + 1) for i in 0..g: its table interval k | T[k] << 8 |
+       (T[k + 1] - T[k]) << 20; cell g (u == g exactly) repeats cell g - 1 */
     const uint32_t *cells;
-    u32x8 small[SMALL_GRID / LANES]; /* the same, in registers, when g <= SMALL_GRID */
+    u32x8 table[SMALL_GRID / LANES]; /* the same, in registers, when small */
 };
 
 static void grid_init(struct grid *grid, int g, const uint32_t *cells) {
     grid->g = (float)g;
-    grid->last_cell = g - 1;
     grid->cells = cells;
-    memset(grid->small, 0, sizeof grid->small);
-    if (g <= SMALL_GRID) memcpy(grid->small, cells, sizeof(uint32_t) * (size_t)g);
+    memset(grid->table, 0, sizeof grid->table);
+#if defined(__GNUC__) && !defined(__clang__) /* a variable permute (vpermd): GCC only */
+    grid->small = g + 1 <= SMALL_GRID;
+#else
+    grid->small = 0;
+#endif
+    if (grid->small) memcpy(grid->table, cells, sizeof(uint32_t) * (size_t)(g + 1));
 }
 
-INLINE u32x8 cell_entries(const struct grid *grid, i32x8 cell) {
-#if defined(__GNUC__) && !defined(__clang__) /* a variable permute (vpermd): GCC only */
-    if (grid->last_cell < SMALL_GRID) {
-        u32x8 entry = {0};
+/* `small` is a compile-time constant at every call, so each loop has one lookup and no branch. */
+INLINE u32x8 cell_entries(const struct grid *grid, i32x8 cell, int small) {
+    u32x8 entry = {0};
+#if defined(__GNUC__) && !defined(__clang__)
+    if (small) {
         for (int part = 0; part < SMALL_GRID / LANES; part++)
-            entry |= __builtin_shuffle(grid->small[part], (u32x8)cell) & (u32x8)(cell >> 3 == part);
+            entry |= __builtin_shuffle(grid->table[part], (u32x8)cell) & (u32x8)(cell >> 3 == part);
         return entry;
     }
 #endif
-    u32x8 entry;
     for (int lane = 0; lane < LANES; lane++) entry[lane] = grid->cells[cell[lane]];
     return entry;
 }
@@ -440,15 +451,13 @@ INLINE u32x8 cell_entries(const struct grid *grid, i32x8 cell) {
 /* u lies in unit cell floor(u), inside table interval k = [low, low + width]: the index is k,
    plus one with probability (u - low) / width, i.e. when draw * width < u - low (a product
    rounded once, like the quotient it replaces, but without a divide in the loop). */
-INLINE i32x8 round_to_table(const struct grid *grid, struct rng8 *rng, f32x8 y) {
+INLINE i32x8 round_to_table(const struct grid *grid, struct rng8 *rng, f32x8 y, int small) {
     f32x8 zero = {0}, g = zero + grid->g;
     f32x8 u = y * grid->a + grid->c;
-    u = blend(u > zero, u, zero);
+    u = blend(u > zero, u, zero); /* NaN -> 0 */
     u = blend(u < g, u, g);
     i32x8 cell = __builtin_convertvector(u, i32x8); /* truncation: floor, as u >= 0 */
-    i32x8 past = cell > grid->last_cell;            /* u == g: the last cell's upper end */
-    cell = (cell & ~past) | (past & grid->last_cell);
-    u32x8 entry = cell_entries(grid, cell);
+    u32x8 entry = cell_entries(grid, cell, small);
     f32x8 low = __builtin_convertvector((i32x8)(entry >> 8 & 0xFFF), f32x8);
     f32x8 width = __builtin_convertvector((i32x8)(entry >> 20), f32x8);
     i32x8 up = rng8_uniform(rng) * width < u - low; /* -1 where it rounds up */
@@ -462,6 +471,15 @@ struct quantizer {
     uint8_t *out, *end;
 };
 
+/* indices[0, count) of y[0, count), count a multiple of LANES */
+INLINE void round_all(const struct grid *grid, struct rng8 *rng, const float *y, size_t count,
+                      int32_t *indices, int small) {
+    for (size_t i = 0; i < count; i += LANES) {
+        i32x8 index = round_to_table(grid, rng, load(y + i), small);
+        memcpy(indices + i, &index, sizeof index);
+    }
+}
+
 /* Indices of y[0, count <= LEAF), packed at the place of coordinate `offset` (a multiple of 8). */
 MULTIVERSION static void quantize_leaf(void *state, float *y, size_t offset, size_t count) {
     struct quantizer *q = state;
@@ -470,19 +488,18 @@ MULTIVERSION static void quantize_leaf(void *state, float *y, size_t offset, siz
     struct rng8 rng = q->rng;
     int32_t wide[LEAF];
     uint8_t indices[LEAF + 32];
-    size_t i = 0;
-    for (; i + LANES <= count; i += LANES) {
-        i32x8 index = round_to_table(&grid, &rng, load(y + i));
-        memcpy(wide + i, &index, sizeof index);
-    }
-    if (i < count) {
+    size_t whole = count / LANES * LANES;
+    if (grid.small)
+        round_all(&grid, &rng, y, whole, wide, 1);
+    else
+        round_all(&grid, &rng, y, whole, wide, 0);
+    if (whole < count) {
         float tail[LANES] = {0};
-        memcpy(tail, y + i, (count - i) * sizeof(float));
-        i32x8 index = round_to_table(&grid, &rng, load(tail));
-        memcpy(wide + i, &index, sizeof index);
+        memcpy(tail, y + whole, (count - whole) * sizeof(float));
+        round_all(&grid, &rng, tail, LANES, wide + whole, grid.small);
     }
     q->rng = rng;
-    for (i = 0; i < count; i++) indices[i] = (uint8_t)wide[i];
+    for (size_t i = 0; i < count; i++) indices[i] = (uint8_t)wide[i];
     memset(indices + count, 0, sizeof indices - count); /* padding packs as zero bits */
     pack(indices, count, q->bits, q->out + offset / 8 * q->bits, q->end);
 }

@@ -55,7 +55,7 @@ class _Lookups:
     interval_of_cell: torch.Tensor  # uint8 [g]: k with T[k] <= cell < T[k + 1]
     low_of_cell: torch.Tensor  # float32 [g]: T[k]
     inverse_width_of_cell: torch.Tensor  # float32 [g]: 1 / (T[k + 1] - T[k])
-    cell_entries: torch.Tensor  # int32 [g]: k | T[k] << 8 | width << 20 (the native encode's)
+    cell_entries: torch.Tensor  # int32 [g + 1]: k | T[k] << 8 | width << 20 (native encode's)
 
     @classmethod
     def build(cls, table: tuple[int, ...], device: torch.device) -> _Lookups:
@@ -68,6 +68,7 @@ class _Lookups:
         lanes = [(torch.arange(256) >> (j * bits)) & (len(table) - 1) for j in range(per_byte)]
         value_of_byte = values[torch.stack(lanes, dim=1)].to(torch.int32)
         entries = interval | values[interval] << 8 | (values[interval + 1] - values[interval]) << 20
+        entries = torch.cat([entries, entries[-1:]])  # u == g: the last interval's upper end
         return cls(
             values.to(torch.int32).to(device),
             value_of_byte.to(device),

@@ -71,14 +71,16 @@ def encode(
     """Packed ``bits``-bit table indices of u = clamp(a*y + c, 0, g), stochastically rounded.
 
     y is x itself, or ``rotation.forward(x)`` (computed in the rotation's scratch buffer).
-    ``cells`` (int32, one per unit cell of the grid) packs the cell's table interval k, its
-    lower end T[k] and its width as k | T[k] << 8 | width << 20. Raises
+    ``cells`` (int32, one per unit cell [i, i + 1) of the grid, i = 0..g, the last repeating
+    cell g - 1 for u == g) packs the cell's table interval k, its lower end T[k] and its width
+    as k | T[k] << 8 | width << 20. Raises
     ``NonFiniteGradientError`` for NaN or Inf in x, found by the rotation's first pass.
     """
     if not (
         _ready((x, torch.float32), (cells, torch.int32))
         and bits in (1, 2, 4, 8)
         and granularity <= MAX_GRANULARITY
+        and cells.numel() == granularity + 1
     ):
         return None
     buffer, signs, block = x, 0, 0
