@@ -278,3 +278,88 @@ def test_registry_codec_uses_the_kernels(native_only):
     inputs = [gaussian(4096, seed=s) for s in range(4)]
     average = _round(codec, inputs)[4]
     assert torch.allclose(average, torch.stack(inputs).mean(0), rtol=1e-5, atol=1e-7)
+
+
+# -- output recycling ---------------------------------------------------------------------------
+HOLDERS = {
+    "variable": lambda t: t,
+    "list": lambda t: [t],
+    "payload": lambda t: Payload({"values": t}, t.numel()),
+    "view": lambda t: t[10:20],
+    "reshape": lambda t: t.reshape(2, -1),
+    "numpy": lambda t: t.numpy(),
+    "memoryview": lambda t: memoryview(t.numpy()).cast("B")[4:],
+    "storage": lambda t: t.untyped_storage(),
+    "grad": lambda t: _as_grad(t),
+}
+
+
+def _as_grad(t):
+    parameter = torch.zeros(t.shape, dtype=t.dtype, requires_grad=True)
+    parameter.grad = t
+    return parameter
+
+
+@pytest.fixture
+def recycler():
+    if bfp_native._BASELINE is None:
+        pytest.skip("this torch/Python does not expose the reference counts; nothing recycles")
+    return bfp_native.Recycler(budget=1 << 20, min_bytes=1024)
+
+
+def test_a_dropped_buffer_is_handed_out_again(recycler):
+    first = recycler.empty(4096, torch.int32)
+    address = first.data_ptr()
+    del first
+    again = recycler.empty(4096, torch.int32)
+    assert again.data_ptr() == address
+    assert recycler.empty(4096, torch.int32).data_ptr() != address  # `again` is held
+    assert recycler.empty(4096, torch.float32).data_ptr() != address  # another dtype
+
+
+@pytest.mark.parametrize("holder", sorted(HOLDERS))
+def test_a_buffer_something_refers_to_is_not_handed_out(recycler, holder):
+    first = recycler.empty(4096, torch.float32)
+    address = first.data_ptr()
+    held = HOLDERS[holder](first)
+    del first
+    other = recycler.empty(4096, torch.float32)
+    assert other.data_ptr() != address
+    del held
+    assert recycler.empty(4096, torch.float32).data_ptr() == address
+
+
+def test_small_buffers_and_the_budget(recycler):
+    small = recycler.empty(16, torch.int32)
+    address = small.data_ptr()
+    del small
+    assert not any(t.data_ptr() == address for t in recycler._kept)
+    held = [recycler.empty(65536, torch.int32) for _ in range(8)]  # 2 MiB, over the 1 MiB budget
+    assert sum(t.numel() * t.element_size() for t in recycler._kept) <= recycler.budget
+    del held
+
+
+def test_held_payloads_and_averages_keep_their_values():
+    """The property that matters: what a caller still holds is never overwritten."""
+    codec = BlockFloatingPoint(workers=2)
+    inputs = [gaussian(1 << 18, seed=s) for s in range(4)]
+    rounds = [_round(codec, inputs[i : i + 2]) for i in range(0, 4, 2)]
+    again = [_round(BlockFloatingPoint(workers=2), inputs[i : i + 2]) for i in range(0, 4, 2)]
+    for kept, fresh in zip(rounds, again, strict=True):
+        _same_round(kept, fresh)
+    ours = {t.data_ptr() for r in rounds for t in (*[p.fields["values"] for p in r[2]], r[4])}
+    assert len(ours) == 2 * 3  # two rounds of two payloads and an average, all distinct
+
+
+def test_a_steady_loop_reuses_its_buffers():
+    codec = BlockFloatingPoint(workers=1)
+    x = gaussian(1 << 18, seed=0)
+    addresses = set()
+    for _ in range(5):
+        shared = codec.summarize(x, CTX)
+        payload = codec.encode(x, CTX, shared)
+        average = codec.decode(payload, CTX, shared)
+        addresses |= {payload.fields["values"].data_ptr(), average.data_ptr()}
+        del payload, average
+    if bfp_native._BASELINE is not None:
+        assert len(addresses) == 2

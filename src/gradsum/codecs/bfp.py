@@ -48,6 +48,7 @@ class BlockFloatingPoint(Codec):
         self.block_size = block_size
         self.headroom = math.ceil(math.log2(workers)) if workers > 1 else 0
         self.limit = saturation_limit(workers)
+        self._recycler = bfp_native.Recycler()  # the native path's outputs
 
     def integer_op(self) -> IntegerOp:
         return IntegerOp(in_bits=32, out_bits=32, signed=True)
@@ -69,7 +70,9 @@ class BlockFloatingPoint(Codec):
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> Payload:
         self._check_shared(shared, x.numel())
-        fast = bfp_native.encode(x, self.block_size, shared, self.headroom, self.limit)
+        fast = bfp_native.encode(
+            x, self.block_size, shared, self.headroom, self.limit, self._recycler.empty
+        )
         if fast is not None:
             return Payload({"values": fast}, x.numel())
         check_finite(x)
@@ -89,7 +92,8 @@ class BlockFloatingPoint(Codec):
                 f"{contributors} contributions exceed the {self.workers} workers the scale was "
                 "chosen for; the int32 sum could overflow"
             )
-        fast = bfp_native.sum_([p.fields["values"] for p in payloads], length)
+        values = [p.fields["values"] for p in payloads]
+        fast = bfp_native.sum_(values, length, self._recycler.empty)
         if fast is not None:
             return Payload({"values": fast}, length, contributors)
         total = payloads[0].fields["values"].clone()
@@ -103,7 +107,7 @@ class BlockFloatingPoint(Codec):
         self._check_shared(shared, payload.length)
         fast = bfp_native.decode(
             payload.fields["values"], payload.length, self.block_size, shared, self.headroom,
-            payload.contributors,
+            payload.contributors, self._recycler.empty,
         )  # fmt: skip
         if fast is not None:
             return fast
