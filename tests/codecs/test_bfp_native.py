@@ -363,3 +363,15 @@ def test_a_steady_loop_reuses_its_buffers():
         del payload, average
     if bfp_native._BASELINE is not None:
         assert len(addresses) == 2
+
+
+def test_without_the_extension_torch_runs(monkeypatch):
+    """What a machine without a C compiler gets."""
+    monkeypatch.setattr(bfp_native, "_bfp_kernels", None)
+    assert not bfp_native.built() and not bfp_native.available()
+    codec = BlockFloatingPoint(workers=2)
+    inputs = [lognormal(3000, seed=s) for s in range(2)]
+    slow = _round(codec, inputs)
+    monkeypatch.undo()
+    monkeypatch.setenv("GRADSUM_NATIVE", "1")
+    _same_round(_round(codec, inputs), slow)
