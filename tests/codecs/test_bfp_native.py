@@ -304,7 +304,7 @@ def _as_grad(t):
 def recycler():
     if bfp_native._BASELINE is None:
         pytest.skip("this torch/Python does not expose the reference counts; nothing recycles")
-    return bfp_native.Recycler(budget=1 << 20, min_bytes=1024)
+    return bfp_native.Recycler(budget=1 << 20, min_bytes=1024, per_request=2)
 
 
 def test_a_dropped_buffer_is_handed_out_again(recycler):
@@ -336,7 +336,9 @@ def test_small_buffers_and_the_budget(recycler):
     assert not any(t.data_ptr() == address for t in recycler._kept)
     held = [recycler.empty(65536, torch.int32) for _ in range(8)]  # 2 MiB, over the 1 MiB budget
     assert sum(t.numel() * t.element_size() for t in recycler._kept) <= recycler.budget
-    del held
+    big = [recycler.empty(1 << 20, torch.int32) for _ in range(3)]  # 4 MiB each: 2 are kept
+    assert [t.data_ptr() for t in recycler._kept] == [t.data_ptr() for t in big[1:]]
+    del held, big
 
 
 def test_held_payloads_and_averages_keep_their_values():
