@@ -10,6 +10,7 @@ shape, so a re-bucketed gradient is reported instead of silently mixed with anot
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -88,3 +89,76 @@ class ErrorFeedback(Codec):
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.inner!r})"
+
+
+@runtime_checkable
+class FeedbackTransform(Protocol):
+    """A codec that encodes an orthogonal transform of its input (THC: the rotation) and can
+    keep its error feedback there, saving the inverse transform of every reconstruction."""
+
+    def transform_keeps_length(self, length: int) -> bool:
+        """Whether the transform of ``length`` coordinates is square (THC: needs no padding)."""
+
+    def transform(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
+        """The transformed input, as the encode would compute it."""
+
+    def encode_transformed(
+        self, w: torch.Tensor, length: int, ctx: CodecContext, shared: torch.Tensor | None
+    ) -> tuple[Payload, torch.Tensor]:
+        """The payload of an input of ``length`` coordinates whose transform is ``w``, and
+        w minus what that payload decodes to (still transformed): the new error."""
+
+
+class TransformedErrorFeedback(ErrorFeedback):
+    """Error feedback whose memory lives in the codec's transformed domain where it can.
+
+    With an orthogonal transform R, x' = x + e is encoded as R x' = R x + R e: keeping R e
+    instead of e gives the same payloads (up to float rounding) and never transforms back, so
+    each step costs one transform less. Where the transform pads (a non-square R), the error's
+    component in the padding's directions never reaches the decoded output; only the input's
+    own domain drops it, so such tensors keep their memory there. ``precondition`` returns the
+    transformed input; ``summarize`` of the inner codec must be invariant under R (THC's norm
+    is).
+    """
+
+    def __init__(self, inner: Codec):
+        if not isinstance(inner, FeedbackTransform):
+            raise TypeError(f"{type(inner).__name__} has no transformed domain")
+        super().__init__(inner)
+        self._lengths: dict[Hashable, int | None] = {}  # per key: length, None if untransformed
+
+    def precondition(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
+        x = self.inner.precondition(x, ctx).reshape(-1).to(torch.float32)
+        transformed = self.inner.transform_keeps_length(x.numel())
+        self._lengths[ctx.state_key] = x.numel() if transformed else None
+        w = self.inner.transform(x, ctx) if transformed else x.clone()
+        error = self.memory.get(ctx.state_key)
+        if error is None:
+            return w
+        if error.shape != w.shape:
+            raise ValueError(
+                f"error-feedback memory for {ctx.state_key!r} holds {error.numel()} coordinates, "
+                f"the gradient has {w.numel()}; call reset() after re-bucketing"
+            )
+        return w.add_(error)
+
+    def encode(
+        self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
+    ) -> Payload:
+        if ctx.state_key not in self._lengths:
+            raise RuntimeError(f"encode of {ctx.state_key!r} without its precondition")
+        length = self._lengths.pop(ctx.state_key)
+        if length is None:
+            return super().encode(x, ctx, shared)
+        payload, self.memory[ctx.state_key] = self.inner.encode_transformed(x, length, ctx, shared)
+        return payload
+
+    def __repr__(self) -> str:
+        return f"TransformedErrorFeedback({self.inner!r})"
+
+
+def feedback_for(codec: Codec) -> ErrorFeedback:
+    """The error feedback a codec runs best with: in its transformed domain where it has one."""
+    if isinstance(codec, FeedbackTransform):
+        return TransformedErrorFeedback(codec)
+    return ErrorFeedback(codec)

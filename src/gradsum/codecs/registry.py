@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from .base import Codec
 from .bfp import BlockFloatingPoint
-from .feedback import ErrorFeedback
+from .feedback import feedback_for
 from .plain import FP16, NoCompression
 from .qsgd import QSGD
 from .sparse import DGC, TopK
@@ -44,7 +44,7 @@ def make_codec(name: str, workers: int = 1, error_feedback: bool | None = None, 
         )
     codec = cls(workers=workers, **options)
     use_feedback = feedback_default if error_feedback is None else error_feedback
-    return ErrorFeedback(codec) if use_feedback else codec
+    return feedback_for(codec) if use_feedback else codec
 
 
 def codec_options(name: str) -> dict[str, object]:

@@ -18,6 +18,7 @@ lookup uses AVX2 intrinsics behind a runtime CPU check, with a scalar loop other
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -451,7 +452,8 @@ INLINE u32x8 cell_entries(const struct grid *grid, i32x8 cell, int small) {
 /* u lies in unit cell floor(u), inside table interval k = [low, low + width]: the index is k,
    plus one with probability (u - low) / width, i.e. when draw * width < u - low (a product
    rounded once, like the quotient it replaces, but without a divide in the loop). */
-INLINE i32x8 round_to_table(const struct grid *grid, struct rng8 *rng, f32x8 y, int small) {
+INLINE i32x8 round_to_table(const struct grid *grid, struct rng8 *rng, f32x8 y, int small,
+                            f32x8 *value) {
     f32x8 zero = {0}, g = zero + grid->g;
     f32x8 u = y * grid->a + grid->c;
     u = blend(u > zero, u, zero); /* NaN -> 0 */
@@ -461,6 +463,7 @@ INLINE i32x8 round_to_table(const struct grid *grid, struct rng8 *rng, f32x8 y, 
     f32x8 low = __builtin_convertvector((i32x8)(entry >> 8 & 0xFFF), f32x8);
     f32x8 width = __builtin_convertvector((i32x8)(entry >> 20), f32x8);
     i32x8 up = rng8_uniform(rng) * width < u - low; /* -1 where it rounds up */
+    if (value) *value = low + (f32x8)((i32x8)width & up); /* the table value T[index] */
     return (i32x8)(entry & 0xFF) - up;
 }
 
@@ -469,14 +472,20 @@ struct quantizer {
     struct rng8 rng;
     int bits;
     uint8_t *out, *end;
+    /* optional: error feedback's y - reconstruction, the reconstruction of T[index] being
+       (T[index] - c) * step (step = 1 / a, or 0 where a is) */
+    float *error, step;
 };
 
-/* indices[0, count) of y[0, count), count a multiple of LANES */
+/* indices[0, count) of y[0, count), count a multiple of LANES; with `error`, also
+   error[i] = y[i] - (T[index] - c) * step */
 INLINE void round_all(const struct grid *grid, struct rng8 *rng, const float *y, size_t count,
-                      int32_t *indices, int small) {
+                      int32_t *indices, int small, float *error, float step) {
     for (size_t i = 0; i < count; i += LANES) {
-        i32x8 index = round_to_table(grid, rng, load(y + i), small);
+        f32x8 value, v = load(y + i);
+        i32x8 index = round_to_table(grid, rng, v, small, error ? &value : NULL);
         memcpy(indices + i, &index, sizeof index);
+        if (error) store(error + i, v - (value - grid->c) * step);
     }
 }
 
@@ -489,14 +498,19 @@ MULTIVERSION static void quantize_leaf(void *state, float *y, size_t offset, siz
     int32_t wide[LEAF];
     uint8_t indices[LEAF + 32];
     size_t whole = count / LANES * LANES;
-    if (grid.small)
-        round_all(&grid, &rng, y, whole, wide, 1);
+    float *error = q->error ? q->error + offset : NULL;
+    if (grid.small && error)
+        round_all(&grid, &rng, y, whole, wide, 1, error, q->step);
+    else if (grid.small)
+        round_all(&grid, &rng, y, whole, wide, 1, NULL, 0);
     else
-        round_all(&grid, &rng, y, whole, wide, 0);
+        round_all(&grid, &rng, y, whole, wide, 0, error, q->step);
     if (whole < count) {
-        float tail[LANES] = {0};
+        float tail[LANES] = {0}, tail_error[LANES];
         memcpy(tail, y + whole, (count - whole) * sizeof(float));
-        round_all(&grid, &rng, tail, LANES, wide + whole, grid.small);
+        round_all(&grid, &rng, tail, LANES, wide + whole, grid.small, error ? tail_error : NULL,
+                  q->step);
+        if (error) memcpy(error + whole, tail_error, (count - whole) * sizeof(float));
     }
     q->rng = rng;
     for (size_t i = 0; i < count; i++) indices[i] = (uint8_t)wide[i];
@@ -660,19 +674,26 @@ static PyObject *py_fwht(PyObject *Py_UNUSED(self), PyObject *args) {
 }
 
 PyDoc_STRVAR(encode_doc,
-             "encode(src, length, buffer, n, block, signs, a, c, g, cells, seed, bits, out, out_size)\n"
+             "encode(src, length, buffer, n, block, signs, a, c, g, cells, seed, bits, out, out_size\n"
+             "       [, error, step])\n"
              "Packed table indices of u = clamp(a*y + c, 0, g), y the unnormalised FWHT (in\n"
              "blocks) of src[0:length] * signs padded to n in buffer, or y = src[0:n] if block is 0.\n"
+             "With block 0 and an error address: error[i] = y[i] - (T[index] - c) * step.\n"
              "Returns False, and no indices, where the rotated src holds an Inf or NaN.");
 
 static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long src, buffer, signs, cells, seed, out;
+    unsigned long long src, buffer, signs, cells, seed, out, error = 0;
     Py_ssize_t length, n, block, out_size;
     int g, bits;
-    struct quantizer q;
-    if (!PyArg_ParseTuple(args, "KnKnnKffiKKiKn", &src, &length, &buffer, &n, &block, &signs,
-                          &q.grid.a, &q.grid.c, &g, &cells, &seed, &bits, &out, &out_size))
+    struct quantizer q = {.step = 0};
+    if (!PyArg_ParseTuple(args, "KnKnnKffiKKiKn|Kf", &src, &length, &buffer, &n, &block, &signs,
+                          &q.grid.a, &q.grid.c, &g, &cells, &seed, &bits, &out, &out_size,
+                          &error, &q.step))
         return NULL;
+    if (error && block) {
+        PyErr_SetString(PyExc_ValueError, "the error output needs an unrotated input (block 0)");
+        return NULL;
+    }
     if ((block && !check_block(n, block)) || !check_width(bits, 8) || (8 % bits) || g < 1 ||
         g > 4095) {
         if (!PyErr_Occurred())
@@ -683,6 +704,7 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
     q.bits = bits;
     q.out = ADDRESS(uint8_t *, out);
     q.end = q.out + out_size;
+    q.error = ADDRESS(float *, error);
     rng8_seed(&q.rng, seed);
     int finite = 1;
     Py_BEGIN_ALLOW_THREADS
@@ -697,6 +719,34 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
     } else {
         quantize(&q, ADDRESS(float *, src), (size_t)n);
     }
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(finite);
+}
+
+static void no_visit(void *state, float *leaf, size_t offset, size_t count) {
+    (void)state, (void)leaf, (void)offset, (void)count;
+}
+
+PyDoc_STRVAR(rotate_doc,
+             "rotate(src, length, out, n, block, signs)\n"
+             "out[0:n] = orthonormal FWHT (in blocks) of src[0:length] * signs, zero-padded to n.\n"
+             "Returns False where src holds an Inf or NaN (out is then undefined).");
+
+static PyObject *py_rotate(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long src, out, signs;
+    Py_ssize_t length, n, block;
+    if (!PyArg_ParseTuple(args, "KnKnnK", &src, &length, &out, &n, &block, &signs) ||
+        !check_block(n, block))
+        return NULL;
+    if (length > n) {
+        PyErr_Format(PyExc_ValueError, "length %zd exceeds the padded length %zd", length, n);
+        return NULL;
+    }
+    struct source in = {ADDRESS(const float *, src), (size_t)length, 1.0f / sqrtf((float)block),
+                        ADDRESS(const uint8_t *, signs)};
+    int finite;
+    Py_BEGIN_ALLOW_THREADS
+    finite = fwht_forward(ADDRESS(float *, out), (size_t)n, (size_t)block, &in, no_visit, NULL);
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(finite);
 }
@@ -785,6 +835,7 @@ static PyObject *py_decode(PyObject *Py_UNUSED(self), PyObject *args) {
 static PyMethodDef methods[] = {
     {"fwht", py_fwht, METH_VARARGS, fwht_doc},
     {"encode", py_encode, METH_VARARGS, encode_doc},
+    {"rotate", py_rotate, METH_VARARGS, rotate_doc},
     {"lookup_sum", py_lookup_sum, METH_VARARGS, lookup_sum_doc},
     {"decode", py_decode, METH_VARARGS, decode_doc},
     {NULL, NULL, 0, NULL},

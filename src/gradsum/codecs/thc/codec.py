@@ -23,6 +23,7 @@ from ..base import (
     NonFiniteGradientError,
     Payload,
     WidthOverflowError,
+    aggregator_context,
     check_finite,
     check_same_length,
 )
@@ -148,10 +149,17 @@ class GridCodec(Codec):
 
     # -- worker side --------------------------------------------------------------------------
     def _encode_grid(
-        self, x: torch.Tensor, a: float, c: float, ctx: CodecContext, rotation: Rotation | None
+        self,
+        x: torch.Tensor,
+        a: float,
+        c: float,
+        ctx: CodecContext,
+        rotation: Rotation | None,
+        length: int | None = None,
     ) -> Payload:
         """Payload of u = clamp(a*y + c, 0, g) rounded to table indices; y = x or x rotated.
-        NaN or Inf in x raises NonFiniteGradientError."""
+        ``length``: the input's, where x is already rotated and padded. NaN or Inf in x raises
+        NonFiniteGradientError."""
         lookups = self._tables(x.device)
         seed = ctx.worker_seed()
         g = self.granularity
@@ -161,12 +169,13 @@ class GridCodec(Codec):
             y = x.mul(a) if rotation is None else rotation.forward(x).mul_(a)
             indices = self._round_to_table(y.add_(c).clamp_(0, g), ctx)
             packed = pack_bits(indices, self.bits, check=False)
-        return Payload({UPSTREAM: packed}, x.numel())
+        return Payload({UPSTREAM: packed}, x.numel() if length is None else length)
 
     def _decode_grid(
-        self, payload: Payload, a: float, c: float, rotation: Rotation | None
+        self, payload: Payload, a: float, c: float, rotation: Rotation | None, trim: bool = True
     ) -> torch.Tensor:
-        """y = a*S + c for the payload's grid sums S, rotated back if a rotation is given."""
+        """y = a*S + c for the payload's grid sums S, rotated back if a rotation is given;
+        ``trim=False`` keeps the padding coordinates (of an unrotated y)."""
         count = self._coordinates(payload.length)
         y = None
         if DOWNSTREAM in payload.fields:
@@ -175,7 +184,7 @@ class GridCodec(Codec):
             y = self._grid_values(payload, count).to(torch.float32).mul_(a).add_(c)
             if rotation is not None:
                 return rotation.inverse(y)
-        return y[: payload.length]
+        return y[: payload.length] if trim else y
 
     def _round_to_table(self, u: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         """Unbiased stochastic rounding of grid positions u in [0, g] to table indices (uint8).
@@ -251,21 +260,61 @@ class THC(GridCodec):
     ) -> Payload:
         max_norm = _shared_scalar(shared, self.name, "max norm")
         rotation = self._rotation(x.numel(), ctx, x.device)
-        scale = math.sqrt(rotation.padded) / max_norm if max_norm > 0 else 0.0
-        t, g = self.threshold, self.granularity
-        # (clamp(scale * y, -t, t) + t) * g / 2t, the grid position, is clamp(a*y + g/2, 0, g)
-        a = scale * g / (2 * t)
-        return self._encode_grid(x.reshape(-1).to(torch.float32), a, g / 2, ctx, rotation)
+        a = self._grid_scale(max_norm, rotation.padded)
+        flat = x.reshape(-1).to(torch.float32)
+        return self._encode_grid(flat, a, self.granularity / 2, ctx, rotation)
 
     def decode(
         self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> torch.Tensor:
         max_norm = _shared_scalar(shared, self.name, "max norm")
         rotation = self._rotation(payload.length, ctx, _device_of(payload))
-        t, g = self.threshold, self.granularity
-        step = (2 * t / g) * max_norm / math.sqrt(rotation.padded)
+        step = self._step(max_norm, rotation.padded)
         # y = (S / contributors - g/2) * step
+        g = self.granularity
         return self._decode_grid(payload, step / payload.contributors, -step * g / 2, rotation)
+
+    # -- error feedback in the rotated domain (feedback.TransformedErrorFeedback) --------------
+    def transform_keeps_length(self, length: int) -> bool:
+        return self._coordinates(length) == length
+
+    def transform(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
+        """The rotated, padded input: what encode quantizes. NaN or Inf raises."""
+        flat = x.reshape(-1).to(torch.float32)
+        rotation = self._rotation(flat.numel(), ctx, flat.device)
+        rotated = native.rotate(flat, rotation)
+        if rotated is None:
+            check_finite(flat)
+            rotated = rotation.forward(flat)
+        return rotated
+
+    def encode_transformed(
+        self, w: torch.Tensor, length: int, ctx: CodecContext, shared: torch.Tensor | None = None
+    ) -> tuple[Payload, torch.Tensor]:
+        max_norm = _shared_scalar(shared, self.name, "max norm")
+        a, c = self._grid_scale(max_norm, w.numel()), self.granularity / 2
+        error = torch.empty_like(w)
+        lookups = self._tables(w.device)
+        packed = native.encode(
+            w, None, a, c, self.granularity, lookups.cell_entries, ctx.worker_seed(), self.bits,
+            error=error,
+        )  # fmt: skip
+        if packed is not None:
+            return Payload({UPSTREAM: packed}, length), error
+        payload = self._encode_grid(w, a, c, ctx, rotation=None, length=length)
+        own = self.aggregate([payload], aggregator_context(ctx))
+        step = self._step(max_norm, w.numel())
+        return payload, w - self._decode_grid(own, step, -step * c, None, trim=False)
+
+    def _grid_scale(self, max_norm: float, padded: int) -> float:
+        """a in u = a*y + g/2: (clamp(s*y, -t, t) + t) * g / 2t = clamp(a*y + g/2, 0, g) with
+        s = sqrt(padded) / max_norm, the scale that makes rotated coordinates ~N(0, 1)."""
+        scale = math.sqrt(padded) / max_norm if max_norm > 0 else 0.0
+        return scale * self.granularity / (2 * self.threshold)
+
+    def _step(self, max_norm: float, padded: int) -> float:
+        """The value of one grid step in the rotated domain."""
+        return (2 * self.threshold / self.granularity) * max_norm / math.sqrt(padded)
 
     def _coordinates(self, length: int) -> int:
         return padded_length(length, self.rotation_block)

@@ -58,6 +58,18 @@ def fwht_(x: torch.Tensor, block: int, scale: float) -> bool:
     return True
 
 
+def rotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor | None:
+    """``rotation.forward(x)`` in one fused pass over x (signs and scale applied as the
+    transform loads it). Raises ``NonFiniteGradientError`` for NaN or Inf in x."""
+    if not (_ready((x, torch.float32)) and x.dim() == 1 and _rotation_ready(rotation)):
+        return None
+    out = torch.empty(rotation.padded, dtype=torch.float32)
+    args = (x.numel(), out.data_ptr(), out.numel(), rotation.block, rotation.sign_bits.data_ptr())
+    if not _kernels.rotate(x.data_ptr(), *args):
+        check_finite(x)  # raises, naming the coordinates
+    return out
+
+
 def encode(
     x: torch.Tensor,
     rotation: Rotation | None,
@@ -67,15 +79,21 @@ def encode(
     cells: torch.Tensor,
     seed: int,
     bits: int,
+    error: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Packed ``bits``-bit table indices of u = clamp(a*y + c, 0, g), stochastically rounded.
 
     y is x itself, or ``rotation.forward(x)`` (computed in the rotation's scratch buffer).
     ``cells`` (int32, one per unit cell [i, i + 1) of the grid, i = 0..g, the last repeating
     cell g - 1 for u == g) packs the cell's table interval k, its lower end T[k] and its width
-    as k | T[k] << 8 | width << 20. Raises
+    as k | T[k] << 8 | width << 20. With ``error`` (float32 like x, only without a rotation),
+    also error = x - (T[index] - c) / a: what error feedback keeps. Raises
     ``NonFiniteGradientError`` for NaN or Inf in x, found by the rotation's first pass.
     """
+    if error is not None and not (
+        rotation is None and _ready((error, torch.float32)) and error.numel() == x.numel()
+    ):
+        return None
     if not (
         _ready((x, torch.float32), (cells, torch.int32))
         and bits in (1, 2, 4, 8)
@@ -108,6 +126,8 @@ def encode(
         bits,
         out.data_ptr(),
         out.numel(),
+        0 if error is None else error.data_ptr(),
+        1.0 / a if a else 0.0,
     )
     if not finite:
         check_finite(x)  # raises, naming the coordinates
