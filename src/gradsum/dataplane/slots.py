@@ -27,7 +27,7 @@ from . import actions
 from .actions import Drop, Send, Store
 from .combiners import MaxOp
 from .jobspec import JobSpec
-from .packet import ANY_WORKER, Flag, Header, Kind, MalformedPacket, Op
+from .packet import ANY_WORKER, PARTIAL, PRESUMMED, Flag, Header, Kind, MalformedPacket, Op
 
 
 class RoundState(enum.Enum):
@@ -131,12 +131,12 @@ class SlotPool:
             raise MalformedPacket("bad_elements", f"{header.elements} lanes")
         if not 1 <= header.contributors <= self.spec.max_contributors:
             raise MalformedPacket("bad_contributors", str(header.contributors))
-        if header.flags & Flag.PARTIAL:
+        if header.flags & PARTIAL:
             raise MalformedPacket("bad_flags", "PARTIAL is a result flag")
         op = self.max_op if header.op is Op.MAX else self.sum_op
         if header.op not in (Op.SUM, Op.MAX):
             raise MalformedPacket("bad_op", str(header.op))
-        op.check_payload(nbytes, header.elements, bool(header.flags & Flag.PRESUMMED))
+        op.check_payload(nbytes, header.elements, bool(header.flags & PRESUMMED))
         return op
 
     def _may_open(self, r: Round, chunk: int, version: int, slot: int) -> bool:
@@ -161,7 +161,7 @@ class SlotPool:
         v, i = header.version, header.slot
         if op.accumulating:
             store = op.add if r.arrivals else op.first
-            store(self.acc[v, i], data, header.elements, bool(header.flags & Flag.PRESUMMED))
+            store(self.acc[v, i], data, header.elements, bool(header.flags & PRESUMMED))
         else:
             if r.kept is None:
                 r.kept = [None] * self.spec.workers
@@ -214,7 +214,7 @@ class SlotPool:
             return [self._drop("mismatch", "parent result shape")]
         r.result = bytes(payload)
         r.contributors = header.contributors
-        r.flags = header.flags & Flag.PARTIAL
+        r.flags = header.flags & PARTIAL
         r.state = RoundState.COMPLETE
         self._count("completed")
         return [self._multicast(r)]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .packet import MAX_PAYLOAD, Flag, Header, Kind, Op
+from .packet import MAX_PAYLOAD, PARTIAL, Header, Kind, Op
 from .worker import ChunkLayout, ChunkStream, RetryPolicy, RoundTrip, StreamStats
 
 
@@ -145,7 +145,7 @@ class Transfer:
         """The payload of an accepted result is in place; return the chunks to send next."""
         index = header.chunk - self.first
         self.contributors[index] = header.contributors
-        self.partial |= bool(header.flags & Flag.PARTIAL)
+        self.partial |= bool(header.flags & PARTIAL)
         self.buffers.received(index, nbytes)
         return self.stream.on_result(header.chunk, now)
 
