@@ -377,3 +377,15 @@ def test_without_the_extension_torch_runs(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setenv("GRADSUM_NATIVE", "1")
     _same_round(_round(codec, inputs), slow)
+
+
+def test_codecs_still_copy_and_pickle():
+    import copy
+    import pickle
+
+    codec = BlockFloatingPoint(workers=2)
+    inputs = [gaussian(1 << 17, seed=s) for s in range(2)]
+    first = _round(codec, inputs)
+    for clone in (copy.deepcopy(codec), pickle.loads(pickle.dumps(codec))):
+        assert clone._recycler._kept == []
+        _same_round(_round(clone, inputs), first)

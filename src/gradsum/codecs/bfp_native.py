@@ -103,6 +103,12 @@ class Recycler:
         with self._lock:
             self._kept.clear()
 
+    def __getstate__(self) -> dict:  # a copied or pickled codec starts with no buffers
+        return {"budget": self.budget, "min_bytes": self.min_bytes, "per_request": self.per_request}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
 
 def _counts(kept: list[torch.Tensor], i: int) -> tuple[int, int, int, int]:
     """(Python references to kept[i], to its TensorImpl, to its StorageImpl, to the storage's
