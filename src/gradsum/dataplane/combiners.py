@@ -18,6 +18,7 @@ import torch
 
 from ..codecs.base import AGGREGATOR, CodecContext, Payload
 from ..codecs.bits import pack_bits, packed_nbytes, unpack_bits
+from ..codecs.thc import native
 from . import payload_wire
 from .jobspec import DecodeSumEncode, IntegerSum
 from .packet import MAX_PAYLOAD, MalformedPacket
@@ -34,22 +35,37 @@ class IntegerSumOp:
         if spec.table is not None:
             self._lane_table = np.asarray(spec.table, dtype=np.int32)
         self._scratch = np.empty(elements + 8, dtype=np.int32)
+        values = spec.table if spec.table is not None else range(1 << min(self.in_bits, 8))
+        self._index_table = np.asarray(values, dtype=np.int32)
 
     def check_payload(self, nbytes: int, elements: int, presummed: bool) -> None:
         width = self.out_bits if presummed else self.in_bits
         _expect_bytes(nbytes, packed_nbytes(elements, width))
 
     def first(self, acc: np.ndarray, payload: memoryview, elements: int, presummed: bool):
-        acc[:elements] = self._lanes(payload, elements, presummed)
+        if not (self._native_lookup(acc, payload, elements, presummed, first=True)):
+            acc[:elements] = self._lanes(payload, elements, presummed)
 
     def add(self, acc: np.ndarray, payload: memoryview, elements: int, presummed: bool):
-        part = acc[:elements]
-        np.add(part, self._lanes(payload, elements, presummed), out=part)
+        if not (self._native_lookup(acc, payload, elements, presummed, first=False)):
+            part = acc[:elements]
+            np.add(part, self._lanes(payload, elements, presummed), out=part)
 
     def result(self, acc: np.ndarray, elements: int) -> memoryview:
         if self.out_bits == 32:
             return memoryview(acc[:elements]).cast("B")
-        return memoryview(pack_lanes(acc[:elements], self.out_bits)).cast("B")
+        packed = native.pack_int32(acc[:elements], self.out_bits)
+        if packed is None:
+            packed = pack_lanes(acc[:elements], self.out_bits)
+        return memoryview(packed).cast("B")
+
+    def _native_lookup(self, acc, payload, elements: int, presummed: bool, first: bool) -> bool:
+        """Table lookup and add of packed indices in THC's native kernel, where it runs."""
+        if presummed or self.in_bits == 32:
+            return False
+        return native.lookup_accumulate(
+            acc, payload, elements, self.in_bits, self._index_table, first
+        )
 
     def _lanes(self, payload: memoryview, elements: int, presummed: bool) -> np.ndarray:
         """The int32 values one contribution adds, lane by lane."""

@@ -67,6 +67,12 @@ INLINE f32x8 load(const float *p) {
 
 INLINE void store(float *p, f32x8 v) { memcpy(p, &v, sizeof v); }
 
+INLINE i32x8 load_i32(const int32_t *p) {
+    i32x8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
 /* ---------------------------------------------------------------------------------------------
  * Walsh-Hadamard transform. The stages of a FWHT commute, so they are grouped by cache level:
  * strides across L2-sized chunks (streaming passes), strides across L1-sized leaves inside a
@@ -637,6 +643,110 @@ static void lookup_sum(const struct lookup_sum *op) {
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * A switch's slot: table values of one arrival's packed indices written into (first arrival) or
+ * added to an int32 accumulator, and the accumulator packed to the sum width for the result.
+ */
+
+#if defined(__x86_64__)
+/* Four-bit indices, table values below 256, into int32 lanes: 64 lookups per vpshufb pair.
+   Returns how many lanes it did (a multiple of 64). */
+__attribute__((target("avx2"))) static size_t accumulate_nibbles_avx2(int32_t *acc,
+                                                                       const uint8_t *packed,
+                                                                       size_t count,
+                                                                       const uint8_t *table,
+                                                                       int first) {
+    __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table));
+    __m256i nibble = _mm256_set1_epi8(0x0F);
+    size_t j = 0;
+    for (; j + 64 <= count; j += 64) {
+        __m256i bytes = _mm256_loadu_si256((const __m256i *)(packed + j / 2));
+        __m256i even = _mm256_shuffle_epi8(lut, _mm256_and_si256(bytes, nibble));
+        __m256i odd = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
+        __m256i mixed_low = _mm256_unpacklo_epi8(even, odd);  /* lanes 0-15 | 32-47 */
+        __m256i mixed_high = _mm256_unpackhi_epi8(even, odd); /* 16-31 | 48-63 */
+        __m256i values[2] = {_mm256_permute2x128_si256(mixed_low, mixed_high, 0x20),
+                             _mm256_permute2x128_si256(mixed_low, mixed_high, 0x31)};
+        for (int half = 0; half < 2; half++) {
+            __m128i parts[2] = {_mm256_castsi256_si128(values[half]),
+                                _mm256_extracti128_si256(values[half], 1)};
+            for (int q = 0; q < 4; q++) {
+                __m128i eight = q % 2 ? _mm_srli_si128(parts[q / 2], 8) : parts[q / 2];
+                __m256i *out = (__m256i *)(acc + j + 32 * half + 8 * q);
+                __m256i lanes = _mm256_cvtepu8_epi32(eight);
+                if (!first) lanes = _mm256_add_epi32(lanes, _mm256_loadu_si256(out));
+                _mm256_storeu_si256(out, lanes);
+            }
+        }
+    }
+    return j;
+}
+#endif
+
+/* acc[0, n) = or += table[index] of n packed `bits`-bit indices (bits <= 8; a table of up to
+   16 entries, zero-padded, is looked up in registers). */
+MULTIVERSION static void lookup_accumulate(int32_t *acc, const uint8_t *packed, const uint8_t *end,
+                                           size_t n, int bits, const int32_t *table, int first) {
+    uint8_t indices[LEAF + 32];
+    u32x8 low = {0}, high = {0};
+    int small = bits <= 4;
+    if (small)
+        for (int k = 0; k < 1 << bits; k++) {
+            if (k < LANES) low[k] = (uint32_t)table[k];
+            else high[k - LANES] = (uint32_t)table[k];
+        }
+    size_t done = 0;
+#if defined(__x86_64__)
+    int bytes = bits == 4 && have_avx2;
+    uint8_t nibble_table[16];
+    for (int k = 0; bytes && k < 16; k++) {
+        bytes = table[k] >= 0 && table[k] < 256;
+        nibble_table[k] = (uint8_t)table[k];
+    }
+    if (bytes) done = accumulate_nibbles_avx2(acc, packed, MIN(n, (size_t)(end - packed) * 2),
+                                              nibble_table, first);
+#endif
+    for (size_t c = done; c < n; c += LEAF) {
+        size_t count = MIN(LEAF, n - c), i = 0;
+        unpack(packed + c / 8 * bits, end, bits, count, indices);
+        int32_t *out = acc + c;
+#if defined(__GNUC__) && !defined(__clang__)
+        if (small)
+            for (; i + LANES <= count; i += LANES) {
+                u8x8 bytes;
+                memcpy(&bytes, indices + i, sizeof bytes);
+                u32x8 index = __builtin_convertvector(bytes, u32x8);
+                u32x8 value = (__builtin_shuffle(low, index) & (u32x8)(index < LANES)) |
+                              (__builtin_shuffle(high, index) & (u32x8)(index >= LANES));
+                i32x8 sum = (i32x8)value;
+                if (!first) sum += load_i32(out + i);
+                memcpy(out + i, &sum, sizeof sum);
+            }
+#endif
+        for (; i < count; i++) out[i] = (first ? 0 : out[i]) + table[indices[i]];
+    }
+}
+
+/* The low w bits (w <= 16) of int32 values[0, n), packed at out. */
+MULTIVERSION static void pack_int32(const int32_t *values, size_t n, int w, uint8_t *out,
+                                    const uint8_t *end) {
+    union {
+        uint8_t narrow[LEAF + 32];
+        uint16_t wide[LEAF + 16];
+    } lanes;
+    for (size_t c = 0; c < n; c += LEAF) {
+        size_t count = MIN(LEAF, n - c);
+        if (w <= 8) {
+            for (size_t i = 0; i < count; i++) lanes.narrow[i] = (uint8_t)values[c + i];
+            memset(lanes.narrow + count, 0, 32);
+        } else {
+            for (size_t i = 0; i < count; i++) lanes.wide[i] = (uint16_t)values[c + i];
+            memset(lanes.wide + count, 0, 32);
+        }
+        pack(&lanes, count, w, out + c / 8 * w, end);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
  * Python bindings. Addresses arrive as ints; native.py guarantees what they point to.
  */
 
@@ -804,6 +914,46 @@ static PyObject *py_lookup_sum(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(lookup_accumulate_doc,
+             "lookup_accumulate(acc, packed, packed_size, n, bits, table, first)\n"
+             "acc[0:n] (int32) = (first) or += table[index] (int32, 2**bits entries) of the n\n"
+             "packed bits-bit indices (bits in 1, 2, 4, 8).");
+
+static PyObject *py_lookup_accumulate(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long acc, packed, table;
+    Py_ssize_t packed_size, n;
+    int bits, first;
+    if (!PyArg_ParseTuple(args, "KKnniKp", &acc, &packed, &packed_size, &n, &bits, &table, &first))
+        return NULL;
+    if (!check_width(bits, 8) || (8 % bits)) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "unsupported index width %d", bits);
+        return NULL;
+    }
+    const uint8_t *in = ADDRESS(const uint8_t *, packed);
+    Py_BEGIN_ALLOW_THREADS
+    lookup_accumulate(ADDRESS(int32_t *, acc), in, in + packed_size, (size_t)n, bits,
+                      ADDRESS(const int32_t *, table), first);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(pack_int32_doc,
+             "pack_int32(values, n, w, out, out_size)\n"
+             "out = the low w (<= 16) bits of int32 values[0:n], packed (bits.py's layout).");
+
+static PyObject *py_pack_int32(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long values, out;
+    Py_ssize_t n, out_size;
+    int w;
+    if (!PyArg_ParseTuple(args, "KniKn", &values, &n, &w, &out, &out_size) || !check_width(w, 16))
+        return NULL;
+    uint8_t *to = ADDRESS(uint8_t *, out);
+    Py_BEGIN_ALLOW_THREADS
+    pack_int32(ADDRESS(const int32_t *, values), (size_t)n, w, to, to + out_size);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(decode_doc,
              "decode(packed, packed_size, w, n, a, c, out, block, signs)\n"
              "out[0:n] = a*S + c for the w-bit packed sums S; then, if block, the unnormalised\n"
@@ -836,6 +986,8 @@ static PyMethodDef methods[] = {
     {"fwht", py_fwht, METH_VARARGS, fwht_doc},
     {"encode", py_encode, METH_VARARGS, encode_doc},
     {"rotate", py_rotate, METH_VARARGS, rotate_doc},
+    {"lookup_accumulate", py_lookup_accumulate, METH_VARARGS, lookup_accumulate_doc},
+    {"pack_int32", py_pack_int32, METH_VARARGS, pack_int32_doc},
     {"lookup_sum", py_lookup_sum, METH_VARARGS, lookup_sum_doc},
     {"decode", py_decode, METH_VARARGS, decode_doc},
     {NULL, NULL, 0, NULL},
