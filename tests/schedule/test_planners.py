@@ -12,7 +12,12 @@ from gradsum.schedule import (
     make_planner,
     uniform_profile,
 )
-from gradsum.schedule.grouping import mgwfbp_groups, pipeline_groups, threshold_groups
+from gradsum.schedule.grouping import (
+    mgwfbp_groups,
+    overlapped_pipeline_groups,
+    pipeline_groups,
+    threshold_groups,
+)
 from gradsum.schedule.placement import (
     place_by_layer,
     place_partitioned,
@@ -72,6 +77,44 @@ def test_ps_pipeline_merges_when_start_up_exceeds_the_lost_overlap():
     ready = [0.001, 0.002, 0.003, 0.004]
     stage = linear(2.0, 0.001)  # α = 2 > β·1000 = 1
     assert pipeline_groups([1000] * 4, ready, stage, stage) == [(0, 4)]
+
+
+def test_overlapped_rule_keeps_groups_apart_when_their_transfers_run_in_parallel():
+    # Everything ready at once; each group's own transfer (α = 0.01, β·1000 = 1) runs on its
+    # own shards, in parallel with the others; the shared stream is light. Merging would put
+    # two layers' bytes on one group's parts: own time 2.01 instead of two parallel 1.01s.
+    ready = [0.001, 0.002, 0.003, 0.004]
+    own, stream = linear(0.01, 0.001), linear(0.001, 1e-5)
+    assert overlapped_pipeline_groups([1000] * 4, ready, own, stream) == [
+        (0, 1),
+        (1, 2),
+        (2, 3),
+        (3, 4),
+    ]
+
+
+def test_overlapped_rule_merges_when_the_shared_start_up_dominates():
+    # Each group costs 1 s on a resource all groups share (the worker's thread): merging the
+    # four saves 3 s there, more than the 3 ms of longer own transfer.
+    ready = [0.001, 0.002, 0.003, 0.004]
+    own, stream = linear(0.001, 1e-6), linear(1.0, 1e-6)
+    assert overlapped_pipeline_groups([1000] * 4, ready, own, stream) == [(0, 4)]
+
+
+def test_overlapped_rule_does_not_merge_on_a_tie():
+    # Bound by the shared stream with nothing saved per group: merged and separate end together.
+    ready = [0.0, 0.0]
+    own, stream = linear(0.0, 1e-6), linear(0.0, 1e-3)
+    assert overlapped_pipeline_groups([1000, 1000], ready, own, stream) == [(0, 1), (1, 2)]
+
+
+def test_merge_stream_is_bounded_by_all_shards_not_by_one_groups_pieces():
+    cluster = ClusterSpec(8, 8, 1, worker_bw=10e9, shard_bw=1e9, alpha_shard=0, alpha_worker=0)
+    cost = PSCost(cluster)
+    # Alone, a one-piece group is an 8-way incast at one shard; with others in flight on the
+    # other shards the step's shared rate is all 8 shards' ingress over 8 workers.
+    assert cost.partitioned_time(1e6, 4e6) == pytest.approx(8 * 1e6 / 1e9)
+    assert cost.stream_time(1e6, 4e6) == pytest.approx(1e6 / 1e9)
 
 
 # --------------------------------------------------------------------------- cost models

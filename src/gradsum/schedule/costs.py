@@ -101,14 +101,16 @@ class PSCost:
         n = self.cluster.workers
         return math.ceil(n / span) if interleaved else n
 
+    def nic_rate(self) -> float:
+        """A worker's share of its machine's NIC, each way (only remote shards' traffic crosses)."""
+        c = self.cluster
+        crossing = c.workers_per_machine * c.remote_fraction
+        return c.nic_bw / crossing if crossing > 0 else math.inf
+
     def worker_rate(self, span: int, interleaved: bool) -> float:
         c = self.cluster
         senders = self.concurrent_senders(span, interleaved)
-        rate = min(c.worker_bw, c.shard_bw / senders)
-        crossing = c.workers_per_machine * c.remote_fraction
-        if crossing > 0:
-            rate = min(rate, c.nic_bw / crossing)
-        return rate
+        return min(c.worker_bw, c.shard_bw / senders, self.nic_rate())
 
     def part_overhead(self, span: int, interleaved: bool) -> float:
         c = self.cluster
@@ -128,11 +130,23 @@ class PSCost:
         """
         c = self.cluster
         pieces = max(1, min(c.shards, math.ceil(nbytes / partition_bytes)))
-        rate = min(c.worker_bw, pieces * c.shard_bw / c.workers)
-        crossing = c.workers_per_machine * c.remote_fraction
-        if crossing > 0:
-            rate = min(rate, c.nic_bw / crossing)
+        rate = min(c.worker_bw, pieces * c.shard_bw / c.workers, self.nic_rate())
         return pieces * c.alpha_worker + c.workers * c.alpha_shard + nbytes / rate
+
+    def stream_time(self, nbytes: float, partition_bytes: float) -> float:
+        """What one stage of a partitioned group adds to the work shared by all groups in flight.
+
+        With a window several groups are in flight and least-loaded placement puts them on
+        different shards, so together they move at most min(B_worker, m·B_shard/n, NIC share)
+        per worker, whatever each group's own pieces could do alone. The start-up that every
+        group pays on shared resources stays: α_worker per piece on the worker's one thread,
+        and n·α_shard per piece on the cores, m of which work in parallel.
+        """
+        c = self.cluster
+        pieces = max(1, min(c.shards, math.ceil(nbytes / partition_bytes)))
+        start_up = pieces * (c.alpha_worker + c.workers * c.alpha_shard / c.shards)
+        rate = min(c.worker_bw, c.shards * c.shard_bw / c.workers, self.nic_rate())
+        return start_up + nbytes / rate
 
     def best_span(self, nbytes: float, interleaved: bool) -> int:
         """The span that minimises :meth:`time` (1 when not interleaved: parts only add α)."""

@@ -112,3 +112,56 @@ def _stage_ends(state, ready_at, size, push_time, pull_time):
     push_end = max(ready_at, state[0]) + push_time(size)
     pull_end = max(push_end, state[1]) + pull_time(size)
     return push_end, pull_end
+
+
+def overlapped_pipeline_groups(
+    params: Sequence[int],
+    ready: Sequence[float],
+    own_time: Callable[[int], float],
+    stream_time: Callable[[int], float],
+) -> LayerRanges:
+    """PS merge rule when groups' transfers overlap (groups in flight on distinct shards).
+
+    Each stage (push, then pull) of group g is bounded two ways: by its own transfer,
+    ``own_time(size)`` from when it can start (its parts' incast at their shards and its
+    start-up), and by the resources every group shares — ``stream_time(size)`` after the work
+    of the groups before it (the worker's port and thread, the NIC, all shards together). So
+    push_end = max(ready + own, push stream) and pull_end = max(push_end + own, pull stream);
+    the step ends when the slowest group's pull does. The next layer joins the open group only
+    when sending them merged ends the step strictly earlier than sending them as two groups:
+    merging saves a start-up on the shared resources, but puts both layers' bytes on the same
+    parts (a longer own transfer) and delays the first layer's send until the second is ready.
+    A tie (e.g. both bound by the shared stream) keeps them apart: separate groups sit on more
+    shards, which the stream's aggregate rate does not see.
+    """
+    ready = np.asarray(ready, dtype=float)
+    ranges: LayerRanges = []
+    closed = (0.0, 0.0, 0.0)  # push stream free, pull stream free, latest pull end
+    first, size = 0, int(params[0])
+
+    def send(state, ready_at, count):
+        return _overlapped(state, ready_at, count, own_time, stream_time)
+
+    for layer in range(1, len(params)):
+        extra = int(params[layer])
+        open_sent = send(closed, ready[layer - 1], size)
+        separate = send(open_sent, ready[layer], extra)
+        merged = send(closed, ready[layer], size + extra)
+        if merged[2] < separate[2]:
+            size += extra
+            continue
+        closed = open_sent
+        ranges.append((first, layer))
+        first, size = layer, extra
+    ranges.append((first, len(params)))
+    return ranges
+
+
+def _overlapped(state, ready_at, size, own_time, stream_time):
+    push_stream, pull_stream, latest = state
+    own, stream = own_time(size), stream_time(size)
+    push_stream = max(push_stream, ready_at) + stream
+    push_end = max(ready_at + own, push_stream)
+    pull_stream = max(pull_stream, push_end) + stream
+    pull_end = max(push_end + own, pull_stream)
+    return push_stream, pull_stream, max(latest, pull_end)

@@ -26,6 +26,7 @@ from .costs import AllReduceCost, PSCost
 from .grouping import (
     LayerRanges,
     mgwfbp_groups,
+    overlapped_pipeline_groups,
     pipeline_groups,
     single_layers,
     threshold_groups,
@@ -116,10 +117,13 @@ def plan_merge(profile: ModelProfile, cluster: ClusterSpec, *, cost: PSCost | No
 
     partition_bytes = PARTITION_ELEMENTS * element_bytes
 
-    def stage(n: int) -> float:
+    def own(n: int) -> float:
         return cost.partitioned_time(n * element_bytes, partition_bytes)
 
-    layers = pipeline_groups(profile.params, profile.ready_times(), stage, stage)
+    def stream(n: int) -> float:
+        return cost.stream_time(n * element_bytes, partition_bytes)
+
+    layers = overlapped_pipeline_groups(profile.params, profile.ready_times(), own, stream)
     return _layer_plan(profile, cluster, "merge", layers)
 
 
