@@ -75,3 +75,17 @@ def test_non_finite_gradient_names_the_original_coordinate():
     x[37] = float("nan")
     with pytest.raises(ValueError, match="37"):
         codec.precondition(x, CodecContext())
+
+
+@pytest.mark.parametrize("block", [None, 1024])
+def test_rotation_with_the_memory_added_matches_torch(monkeypatch, block):
+    codec = THC(workers=1, rotation_block=block)
+    x, memory = torch.randn(1 << 13), torch.randn(1 << 13)
+    results = []
+    for enabled in ("1", "0"):
+        monkeypatch.setenv("GRADSUM_NATIVE", enabled)
+        results.append(codec.transform(x, CodecContext(), add=memory))
+    fast, slow = results
+    assert float((fast - slow).norm() / slow.norm()) < 1e-6
+    monkeypatch.setenv("GRADSUM_NATIVE", "1")
+    assert torch.allclose(fast - memory, codec.transform(x, CodecContext()), atol=1e-5)

@@ -99,8 +99,10 @@ class FeedbackTransform(Protocol):
     def transform_keeps_length(self, length: int) -> bool:
         """Whether the transform of ``length`` coordinates is square (THC: needs no padding)."""
 
-    def transform(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
-        """The transformed input, as the encode would compute it."""
+    def transform(
+        self, x: torch.Tensor, ctx: CodecContext, add: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The transformed input, as the encode would compute it, plus ``add`` if given."""
 
     def encode_transformed(
         self, w: torch.Tensor, length: int, ctx: CodecContext, shared: torch.Tensor | None
@@ -131,16 +133,15 @@ class TransformedErrorFeedback(ErrorFeedback):
         x = self.inner.precondition(x, ctx).reshape(-1).to(torch.float32)
         transformed = self.inner.transform_keeps_length(x.numel())
         self._lengths[ctx.state_key] = x.numel() if transformed else None
-        w = self.inner.transform(x, ctx) if transformed else x.clone()
         error = self.memory.get(ctx.state_key)
-        if error is None:
-            return w
-        if error.shape != w.shape:
+        if error is not None and error.numel() != x.numel():
             raise ValueError(
                 f"error-feedback memory for {ctx.state_key!r} holds {error.numel()} coordinates, "
-                f"the gradient has {w.numel()}; call reset() after re-bucketing"
+                f"the gradient has {x.numel()}; call reset() after re-bucketing"
             )
-        return w.add_(error)
+        if transformed:
+            return self.inner.transform(x, ctx, add=error)
+        return x.clone() if error is None else x + error
 
     def encode(
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None

@@ -837,15 +837,22 @@ static void no_visit(void *state, float *leaf, size_t offset, size_t count) {
     (void)state, (void)leaf, (void)offset, (void)count;
 }
 
+/* leaf += addend[offset, offset + count): error feedback's memory, added while the leaf is hot */
+MULTIVERSION static void add_leaf(void *state, float *leaf, size_t offset, size_t count) {
+    const float *addend = (const float *)state + offset;
+    for (size_t i = 0; i < count; i++) leaf[i] += addend[i];
+}
+
 PyDoc_STRVAR(rotate_doc,
-             "rotate(src, length, out, n, block, signs)\n"
-             "out[0:n] = orthonormal FWHT (in blocks) of src[0:length] * signs, zero-padded to n.\n"
-             "Returns False where src holds an Inf or NaN (out is then undefined).");
+             "rotate(src, length, out, n, block, signs[, addend])\n"
+             "out[0:n] = orthonormal FWHT (in blocks) of src[0:length] * signs, zero-padded to n,\n"
+             "plus addend[0:n] if given. Returns False where src holds an Inf or NaN (out is then\n"
+             "undefined).");
 
 static PyObject *py_rotate(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long src, out, signs;
+    unsigned long long src, out, signs, addend = 0;
     Py_ssize_t length, n, block;
-    if (!PyArg_ParseTuple(args, "KnKnnK", &src, &length, &out, &n, &block, &signs) ||
+    if (!PyArg_ParseTuple(args, "KnKnnK|K", &src, &length, &out, &n, &block, &signs, &addend) ||
         !check_block(n, block))
         return NULL;
     if (length > n) {
@@ -856,7 +863,8 @@ static PyObject *py_rotate(PyObject *Py_UNUSED(self), PyObject *args) {
                         ADDRESS(const uint8_t *, signs)};
     int finite;
     Py_BEGIN_ALLOW_THREADS
-    finite = fwht_forward(ADDRESS(float *, out), (size_t)n, (size_t)block, &in, no_visit, NULL);
+    finite = fwht_forward(ADDRESS(float *, out), (size_t)n, (size_t)block, &in,
+                          addend ? add_leaf : no_visit, ADDRESS(void *, addend));
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(finite);
 }

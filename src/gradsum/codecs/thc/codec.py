@@ -278,14 +278,18 @@ class THC(GridCodec):
     def transform_keeps_length(self, length: int) -> bool:
         return self._coordinates(length) == length
 
-    def transform(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
-        """The rotated, padded input: what encode quantizes. NaN or Inf raises."""
+    def transform(
+        self, x: torch.Tensor, ctx: CodecContext, add: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The rotated, padded input (+ ``add``): what encode quantizes. NaN or Inf raises."""
         flat = x.reshape(-1).to(torch.float32)
         rotation = self._rotation(flat.numel(), ctx, flat.device)
-        rotated = native.rotate(flat, rotation)
+        rotated = native.rotate(flat, rotation, add)
         if rotated is None:
             check_finite(flat)
             rotated = rotation.forward(flat)
+            if add is not None:
+                rotated.add_(add)
         return rotated
 
     def encode_transformed(

@@ -60,13 +60,20 @@ def fwht_(x: torch.Tensor, block: int, scale: float) -> bool:
     return True
 
 
-def rotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor | None:
-    """``rotation.forward(x)`` in one fused pass over x (signs and scale applied as the
-    transform loads it). Raises ``NonFiniteGradientError`` for NaN or Inf in x."""
+def rotate(
+    x: torch.Tensor, rotation: Rotation, add: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``rotation.forward(x)`` (+ ``add``, of the padded length) in one fused pass over x: signs
+    and scale applied as the transform loads it, ``add`` as each finished leaf is in cache.
+    Raises ``NonFiniteGradientError`` for NaN or Inf in x."""
     if not (_ready((x, torch.float32)) and x.dim() == 1 and _rotation_ready(rotation)):
+        return None
+    if add is not None and not (_ready((add, torch.float32)) and add.numel() == rotation.padded):
         return None
     out = torch.empty(rotation.padded, dtype=torch.float32)
     args = (x.numel(), out.data_ptr(), out.numel(), rotation.block, rotation.sign_bits.data_ptr())
+    if add is not None:
+        args += (add.data_ptr(),)
     if not _kernels.rotate(x.data_ptr(), *args):
         check_finite(x)  # raises, naming the coordinates
     return out
