@@ -30,6 +30,7 @@ def gradsum(*args) -> tuple[int, str]:
         (["--reorder-rate", "-1"], "--reorder-rate must be in [0, 1)"),
         (["--bind", "127.0.0.1:notaport"], "--bind '127.0.0.1:notaport'"),
         (["--job-memory", "0"], "--job-memory must be positive"),
+        (["--pipelines", "0"], "--pipelines must be in 1..64"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(flags, message):

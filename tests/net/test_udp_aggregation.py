@@ -1,5 +1,6 @@
 """Real UDP, real processes: results bit-identical to the in-process round under impairments."""
 
+import json
 import threading
 
 import numpy as np
@@ -42,6 +43,20 @@ def test_loss_free_udp_run_equals_the_in_process_round(codec):
         task = WorkerTask((switch.address,), job=1, workers=3, codec=codec, elements=LENGTH,
                           steps=2, **small({}))  # fmt: skip
         assert_all_equal(run_workers(task, timeout=120), task, steps=2)
+
+
+def test_a_switch_of_two_pipelines_spreads_each_tensor_over_both():
+    with DaemonProcess("switch", "--pipelines", "2") as switch:
+        assert len(switch.addresses) == 2 and len(set(switch.addresses)) == 2
+        task = WorkerTask(switch.addresses, job=1, workers=3, codec="bfp", elements=LENGTH,
+                          steps=2, **small({}))  # fmt: skip
+        results = run_workers(task, timeout=120)
+        assert_all_equal(results, task, steps=2)
+        stderr = switch.stop()
+    for pipeline in (0, 1):  # each pipeline summed part of every tensor and reported on exit
+        line = next(x for x in stderr.splitlines() if f"pipeline {pipeline}: stopped" in x)
+        final = json.loads(line.split("statistics ", 1)[1])
+        assert final["daemon"]["received"] >= 2 * 3 * 4  # > two steps' chunks of 3 workers
 
 
 IMPAIRED = [

@@ -45,6 +45,9 @@ def register(benches: argparse._SubParsersAction) -> None:
                         help="loss injected at the switch/server in each direction")  # fmt: skip
     parser.add_argument("--slots", type=positive_int, default=None,
                         help="window (slots per job; default 32)")  # fmt: skip
+    parser.add_argument("--pipelines", type=positive_int, default=1,
+                        help="processes of the switch/server (gradsum switch --pipelines): a "
+                        "job's lanes are spread over them (default 1)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write one row per measurement")
     testbed = parser.add_argument_group(
         "across an emulated cluster (gradsum testbed; needs root and iproute2)"
@@ -113,8 +116,9 @@ def _gradsum(kind: str, codec: str, workers: int, elements: int, args) -> list[l
     from ..net.loopback import DaemonProcess, WorkerTask, run_workers
 
     flags = ("--drop-rate", str(args.drop_rate)) if args.drop_rate else ()
+    flags += ("--pipelines", str(args.pipelines))
     with DaemonProcess(kind, *flags) as daemon:
-        task = WorkerTask((daemon.address,), job=1, workers=workers, codec=codec,
+        task = WorkerTask(daemon.addresses, job=1, workers=workers, codec=codec,
                           elements=elements, steps=args.steps, warmup=args.warmup,
                           slots=args.slots, keep_output=False)  # fmt: skip
         return [r.seconds for r in run_workers(task, timeout=600)]
@@ -184,6 +188,7 @@ def _row(method: str, args, elements: int, seconds: float) -> dict:
         "ate_per_s": elements / seconds,
         "drop_rate": args.drop_rate if method != "gloo" else 0.0,
         "steps": args.steps,
+        "pipelines": args.pipelines if method != "gloo" else 0,
     }
 
 

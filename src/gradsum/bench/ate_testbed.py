@@ -51,6 +51,7 @@ class Setup:
     slots: int | None  # None: default_slots for each rate
     testbed_id: str = "ate"
     receive_buffer: int = 64 << 20  # the aggregator's socket receive buffer (bytes)
+    pipelines: int = 1  # processes of the switch/server daemon
 
     def slots_at(self, rate: int) -> int:
         return self.slots or default_slots(rate, self.workers, self.receive_buffer)
@@ -327,7 +328,7 @@ def measure_method(tb, method: str, elements: int, setup: Setup, rate: int):
     task = WorkerTask((), job=1, workers=setup.workers, codec=codec, elements=elements,
                       steps=setup.warmup + setup.steps, slots=setup.slots_at(rate),
                       keep_output=False)  # fmt: skip
-    with Daemon(tb, host, kind) as daemon:
+    with Daemon(tb, host, kind, pipelines=setup.pipelines) as daemon:
         results = aggregate(tb, daemon, task, timeout=600)
     # the testbed's workers time every step; the first `warmup` ones (job start-up) are dropped
     seconds = step_seconds([r.seconds[setup.warmup :] for r in results])
@@ -372,7 +373,7 @@ def run(args) -> int:
         raise UsageError("--drop-rate is for loopback; across a testbed use gradsum testbed --loss")
     setup = Setup(args.workers, tuple(args.sizes or [DEFAULT_ELEMENTS]),
                   tuple(args.methods or TESTBED_METHODS), args.steps, args.warmup,
-                  args.slots, args.testbed_id, receive_buffer())  # fmt: skip
+                  args.slots, args.testbed_id, receive_buffer(), args.pipelines)  # fmt: skip
     rows: list[dict] = []
     profiles: dict = {}
     with sigterm_as_exit():

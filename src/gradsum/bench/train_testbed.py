@@ -108,10 +108,16 @@ def _wait(processes, errs, timeout: float) -> None:
     errors = []
     for rank, (process, err) in enumerate(zip(processes, errs, strict=True)):
         if process.wait() != 0:
-            lines = [line for line in err.read_text().splitlines() if line.strip()]
-            last = lines[-1] if lines else "no output"
-            errors.append(f"worker {rank} (exit {process.returncode}): {last}")
+            errors.append(f"worker {rank} (exit {process.returncode}): {_cause(err)}")
     if errors:
         raise RuntimeError(
             f"training in the testbed failed within {timeout:.0f} s:\n" + "\n".join(errors)
         )
+
+
+def _cause(err: Path) -> str:
+    """The last line of a worker's stderr that names an error (stack dumps of other threads
+    may follow it), or its last line."""
+    lines = [line.strip() for line in err.read_text().splitlines() if line.strip()]
+    named = [line for line in lines if "Error" in line or "Exception" in line]
+    return (named or lines or ["no output"])[-1]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import signal
 import sys
 import threading
+import time
 
 MIB = 1 << 20
 
@@ -72,6 +75,15 @@ def add_daemon_arguments(parser: argparse.ArgumentParser, job_memory_mib: int) -
         help="print statistics to stderr this often (0: only on exit and SIGUSR1)",
     )
     parser.add_argument("--stats-json", metavar="PATH", help="write the final statistics here")
+    parser.add_argument(
+        "--pipelines",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N independent pipelines, each its own process with its own slot pools, on "
+        "ports PORT..PORT+N-1 (any free ports with port 0); workers spread a job's lanes over "
+        "them as over several aggregators, so a software switch can use N cores (default 1)",
+    )
 
 
 def run_daemon(args: argparse.Namespace, make_profile) -> int:
@@ -87,31 +99,91 @@ def run_daemon(args: argparse.Namespace, make_profile) -> int:
     except ValueError as error:
         raise UsageError(str(error)) from None
     profile = make_profile(args.job_memory * MIB, args.memory * MIB, args.max_elements)
-    aggregator = Aggregator(profile, resolve=resolve)
+    jobs = []
     for path in args.register:
         try:
-            for body in _job_bodies(path):
-                aggregator.register(JobSpec.from_json(body))
+            jobs += [JobSpec.from_json(body) for body in _job_bodies(path)]
+            _aggregator(profile, jobs, Aggregator, resolve)  # refuses what it cannot serve
         except (OSError, ValueError, SpecError, ControlError) as error:
             raise UsageError(f"--register {path}: {error}") from None
+    sockets = _open_sockets(bind, args.pipelines, open_socket, PortInUseError, UsageError)
+    addresses = ", ".join("{}:{}".format(*s.getsockname()[:2]) for s in sockets)
+    print(
+        f"gradsum {profile.name}: listening on {addresses} (drop rate {args.drop_rate:g}, "
+        f"{len(jobs)} jobs registered)",
+        flush=True,
+    )
+    children = [_fork_pipeline(index, sockets) for index in range(1, len(sockets))]
+    if any(child == 0 for child in children):  # in a pipeline's own process
+        index = children.index(0) + 1
+        return _serve(args, profile, _aggregator(profile, jobs, Aggregator, resolve),
+                      sockets[index], Daemon, index)  # fmt: skip
+    for extra in sockets[1:]:
+        extra.close()
     try:
-        sock = open_socket(bind)
+        return _serve(args, profile, _aggregator(profile, jobs, Aggregator, resolve), sockets[0],
+                      Daemon, 0)  # fmt: skip
+    finally:
+        _stop_pipelines(children)
+
+
+def _aggregator(profile, jobs, Aggregator, resolve):
+    aggregator = Aggregator(profile, resolve=resolve)
+    for spec in jobs:
+        aggregator.register(spec)
+    return aggregator
+
+
+def _open_sockets(bind, count: int, open_socket, PortInUseError, UsageError) -> list:
+    """One bound socket per pipeline (ports PORT.., or free ones for port 0), bound before any
+    pipeline starts, so a port in use is one clear error."""
+    host, port = bind
+    sockets = []
+    try:
+        for index in range(count):
+            sockets.append(open_socket((host, port + index if port else 0)))
     except PortInUseError as error:
+        for sock in sockets:
+            sock.close()
         raise UsageError(f"--bind: {error.strerror}") from None
+    return sockets
+
+
+def _fork_pipeline(index: int, sockets: list) -> int:
+    """Fork the process of pipeline ``index``: it keeps only its own socket. Returns the child's
+    pid in the parent and 0 in the child, like ``os.fork``."""
+    pid = os.fork()
+    if pid == 0:
+        for other, sock in enumerate(sockets):
+            if other != index:
+                sock.close()
+    return pid
+
+
+def _stop_pipelines(children: list[int], timeout: float = 10.0) -> None:
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for pid in children:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.02)
+
+
+def _serve(args, profile, aggregator, sock, Daemon, index: int) -> int:
     daemon = Daemon(
         aggregator,
         sock,
         drop_rate=args.drop_rate,
-        seed=args.seed,
+        seed=args.seed + 1000 * index,
         duplicate_rate=args.duplicate_rate,
         reorder_rate=args.reorder_rate,
     )
-    host, port = sock.getsockname()[:2]
-    print(
-        f"gradsum {profile.name}: listening on {host}:{port} (drop rate {args.drop_rate:g}, "
-        f"{len(aggregator.jobs)} jobs registered)",
-        flush=True,
-    )
+    name = profile.name if args.pipelines == 1 else f"{profile.name} pipeline {index}"
     _install_signals(daemon)
     reporter = _start_reporter(daemon, args.stats_interval)
     try:
@@ -121,9 +193,10 @@ def run_daemon(args: argparse.Namespace, make_profile) -> int:
         if reporter is not None:
             reporter.set()
     final = daemon.statistics_json()
-    print(f"gradsum {profile.name}: stopped; statistics {final}", file=sys.stderr, flush=True)
+    print(f"gradsum {name}: stopped; statistics {final}", file=sys.stderr, flush=True)
     if args.stats_json:
-        with open(args.stats_json, "w") as out:
+        path = args.stats_json if index == 0 else f"{args.stats_json}.{index}"
+        with open(path, "w") as out:
             out.write(final + "\n")
     return 0
 
@@ -142,6 +215,8 @@ def _check_flags(args, UsageError) -> None:
             raise UsageError(f"{flag} must be positive, got {value}")
     if args.stats_interval < 0:
         raise UsageError(f"--stats-interval must be >= 0, got {args.stats_interval}")
+    if not 1 <= args.pipelines <= 64:
+        raise UsageError(f"--pipelines must be in 1..64, got {args.pipelines}")
 
 
 def _job_bodies(path: str) -> list:

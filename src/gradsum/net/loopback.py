@@ -22,7 +22,8 @@ _CLI = "import sys; from gradsum.cli import main; sys.exit(main())"
 
 
 class DaemonProcess:
-    """`gradsum switch|server` in a subprocess on 127.0.0.1 with a free port."""
+    """`gradsum switch|server` in a subprocess on 127.0.0.1 with a free port (one per pipeline
+    with ``--pipelines N``: ``addresses``; ``address`` is the first)."""
 
     def __init__(self, kind: str, *flags: str, startup_timeout: float = 30.0):
         command = [sys.executable, "-c", _CLI, kind, "--bind", "127.0.0.1:0", *flags]
@@ -49,11 +50,13 @@ class DaemonProcess:
             self.process.kill()
             error = self.process.stderr.read()
             raise RuntimeError(f"gradsum {self.kind} failed to start: {line}{error}")
-        host, _, port = line.split("listening on ")[1].split()[0].rpartition(":")
-        return host, int(port)
+        listed = line.split("listening on ", 1)[1].split(" (", 1)[0]
+        self.addresses = tuple(_address(item.strip()) for item in listed.split(","))
+        return self.addresses[0]
 
     def stop(self, timeout: float = 10.0) -> str:
-        """SIGTERM, wait; return what it printed to stderr (its final statistics)."""
+        """SIGTERM, wait; return what it printed to stderr (its final statistics, one line per
+        pipeline)."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
@@ -69,6 +72,11 @@ class DaemonProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _address(text: str) -> Address:
+    host, _, port = text.rpartition(":")
+    return host, int(port)
 
 
 @dataclass(frozen=True)

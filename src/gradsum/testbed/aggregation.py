@@ -28,12 +28,17 @@ class Daemon:
     """A `gradsum switch|server` process on a testbed host; ``stop()`` returns its stderr
     (its final statistics)."""
 
-    def __init__(self, tb: Testbed, host: str, kind: str, *flags: str, timeout: float = 60.0):
+    def __init__(
+        self, tb: Testbed, host: str, kind: str, *flags: str, pipelines: int = 1,
+        timeout: float = 60.0,
+    ):  # fmt: skip
         self.kind, self.host = kind, host
         self.stderr: str | None = None
         self.address = (tb.address(host), DAEMON_PORT)
+        self.addresses = tuple((self.address[0], DAEMON_PORT + i) for i in range(pipelines))
         bind = f"{self.address[0]}:{DAEMON_PORT}"
-        argv = [sys.executable, "-c", _CLI, kind, "--bind", bind, *flags]
+        argv = [sys.executable, "-c", _CLI, kind, "--bind", bind, "--pipelines", str(pipelines),
+                *flags]  # fmt: skip
         self.process = tb.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)  # fmt: skip
         self._await_listening(timeout)
@@ -70,7 +75,7 @@ class Daemon:
 def aggregate(tb: Testbed, daemon: Daemon, task, timeout: float = 300.0) -> list:
     """Run ``task`` (a ``gradsum.net.loopback.WorkerTask``; its aggregators are replaced by
     ``daemon``) on all of ``tb``'s workers; their ``WorkerResult``s in worker order."""
-    task = replace(task, aggregators=(daemon.address,), workers=len(tb.workers))
+    task = replace(task, aggregators=daemon.addresses, workers=len(tb.workers))
     addresses = [(tb.address(w), WORKER_PORT) for w in tb.workers]
     calls = [
         tb.start_call(w, aggregation_worker, args=(task, i, addresses))
