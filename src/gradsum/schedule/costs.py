@@ -148,6 +148,18 @@ class PSCost:
         rate = min(c.worker_bw, c.shards * c.shard_bw / c.workers, self.nic_rate())
         return start_up + nbytes / rate
 
+    def interleaved_stream_time(self, nbytes: float, span: int) -> float:
+        """What one stage of an interleaved group adds to the work all groups in flight share.
+
+        Consecutive groups sit on different shards, so one group's incast and core queueing
+        (its :meth:`time`) overlap the next group's; what they share is the worker's one thread
+        (α_worker per part), its port, its NIC share and all shards together (m·B_shard/n).
+        """
+        c = self.cluster
+        span = max(1, min(span, c.shards))
+        rate = min(c.worker_bw, c.shards * c.shard_bw / c.workers, self.nic_rate())
+        return span * c.alpha_worker + nbytes / rate
+
     def best_span(self, nbytes: float, interleaved: bool) -> int:
         """The span that minimises :meth:`time` (1 when not interleaved: parts only add α)."""
         if not interleaved:

@@ -7,7 +7,7 @@ fusion     static fusion: layers merged while a group stays ≤ ``threshold`` el
 mgwfbp     MG-WFBP's merge rule on the ring all-reduce α–β model
 priority   slices of ``slice_elements``, most urgent (front) layer first, credit window,
            pre-emption at slice boundaries, next forward gated per layer (ByteScheduler/P3)
-merge      merge rule from the PS cost model (two-stage push/pull pipeline, incast)
+merge      merge rule from the PS cost model (push/pull stages of overlapping groups, incast)
 imerge     merge from the interleaved PS cost model, groups spread over consecutive shards and
            every worker rotating its starting shard (no synchronised incast)
 =========  ==============================================================================
@@ -27,7 +27,6 @@ from .grouping import (
     LayerRanges,
     mgwfbp_groups,
     overlapped_pipeline_groups,
-    pipeline_groups,
     single_layers,
     threshold_groups,
 )
@@ -131,11 +130,15 @@ def plan_imerge(profile: ModelProfile, cluster: ClusterSpec, *, cost: PSCost | N
     cost = cost or PSCost(cluster)
     element_bytes = cluster.bytes_per_element
 
-    def stage(n: int) -> float:
+    def own(n: int) -> float:
         nbytes = n * element_bytes
         return cost.time(nbytes, cost.best_span(nbytes, True), interleaved=True)
 
-    layers = pipeline_groups(profile.params, profile.ready_times(), stage, stage)
+    def stream(n: int) -> float:
+        nbytes = n * element_bytes
+        return cost.interleaved_stream_time(nbytes, cost.best_span(nbytes, True))
+
+    layers = overlapped_pipeline_groups(profile.params, profile.ready_times(), own, stream)
     ranges = _element_ranges(profile, layers)
     spans = [cost.best_span((b - a) * element_bytes, True) for a, b in ranges]
     parts = place_spread(ranges, spans, cluster.shards)
