@@ -20,8 +20,8 @@ def _namespaces_unavailable() -> str | None:
     """Why namespaces cannot be used here, or None."""
     if os.geteuid() != 0:
         return "network namespaces need root (CAP_NET_ADMIN)"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "iproute2 (ip, tc) is not installed"
+    if any(shutil.which(tool) is None for tool in ("ip", "tc", "sysctl")):
+        return "iproute2 (ip, tc) or procps (sysctl) is not installed"
     probe = f"gradsum-probe{os.getpid()}"
     try:
         done = subprocess.run(

@@ -94,6 +94,8 @@ def test_every_command_stays_inside_the_testbed_namespaces():
         elif command[:3] == ("ip", "link", "add"):  # a veth created straight in two namespaces
             netns = [command[i + 1] for i, word in enumerate(command) if word == "netns"]
             assert len(netns) == 2 and set(netns) <= ours, command
+        elif command[:3] == ("ip", "netns", "exec"):  # sysctls of the namespace's own stack
+            assert command[3] in ours and command[4] == "sysctl", command
         else:
             assert command[1] == "-n" and command[2] in ours, command
 
@@ -254,3 +256,12 @@ qdisc pfifo 20: parent 1:2 limit 0p
 def test_loss_drops_are_read_from_the_loss_queue_only():
     assert parse_loss_drops(TC_STATS) == 352
     assert parse_loss_drops(TC_STATS.split("qdisc pfifo")[0]) == 0
+
+
+def test_every_namespace_gets_reassembly_memory_and_a_short_fragment_timeout():
+    p = plan(spec(workers=2, ps=1, switch=True))
+    tuned = {c[3]: c[5:] for c in p.commands() if c[:3] == ("ip", "netns", "exec")}
+    assert set(tuned) == set(p.namespaces)
+    for settings in tuned.values():
+        assert "net.ipv4.ipfrag_high_thresh=67108864" in settings
+        assert "net.ipv4.ipfrag_time=1" in settings

@@ -14,12 +14,13 @@ def test_preflight_refuses_non_root():
         preflight(euid=1000, which=lambda tool: f"/usr/sbin/{tool}")
 
 
-@pytest.mark.parametrize("missing", ["ip", "tc"])
+@pytest.mark.parametrize("missing", ["ip", "tc", "sysctl"])
 def test_preflight_names_the_missing_tool_and_the_package(missing):
     def which(tool):
         return None if tool == missing else f"/usr/sbin/{tool}"
 
-    with pytest.raises(TestbedError, match=f"'{missing}' not found.*apt-get install -y iproute2"):
+    hint = "apt-get install -y iproute2 procps"
+    with pytest.raises(TestbedError, match=f"'{missing}' not found.*{hint}"):
         preflight(euid=0, which=which)
 
 

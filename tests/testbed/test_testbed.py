@@ -118,8 +118,12 @@ def test_processes_see_their_host_and_run_helpers_report_errors(make_testbed):
         with pytest.raises(RemoteError, match="ConnectionRefusedError"):
             tb.call("w0", probe.tcp_send, args=("10.77.1.2", 5999, 10), kwargs={"timeout": 0.2})
         sleeper = tb.popen("w0", ["sleep", "60"])
+        reassembly = ["sysctl", "-n", "net.ipv4.ipfrag_time", "net.ipv4.ipfrag_high_thresh"]
+        assert tb.run("w1", reassembly).stdout.split() == ["1", str(64 << 20)]
     assert sleeper.poll() is not None  # stopped when the testbed went down
     assert_gone(tb.id)
+    host = subprocess.run(["sysctl", "-n", "net.ipv4.ipfrag_time"], capture_output=True, text=True)
+    assert host.stdout.strip() != "1" or host.returncode != 0  # the host's own stack untouched
 
 
 def test_an_exception_inside_the_block_still_removes_everything(make_testbed):

@@ -166,6 +166,7 @@ class Plan:
         """The ``ip``/``tc`` command lines that build this plan, in order."""
         commands = [("ip", "netns", "add", ns) for ns in self.namespaces]
         commands += [("ip", "-n", ns, "link", "set", "lo", "up") for ns in self.namespaces]
+        commands += [_reassembly_command(ns) for ns in self.namespaces]
         commands += self._bridge_commands()
         for link in self.links:
             commands += _link_commands(link, self.host(link.host).address, self.spec.loss > 0)
@@ -183,6 +184,21 @@ class Plan:
             address = f"{self.bridge_address}/{SUBNET_BITS}"
             commands.append(("ip", "-n", tor, "addr", "add", address, "dev", BRIDGE))
         return commands
+
+
+# IP reassembly of 64 KiB datagrams (8 jumbo fragments): a namespace's default 4 MiB of
+# reassembly memory is two windows of one worker; a host receiving several workers' windows
+# fills it, and from then on every new fragment is dropped until incomplete datagrams expire
+# after 30 s (since Linux 4.17 nothing else evicts them): a 30 s blackout for all UDP. The
+# protocol retransmits within milliseconds, so a second is plenty to keep a partial datagram.
+REASSEMBLY_MEMORY = 64 << 20
+REASSEMBLY_SECONDS = 1
+
+
+def _reassembly_command(namespace: str) -> tuple[str, ...]:
+    return ("ip", "netns", "exec", namespace, "sysctl", "-q", "-w",
+            f"net.ipv4.ipfrag_high_thresh={REASSEMBLY_MEMORY}",
+            f"net.ipv4.ipfrag_time={REASSEMBLY_SECONDS}")  # fmt: skip
 
 
 def _link_commands(link: Link, address: str | None, lossy: bool) -> list[tuple[str, ...]]:

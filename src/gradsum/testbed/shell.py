@@ -28,7 +28,7 @@ COMMAND_TIMEOUT_S = 20.0
 KILL_GRACE_S = 3.0
 STATE_DIR_ENV = "GRADSUM_TESTBED_STATE_DIR"
 DEFAULT_STATE_DIR = "/run/gradsum/testbed"
-INSTALL_HINT = "install iproute2 (Debian/Ubuntu: apt-get install -y iproute2)"
+INSTALL_HINT = "install iproute2 and procps (Debian/Ubuntu: apt-get install -y iproute2 procps)"
 
 
 class TestbedError(RuntimeError):
@@ -38,14 +38,14 @@ class TestbedError(RuntimeError):
 
 
 def preflight(euid: int | None = None, which=shutil.which) -> None:
-    """Raise TestbedError unless we are root and ``ip`` and ``tc`` are on PATH."""
+    """Raise TestbedError unless we are root and ``ip``, ``tc`` and ``sysctl`` are on PATH."""
     euid = os.geteuid() if euid is None else euid
     if euid != 0:
         raise TestbedError(
             "the testbed needs root (CAP_NET_ADMIN) to create network namespaces and shape "
             "links; run as root, e.g. with sudo"
         )
-    for tool in ("ip", "tc"):
+    for tool in ("ip", "tc", "sysctl"):
         if which(tool) is None:
             raise TestbedError(f"'{tool}' not found on PATH: {INSTALL_HINT}")
 
