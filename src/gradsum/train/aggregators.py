@@ -35,7 +35,10 @@ def make_aggregator(config, rank: int, world: int, codec: Codec) -> Aggregator:
     from ..sync.service import JobSettings, ServiceAggregator
     from ..sync.sharded import ShardedServiceAggregator
 
-    addresses = [config.switch] if config.aggregator == "switch" else list(config.servers)
+    if config.aggregator == "switch":  # a switch of several pipelines: one address each
+        addresses = config.switch.split(",") if config.switch else [None]
+    else:
+        addresses = list(config.servers)
     if not all(addresses):
         flag = "--switch HOST:PORT" if config.aggregator == "switch" else "--servers HOST:PORT,..."
         raise IncompatibleChoice(f"--aggregator {config.aggregator} needs {flag}")

@@ -56,7 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--checkpoint", help="save model, optimizer and codec state here each epoch"
     )
     parser.add_argument("--resume", help="resume from a --checkpoint path")
-    parser.add_argument("--switch", help="HOST:PORT of a running `gradsum switch`")
+    parser.add_argument("--switch", help="HOST:PORT of a running `gradsum switch` (a comma "
+                        "list, one per pipeline, for `gradsum switch --pipelines N`)")  # fmt: skip
     parser.add_argument(
         "--servers", default="", help="comma-separated HOST:PORT of running `gradsum server`s"
     )
@@ -138,7 +139,9 @@ def _check_reachable(config, timeout: float = 5.0) -> None:
     from ..net.client import ControlError, aggregator_stats
     from ..net.udp import parse_bind
 
-    given = [("--switch", config.switch)] if config.aggregator == "switch" and config.switch else []
+    given = []
+    if config.aggregator == "switch" and config.switch:
+        given = [("--switch", address) for address in config.switch.split(",")]
     if config.aggregator == "ps":
         given = [("--servers", address) for address in config.servers]
     for flag, text in given:
