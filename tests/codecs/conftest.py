@@ -12,3 +12,18 @@ def gaussian_inputs(workers: int, length: int, seed: int = 0) -> list[torch.Tens
 @pytest.fixture(params=CODEC_NAMES)
 def codec_name(request):
     return request.param
+
+
+@pytest.fixture
+def both(monkeypatch):
+    """both(fn) -> (fn() on the native path, fn() on the torch path)."""
+
+    def run(fn):
+        monkeypatch.setenv("GRADSUM_NATIVE", "1")
+        fast = fn()
+        monkeypatch.setenv("GRADSUM_NATIVE", "0")
+        slow = fn()
+        monkeypatch.setenv("GRADSUM_NATIVE", "1")
+        return fast, slow
+
+    return run

@@ -28,21 +28,6 @@ def native_on(monkeypatch):
 
 
 @pytest.fixture
-def both(monkeypatch):
-    """both(fn) -> (fn() on the native path, fn() on the torch path)."""
-
-    def run(fn):
-        monkeypatch.setenv("GRADSUM_NATIVE", "1")
-        fast = fn()
-        monkeypatch.setenv("GRADSUM_NATIVE", "0")
-        slow = fn()
-        monkeypatch.setenv("GRADSUM_NATIVE", "1")
-        return fast, slow
-
-    return run
-
-
-@pytest.fixture
 def native_only(monkeypatch):
     """Fail loudly if the codec runs its torch code (it pads into blocks; the kernels don't)."""
 

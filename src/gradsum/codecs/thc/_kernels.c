@@ -573,6 +573,20 @@ INLINE void add_lookups(void *acc, int wide, const uint8_t *packed, size_t from,
 }
 
 #if defined(__x86_64__)
+/* The table bytes of the 64 four-bit indices packed in 32 bytes, in coordinate order: values[0]
+   holds coordinates 0-31, values[1] 32-63 (one vpshufb per nibble half). */
+__attribute__((target("avx2"))) static inline void nibble_lookups(const uint8_t *packed,
+                                                                  __m256i lut, __m256i *values) {
+    __m256i nibble = _mm256_set1_epi8(0x0F);
+    __m256i bytes = _mm256_loadu_si256((const __m256i *)packed);
+    __m256i even = _mm256_shuffle_epi8(lut, _mm256_and_si256(bytes, nibble));
+    __m256i odd = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
+    __m256i mixed_low = _mm256_unpacklo_epi8(even, odd);  /* coordinates 0-15 | 32-47 */
+    __m256i mixed_high = _mm256_unpackhi_epi8(even, odd); /* 16-31 | 48-63 */
+    values[0] = _mm256_permute2x128_si256(mixed_low, mixed_high, 0x20);
+    values[1] = _mm256_permute2x128_si256(mixed_low, mixed_high, 0x31);
+}
+
 /* Four-bit indices, table values below 256: 64 lookups per vpshufb pair. Returns how many
    coordinates it did (a multiple of 64). */
 __attribute__((target("avx2"))) static size_t add_nibble_lookups_avx2(void *acc, int wide,
@@ -580,16 +594,10 @@ __attribute__((target("avx2"))) static size_t add_nibble_lookups_avx2(void *acc,
                                                                       size_t count,
                                                                       const uint8_t *table) {
     __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table));
-    __m256i nibble = _mm256_set1_epi8(0x0F);
     size_t j = 0;
     for (; j + 64 <= count; j += 64) {
-        __m256i bytes = _mm256_loadu_si256((const __m256i *)(packed + j / 2));
-        __m256i even = _mm256_shuffle_epi8(lut, _mm256_and_si256(bytes, nibble));
-        __m256i odd = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
-        __m256i mixed_low = _mm256_unpacklo_epi8(even, odd);  /* coordinates 0-15 | 32-47 */
-        __m256i mixed_high = _mm256_unpackhi_epi8(even, odd); /* 16-31 | 48-63 */
-        __m256i values[2] = {_mm256_permute2x128_si256(mixed_low, mixed_high, 0x20),
-                             _mm256_permute2x128_si256(mixed_low, mixed_high, 0x31)};
+        __m256i values[2];
+        nibble_lookups(packed + j / 2, lut, values);
         for (int half = 0; half < 2; half++) {
             if (wide) {
                 __m256i *sums = (__m256i *)((uint16_t *)acc + j + 32 * half);
@@ -656,16 +664,10 @@ __attribute__((target("avx2"))) static size_t accumulate_nibbles_avx2(int32_t *a
                                                                        const uint8_t *table,
                                                                        int first) {
     __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table));
-    __m256i nibble = _mm256_set1_epi8(0x0F);
     size_t j = 0;
     for (; j + 64 <= count; j += 64) {
-        __m256i bytes = _mm256_loadu_si256((const __m256i *)(packed + j / 2));
-        __m256i even = _mm256_shuffle_epi8(lut, _mm256_and_si256(bytes, nibble));
-        __m256i odd = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
-        __m256i mixed_low = _mm256_unpacklo_epi8(even, odd);  /* lanes 0-15 | 32-47 */
-        __m256i mixed_high = _mm256_unpackhi_epi8(even, odd); /* 16-31 | 48-63 */
-        __m256i values[2] = {_mm256_permute2x128_si256(mixed_low, mixed_high, 0x20),
-                             _mm256_permute2x128_si256(mixed_low, mixed_high, 0x31)};
+        __m256i values[2];
+        nibble_lookups(packed + j / 2, lut, values);
         for (int half = 0; half < 2; half++) {
             __m128i parts[2] = {_mm256_castsi256_si128(values[half]),
                                 _mm256_extracti128_si256(values[half], 1)};
