@@ -61,6 +61,27 @@ def test_three_later_results_resend_an_outstanding_chunk_once_without_waiting_fo
     assert stream.stats.timeouts == 0
 
 
+def test_at_the_end_of_the_stream_each_later_result_may_reveal_a_loss():
+    stream = ChunkStream(first=0, count=6, slots=3, policy=POLICY)
+    stream.start(0.0)
+    assert stream.on_result(0, 0.1) == [3]
+    assert stream.on_result(1, 0.1) == [4]
+    assert stream.on_result(2, 0.1) == [5]  # everything is sent now
+    assert stream.on_result(3, 0.2) == []
+    assert stream.on_result(5, 0.2) == [4]  # only one chunk could follow 4: it did, 4 is lost
+    assert stream.stats.fast_retransmissions == 1 and stream.stats.timeouts == 0
+    assert stream.on_result(4, 0.3) == [] and stream.done
+
+
+def test_results_of_chunks_sent_before_a_resend_do_not_count_against_it():
+    stream = ChunkStream(first=0, count=4, slots=4, policy=POLICY)
+    stream.start(0.0)  # all four sent; 0 is lost, then its timer resends it
+    assert stream.expired(1.0) == [0]
+    assert stream.on_result(1, 1.1) == []  # 1 left before the resend: says nothing about it
+    assert stream.on_result(2, 1.1) == [] and stream.on_result(3, 1.1) == []
+    assert stream.stats.fast_retransmissions == 0
+
+
 def test_first_timeout_adapts_to_measured_round_trips_within_the_policy():
     stream = ChunkStream(first=0, count=40, slots=1, policy=POLICY)
     stream.start(0.0)

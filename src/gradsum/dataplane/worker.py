@@ -5,10 +5,13 @@ job's s slots: at most one chunk per slot in flight, and chunk c + s is sent onl
 is in (self-clocking). Each outstanding chunk has a deadline; when it passes, the chunk is resent
 and its timeout doubles up to a ceiling. Fast retransmit: results come back in chunk order when
 nothing is lost (every worker sends its chunks in order over a FIFO path, and a slot completes
-with its last contribution), so ``FAST_RETRANSMIT`` results of later chunks while a chunk is
-outstanding mean it (or its result) was lost: it is resent then, once per send, rather than after
-its timeout. Timers handle what fast retransmit cannot see: when a timer fires while results
-are still coming back (one arrived within the late chunk's timeout), the late chunk is queued
+with its last contribution), so ``FAST_RETRANSMIT`` results of later chunks (sent after its last
+send) while a chunk is outstanding mean it (or its result) was lost: it is resent then, once per
+send, rather than after its timeout; once the whole stream is sent, fewer later chunks can follow
+a late one and each of them counts (early retransmit), so losses at the tail of a stream are
+recovered in one round trip too.
+Timers handle what fast retransmit cannot see: when a timer fires while results are still coming
+back (one arrived within the late chunk's timeout), the late chunk is queued
 behind them on a busy path rather than lost (a loss would be overtaken), so it is not resent and
 its timer backs off; when nothing has come back for that long, only the oldest late chunk is
 resent, as a probe (a peer may still be encoding, the aggregator descheduled, or the tail of the
@@ -119,6 +122,7 @@ class ChunkStream:
             raise ValueError("a stream needs first >= 0, count >= 0 and slots >= 1")
         self._end = self.first + self.count
         self._outstanding: dict[int, _Outstanding] = {}
+        self._highest_sent = self.first - 1
         self._received = 0
         self._last_result = float("-inf")
 
@@ -153,21 +157,28 @@ class ChunkStream:
         self._received += 1
         self._last_result = now
         self.stats.results += 1
-        resend = self._overtaken(chunk, now)
+        resend = self._overtaken(chunk, state.last_sent, now)
         following = chunk + self.slots
         if following < self._end:
             self._send(following, now)
             resend.append(following)
         return resend
 
-    def _overtaken(self, chunk: int, now: float) -> list[int]:
+    def _overtaken(self, chunk: int, sent: float, now: float) -> list[int]:
         """Earlier chunks that ``FAST_RETRANSMIT`` later results have now overtaken: resend them
-        (their timers restart, their timeouts do not back off)."""
+        (their timers restart, their timeouts do not back off). A result counts against an
+        earlier chunk only if its own chunk left after that one's last send. At the end of the
+        stream fewer later chunks exist, and each may count (TCP's early retransmit): the tail
+        of a stream recovers a loss in one round trip instead of one timeout per lost chunk."""
         lost = []
+        all_sent = self._highest_sent == self._end - 1
         for earlier, state in self._outstanding.items():
-            if earlier < chunk:
+            if earlier < chunk and sent >= state.last_sent:
                 state.later += 1
-                if state.later == FAST_RETRANSMIT:
+                threshold = FAST_RETRANSMIT
+                if all_sent:
+                    threshold = min(threshold, self._highest_sent - earlier)
+                if state.later == threshold:
                     lost.append(earlier)
         for earlier in lost:
             state = self._outstanding[earlier]
@@ -230,6 +241,7 @@ class ChunkStream:
     def _send(self, chunk: int, now: float) -> None:
         timeout = self.timeout
         self._outstanding[chunk] = _Outstanding(now + timeout, timeout, now, last_sent=now)
+        self._highest_sent = max(self._highest_sent, chunk)
         self.stats.packets_sent += 1
         self.stats.chunks += 1
 
