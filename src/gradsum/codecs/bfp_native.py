@@ -10,22 +10,19 @@ Results are bit-identical to bfp.py's torch code: every step is one IEEE operati
 (scales are exact powers of two), and shared exponents that would give a shift the kernels do not
 take (not an integer in [-126, 120]) send the call back to torch.
 
-Outputs come from a ``Recycler``: a buffer of an earlier call is handed out again once nothing
-refers to it any more. A fresh multi-MiB tensor costs a page fault per 4 KiB page when first
-written (1024 faults for 2^20 int32; measured ~3 us each on the bench machine, several times the
-kernel itself); a recycled one is already mapped, and often still in cache.
+Outputs come from the caller's allocator, in practice a ``buffers.Recycler`` (a buffer of an
+earlier call handed out again once nothing refers to it: no page faults on every call).
 """
 
 from __future__ import annotations
 
 import os
-import sys
-import threading
 from collections.abc import Callable, Sequence
 
 import torch
 
 from .base import check_finite
+from .buffers import Recycler  # noqa: F401  (the outputs' allocator, see codecs/buffers.py)
 
 try:
     from . import _bfp_kernels
@@ -56,111 +53,6 @@ def _fresh(count: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(count, dtype=dtype)
 
 
-class Recycler:
-    """``empty(count, dtype)`` that hands out buffers of earlier calls nothing refers to any more.
-
-    A buffer counts as unreferenced when the recycler's own references are the only ones: to the
-    Python tensor (no payload, list or dict holds it), to its TensorImpl (no view, ``.grad`` or
-    other C++ holder) and to its storage (no numpy array or memoryview over it). Where torch or
-    Python do not expose those counts, nothing is recycled. Raw ``data_ptr()`` addresses kept
-    past the tensor's life are the one thing it cannot see (as with any allocator).
-
-    Buffers of at least ``min_bytes`` are kept, most recently used first, up to ``budget`` bytes
-    in all, or ``per_request`` times the size asked for if that is more (a worker alternates
-    between a payload and an average, and may still hold the last average); older ones are
-    dropped (freed, or left to whoever still holds them). Above glibc's mmap threshold (32 MiB)
-    every fresh buffer faults: 2^24 coordinates cost ~40 ms of faults per encode here.
-    """
-
-    def __init__(self, budget: int = 64 << 20, min_bytes: int = 256 << 10, per_request: int = 4):
-        self.budget, self.min_bytes, self.per_request = budget, min_bytes, per_request
-        self._kept: list[torch.Tensor] = []  # most recently handed out last
-        self._lock = threading.Lock()
-
-    def empty(self, count: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = count * dtype.itemsize
-        if nbytes < self.min_bytes or _BASELINE is None:
-            return torch.empty(count, dtype=dtype)
-        with self._lock:
-            return self._take(count, dtype, max(self.budget, self.per_request * nbytes))
-
-    def _take(self, count: int, dtype: torch.dtype, budget: int) -> torch.Tensor:
-        kept = self._kept
-        for i in range(len(kept) - 1, -1, -1):
-            if kept[i].dtype == dtype and kept[i].numel() == count and _unreferenced(kept, i):
-                buffer = kept.pop(i)
-                kept.append(buffer)
-                return buffer
-        buffer = torch.empty(count, dtype=dtype)
-        kept.append(buffer)
-        total = sum(t.numel() * t.element_size() for t in kept)
-        while total > budget:
-            dropped = kept.pop(0)
-            total -= dropped.numel() * dropped.element_size()
-        return buffer
-
-    def clear(self) -> None:
-        with self._lock:
-            self._kept.clear()
-
-    def __getstate__(self) -> dict:  # a copied or pickled codec starts with no buffers
-        return {"budget": self.budget, "min_bytes": self.min_bytes, "per_request": self.per_request}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(**state)
-
-
-def _counts(kept: list[torch.Tensor], i: int) -> tuple[int, int, int, int]:
-    """(Python references to kept[i], to its TensorImpl, to its StorageImpl, to the storage's
-    Python object), as seen from here."""
-    storage = kept[i].untyped_storage()
-    return (
-        sys.getrefcount(kept[i]),
-        kept[i]._use_count(),
-        torch._C._storage_Use_Count(storage._cdata),
-        sys.getrefcount(storage),
-    )
-
-
-def _unreferenced(kept: list[torch.Tensor], i: int) -> bool:
-    try:
-        return _counts(kept, i) == _BASELINE
-    except (AttributeError, RuntimeError, TypeError):  # a torch without these counts
-        return False
-
-
-def _calibrate() -> tuple[int, int, int, int] | None:
-    """The counts of a tensor only a recycler list holds (they vary with Python and torch); None
-    where some reference from elsewhere would not change them, so recycling stays off."""
-    holders = (
-        lambda t: t,  # a payload, list or variable
-        lambda t: t[:1],  # a view
-        lambda t: t.reshape(1),  # what collective.allreduce returns
-        lambda t: t.numpy(),
-        lambda t: memoryview(t.numpy()),  # what the transport sends from
-        lambda t: t.untyped_storage(),
-        _as_grad,  # a C++ holder
-    )
-    try:
-        alone = [torch.empty(1)]
-        baseline = _counts(alone, 0)
-        for hold in holders:
-            reference = hold(alone[0])
-            if _counts(alone, 0) == baseline:
-                return None
-            del reference
-        return baseline if _counts(alone, 0) == baseline else None
-    except (AttributeError, RuntimeError, TypeError):
-        return None
-
-
-def _as_grad(t: torch.Tensor) -> torch.Tensor:
-    parameter = torch.zeros(t.shape, requires_grad=True)
-    parameter.grad = t
-    return parameter
-
-
-_BASELINE = _calibrate()
 
 
 def _blocks(length: int, block: int) -> int:

@@ -28,6 +28,7 @@ from ..base import (
     check_same_length,
 )
 from ..bits import bits_for, pack_bits, unpack_bits
+from ..buffers import Recycler
 from . import native
 from .hadamard import Rotation, padded_length
 from .tables import clamp_threshold, solve_table
@@ -100,6 +101,7 @@ class GridCodec(Codec):
             )
         self.sum_bits = bits_for(workers * self.granularity)
         self._device_tables: dict[torch.device, _Lookups] = {}
+        self._recycler = Recycler()  # the native kernels' outputs (no page faults per call)
         self._work_key: tuple | None = None
         self._work: tuple[torch.Tensor, ...] = ()
 
@@ -163,7 +165,9 @@ class GridCodec(Codec):
         lookups = self._tables(x.device)
         seed = ctx.worker_seed()
         g = self.granularity
-        packed = native.encode(x, rotation, a, c, g, lookups.cell_entries, seed, self.bits)
+        packed = native.encode(
+            x, rotation, a, c, g, lookups.cell_entries, seed, self.bits, empty=self._recycler.empty
+        )
         if packed is None:
             check_finite(x)
             y = x.mul(a) if rotation is None else rotation.forward(x).mul_(a)
@@ -179,7 +183,8 @@ class GridCodec(Codec):
         count = self._coordinates(payload.length)
         y = None
         if DOWNSTREAM in payload.fields:
-            y = native.decode(payload.fields[DOWNSTREAM], self.sum_bits, count, a, c, rotation)
+            sums, recycled = payload.fields[DOWNSTREAM], self._recycler.empty
+            y = native.decode(sums, self.sum_bits, count, a, c, rotation, empty=recycled)
         if y is None:
             y = self._grid_values(payload, count).to(torch.float32).mul_(a).add_(c)
             if rotation is not None:
@@ -284,7 +289,7 @@ class THC(GridCodec):
         """The rotated, padded input (+ ``add``): what encode quantizes. NaN or Inf raises."""
         flat = x.reshape(-1).to(torch.float32)
         rotation = self._rotation(flat.numel(), ctx, flat.device)
-        rotated = native.rotate(flat, rotation, add)
+        rotated = native.rotate(flat, rotation, add, empty=self._recycler.empty)
         if rotated is None:
             check_finite(flat)
             rotated = rotation.forward(flat)
@@ -297,11 +302,11 @@ class THC(GridCodec):
     ) -> tuple[Payload, torch.Tensor]:
         max_norm = _shared_scalar(shared, self.name, "max norm")
         a, c = self._grid_scale(max_norm, w.numel()), self.granularity / 2
-        error = torch.empty_like(w)
+        error = self._recycler.empty(w.numel(), torch.float32) if w.device.type == "cpu" else None
         lookups = self._tables(w.device)
         packed = native.encode(
             w, None, a, c, self.granularity, lookups.cell_entries, ctx.worker_seed(), self.bits,
-            error=error,
+            error=error, empty=self._recycler.empty,
         )  # fmt: skip
         if packed is not None:
             return Payload({UPSTREAM: packed}, length), error

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,6 +34,12 @@ except ImportError:  # built without a C compiler, or on a platform the C code d
 LANES = 8  # the kernels' vector width: FWHT blocks must be at least this long
 MAX_SUM_BITS = 16  # widest downstream sum the aggregator kernel packs
 MAX_GRANULARITY = 4095  # the encode kernel's per-cell table packs grid values in 12 bits
+
+Empty = Callable[[int, torch.dtype], torch.Tensor]  # where outputs come from (buffers.Recycler)
+
+
+def fresh(count: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(count, dtype=dtype)
 
 
 def built() -> bool:
@@ -61,7 +67,7 @@ def fwht_(x: torch.Tensor, block: int, scale: float) -> bool:
 
 
 def rotate(
-    x: torch.Tensor, rotation: Rotation, add: torch.Tensor | None = None
+    x: torch.Tensor, rotation: Rotation, add: torch.Tensor | None = None, empty: Empty = fresh
 ) -> torch.Tensor | None:
     """``rotation.forward(x)`` (+ ``add``, of the padded length) in one fused pass over x: signs
     and scale applied as the transform loads it, ``add`` as each finished leaf is in cache.
@@ -70,7 +76,7 @@ def rotate(
         return None
     if add is not None and not (_ready((add, torch.float32)) and add.numel() == rotation.padded):
         return None
-    out = torch.empty(rotation.padded, dtype=torch.float32)
+    out = empty(rotation.padded, torch.float32)
     args = (x.numel(), out.data_ptr(), out.numel(), rotation.block, rotation.sign_bits.data_ptr())
     if add is not None:
         args += (add.data_ptr(),)
@@ -89,6 +95,7 @@ def encode(
     seed: int,
     bits: int,
     error: torch.Tensor | None = None,
+    empty: Empty = fresh,
 ) -> torch.Tensor | None:
     """Packed ``bits``-bit table indices of u = clamp(a*y + c, 0, g), stochastically rounded.
 
@@ -119,7 +126,7 @@ def encode(
         buffer, signs, block = rotation.scratch, rotation.sign_bits.data_ptr(), rotation.block
         a /= math.sqrt(block)  # the kernel's transform is unnormalised
     count = buffer.numel()
-    out = torch.empty((count * bits + 7) // 8, dtype=torch.uint8)
+    out = empty((count * bits + 7) // 8, torch.uint8)
     finite = _kernels.encode(
         x.data_ptr(),
         x.numel(),
@@ -171,6 +178,7 @@ def decode(
     a: float,
     c: float,
     rotation: Rotation | None,
+    empty: Empty = fresh,
 ) -> torch.Tensor | None:
     """a*S + c for ``count`` packed ``width``-bit sums S, then ``rotation.inverse`` if given
     (returning all ``count`` padded coordinates)."""
@@ -186,7 +194,7 @@ def decode(
             return None
         signs, block = rotation.sign_bits.data_ptr(), rotation.block
         a, c = a / math.sqrt(block), c / math.sqrt(block)  # the kernel's transform is unnormalised
-    out = torch.empty(count, dtype=torch.float32)
+    out = empty(count, torch.float32)
     _kernels.decode(
         packed.data_ptr(), packed.numel(), width, count, a, c, out.data_ptr(), block, signs
     )
