@@ -34,6 +34,9 @@ def test_the_window_fits_the_link_queue_and_the_aggregator_buffer():
     assert at.default_slots(10**9, 4, buffer) == buffer // (2 * 4 * at.DATAGRAM_TRUESIZE)
     assert at.default_slots(10**10, 1, 1 << 30) == at.MAX_SLOTS
     assert at.default_slots(10**6, 4, buffer) == 2  # never fewer than two
+    # a server's one NIC queues all four workers' windows: a quarter each, at least one
+    assert at.default_slots(10**8, 4, buffer, shared=True) == 1
+    assert at.default_slots(10**9, 4, 1 << 30, shared=True) == 9  # (2.5 MB + a burst) / 4
 
 
 def test_wire_time_is_the_busiest_link_a_ps_nic_carries_every_worker():

@@ -53,8 +53,9 @@ class Setup:
     receive_buffer: int = 64 << 20  # the aggregator's socket receive buffer (bytes)
     pipelines: int = 1  # processes of the switch/server daemon
 
-    def slots_at(self, rate: int) -> int:
-        return self.slots or default_slots(rate, self.workers, self.receive_buffer)
+    def slots_at(self, rate: int, method: str | None = None) -> int:
+        shared = method is not None and METHODS[method][0] == "server"
+        return self.slots or default_slots(rate, self.workers, self.receive_buffer, shared=shared)
 
 
 # --- pure: rates, wire model, rows, table -----------------------------------------------------
@@ -79,14 +80,20 @@ def topology(methods: Sequence[str]) -> dict:
     return {"switch": "switch" in kinds, "ps": 1 if "server" in kinds else 0}
 
 
-def default_slots(rate: int, workers: int, receive_buffer: int, queue_s: float = 0.02) -> int:
-    """A window that fits both buffers on the path, so no window overflows by itself: a worker's
-    link queue (the testbed's ``queue_s`` of line rate plus one burst; a UDP sender is not slowed
-    by its qdisc, whatever does not fit is dropped) and the aggregator's socket receive buffer,
-    which holds every worker's window when the aggregator lags. Between 2 and 32 slots."""
+def default_slots(
+    rate: int, workers: int, receive_buffer: int, queue_s: float = 0.02, shared: bool = False
+) -> int:
+    """A window that fits both buffers on the path, so no window overflows by itself: a link
+    queue (the testbed's ``queue_s`` of line rate plus one burst; a UDP sender is not slowed by
+    its qdisc, whatever does not fit is dropped) and the aggregator's socket receive buffer,
+    which holds every worker's window when the aggregator lags. A parameter server's one NIC
+    (``shared``) queues every worker's window, and its results, in one queue. Between 2 and 32
+    slots, or 1 and 32 on a shared link."""
     by_queue = int((rate / 8 * queue_s + DATAGRAM_BYTES) // DATAGRAM_BYTES)
+    if shared:
+        by_queue //= workers
     by_buffer = receive_buffer // (BUFFER_HEADROOM * workers * DATAGRAM_TRUESIZE)
-    return max(2, min(MAX_SLOTS, by_queue, by_buffer))
+    return max(1 if shared else 2, min(MAX_SLOTS, by_queue, by_buffer))
 
 
 def wire_seconds(method: str, profile: dict | None, workers: int, elements: int, rate: int):
@@ -123,7 +130,7 @@ def make_row(method: str, setup: Setup, elements: int, rate: int, seconds: float
         "drop_rate": 0.0,
         "steps": setup.steps,
         "link_rate": rate,
-        "slots": setup.slots_at(rate) if METHODS[method][0] else None,
+        "slots": setup.slots_at(rate, method) if METHODS[method][0] else None,
         "wire_seconds": wire,
         "codec_cpu_seconds": 0.0,
     }
@@ -326,7 +333,7 @@ def measure_method(tb, method: str, elements: int, setup: Setup, rate: int):
         return result.median_seconds, {}
     host = SWITCH_HOST if kind == "switch" else PS_HOST
     task = WorkerTask((), job=1, workers=setup.workers, codec=codec, elements=elements,
-                      steps=setup.warmup + setup.steps, slots=setup.slots_at(rate),
+                      steps=setup.warmup + setup.steps, slots=setup.slots_at(rate, method),
                       keep_output=False)  # fmt: skip
     with Daemon(tb, host, kind, pipelines=setup.pipelines) as daemon:
         results = aggregate(tb, daemon, task, timeout=600)
@@ -379,7 +386,8 @@ def run(args) -> int:
     with sigterm_as_exit():
         for rate in rates:
             print(f"testbed at {format_rate(rate)}: {setup.workers} workers, "
-                  f"{', '.join(setup.methods)}; window {setup.slots_at(rate)} slots",
+                  f"{', '.join(setup.methods)}; window {setup.slots_at(rate)} slots "
+                  f"({setup.slots_at(rate, 'server+thc')} through a server's one NIC)",
                   flush=True)  # fmt: skip
             rows += measure_rate(setup, rate, profiles, progress=_progress)
     print(format_table(rows))
