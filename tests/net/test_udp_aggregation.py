@@ -45,18 +45,20 @@ def test_loss_free_udp_run_equals_the_in_process_round(codec):
         assert_all_equal(run_workers(task, timeout=120), task, steps=2)
 
 
-def test_a_switch_of_two_pipelines_spreads_each_tensor_over_both():
-    with DaemonProcess("switch", "--pipelines", "2") as switch:
-        assert len(switch.addresses) == 2 and len(set(switch.addresses)) == 2
+def test_a_switch_of_three_pipelines_spreads_each_tensor_over_all():
+    with DaemonProcess("switch", "--pipelines", "3") as switch:
+        assert len(switch.addresses) == 3 and len(set(switch.addresses)) == 3
         task = WorkerTask(switch.addresses, job=1, workers=3, codec="bfp", elements=LENGTH,
                           steps=2, **small({}))  # fmt: skip
         results = run_workers(task, timeout=120)
         assert_all_equal(results, task, steps=2)
         stderr = switch.stop()
-    for pipeline in (0, 1):  # each pipeline summed part of every tensor and reported on exit
-        line = next(x for x in stderr.splitlines() if f"pipeline {pipeline}: stopped" in x)
+    stopped = [line for line in stderr.splitlines() if ": stopped; statistics " in line]
+    assert len(stopped) == 3  # one process per pipeline, no more
+    for pipeline in (0, 1, 2):  # each summed part of every tensor and reported on exit
+        line = next(x for x in stopped if f"pipeline {pipeline}: stopped" in x)
         final = json.loads(line.split("statistics ", 1)[1])
-        assert final["daemon"]["received"] >= 2 * 3 * 4  # > two steps' chunks of 3 workers
+        assert final["daemon"]["received"] >= 2 * 3 * 2  # two steps' chunks of 3 workers
 
 
 IMPAIRED = [

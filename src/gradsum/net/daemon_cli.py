@@ -113,11 +113,13 @@ def run_daemon(args: argparse.Namespace, make_profile) -> int:
         f"{len(jobs)} jobs registered)",
         flush=True,
     )
-    children = [_fork_pipeline(index, sockets) for index in range(1, len(sockets))]
-    if any(child == 0 for child in children):  # in a pipeline's own process
-        index = children.index(0) + 1
-        return _serve(args, profile, _aggregator(profile, jobs, Aggregator, resolve),
-                      sockets[index], Daemon, index)  # fmt: skip
+    children = []
+    for index in range(1, len(sockets)):
+        pid = _fork_pipeline(index, sockets)
+        if pid == 0:  # pipeline `index`'s own process: serve, and fork nothing more
+            return _serve(args, profile, _aggregator(profile, jobs, Aggregator, resolve),
+                          sockets[index], Daemon, index)  # fmt: skip
+        children.append(pid)
     for extra in sockets[1:]:
         extra.close()
     try:
