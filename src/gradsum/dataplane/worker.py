@@ -178,7 +178,7 @@ class ChunkStream:
                 threshold = FAST_RETRANSMIT
                 if all_sent:
                     threshold = min(threshold, self._highest_sent - earlier)
-                if state.later == threshold:
+                if state.later >= threshold:  # reset below: once per send
                     lost.append(earlier)
         for earlier in lost:
             state = self._outstanding[earlier]
