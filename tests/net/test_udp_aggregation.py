@@ -54,7 +54,7 @@ def test_a_switch_of_three_pipelines_spreads_each_tensor_over_all():
         assert_all_equal(results, task, steps=2)
         stderr = switch.stop()
     stopped = [line for line in stderr.splitlines() if ": stopped; statistics " in line]
-    assert len(stopped) == 3  # one process per pipeline, no more
+    assert len(stopped) == 3, stderr  # one process per pipeline, no more
     for pipeline in (0, 1, 2):  # each summed part of every tensor and reported on exit
         line = next(x for x in stopped if f"pipeline {pipeline}: stopped" in x)
         final = json.loads(line.split("statistics ", 1)[1])

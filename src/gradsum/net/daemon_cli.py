@@ -195,7 +195,7 @@ def _serve(args, profile, aggregator, sock, Daemon, index: int) -> int:
         if reporter is not None:
             reporter.set()
     final = daemon.statistics_json()
-    print(f"gradsum {name}: stopped; statistics {final}", file=sys.stderr, flush=True)
+    _report(f"gradsum {name}: stopped; statistics {final}")
     if args.stats_json:
         path = args.stats_json if index == 0 else f"{args.stats_json}.{index}"
         with open(path, "w") as out:
@@ -232,7 +232,7 @@ def _install_signals(daemon) -> None:
         daemon.stop.set()
 
     def report(signum, frame):
-        print(daemon.statistics_json(), file=sys.stderr, flush=True)
+        _report(daemon.statistics_json())
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
@@ -246,7 +246,14 @@ def _start_reporter(daemon, interval: float):
 
     def loop():
         while not done.wait(interval):
-            print(daemon.statistics_json(), file=sys.stderr, flush=True)
+            _report(daemon.statistics_json())
 
     threading.Thread(target=loop, daemon=True, name="gradsum-stats").start()
     return done
+
+
+def _report(line: str) -> None:
+    """One line to stderr in one write: pipelines share the stream, and ``print`` (text and
+    newline written separately when stderr is unbuffered) let their lines interleave."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
