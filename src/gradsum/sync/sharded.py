@@ -10,6 +10,7 @@ fixed send order guarantees). Aggregation is the usual SUM round with the worker
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Hashable, Sequence
 
@@ -62,15 +63,19 @@ class ShardedServiceAggregator(Aggregator):
         disconnect_jobs(self._all_clients, self.rank)
 
 
-def time_transfers(send, sizes: Sequence[int], repeats: int = 3) -> list[tuple[float, float]]:
-    """(bytes, seconds) of ``send(tensor)`` for fp32 tensors of each size; the first call of each
-    size is a warm-up. All workers must call this together with the same sizes."""
+def time_transfers(send, sizes: Sequence[int], repeats: int = 5) -> list[tuple[float, float]]:
+    """(bytes, median seconds) of ``send(tensor)`` for fp32 tensors of each size; the first call
+    of each size is a warm-up. The median keeps one stalled transfer (a retransmission timer, a
+    descheduled peer) from tilting the α–β fit. All workers must call this together with the
+    same sizes."""
     samples = []
     for size in sizes:
         tensor = torch.zeros(size)
         send(tensor)
+        seconds = []
         for _ in range(repeats):
             start = time.perf_counter()
             send(tensor)
-            samples.append((4.0 * size, time.perf_counter() - start))
+            seconds.append(time.perf_counter() - start)
+        samples.append((4.0 * size, statistics.median(seconds)))
     return samples
