@@ -16,13 +16,13 @@ earlier call handed out again once nothing refers to it: no page faults on every
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from .base import check_finite
 from .buffers import Recycler  # noqa: F401  (the outputs' allocator, see codecs/buffers.py)
+from .native_common import Empty, cpu_ready, enabled, fresh
 
 try:
     from . import _bfp_kernels
@@ -37,22 +37,11 @@ def built() -> bool:
 
 def available() -> bool:
     """Whether the native path is in use: built and not disabled by GRADSUM_NATIVE=0."""
-    return _bfp_kernels is not None and os.environ.get("GRADSUM_NATIVE", "1") != "0"
+    return _bfp_kernels is not None and enabled()
 
 
 def _ready(*tensors: tuple[torch.Tensor, torch.dtype]) -> bool:
-    return available() and all(
-        t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t, dtype in tensors
-    )
-
-
-Empty = Callable[[int, torch.dtype], torch.Tensor]
-
-
-def _fresh(count: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(count, dtype=dtype)
-
-
+    return available() and cpu_ready(*tensors)
 
 
 def _blocks(length: int, block: int) -> int:
@@ -78,7 +67,7 @@ def encode(
     shared: torch.Tensor,
     headroom: int,
     limit: float,
-    empty: Empty = _fresh,
+    empty: Empty = fresh,
 ) -> torch.Tensor | None:
     """int32 round(clamp(x * 2**shift, -limit, limit)), shift = min(30 - headroom - shared, 120)
     per block (``shared``: one exponent per block). Raises ``NonFiniteGradientError`` for NaN or
@@ -96,7 +85,7 @@ def encode(
 
 
 def sum_(
-    payloads: Sequence[torch.Tensor], length: int, empty: Empty = _fresh
+    payloads: Sequence[torch.Tensor], length: int, empty: Empty = fresh
 ) -> torch.Tensor | None:
     """The int32 sum of ``payloads`` (each at least ``length`` int32), wrapping like torch's."""
     if not (payloads and _ready(*((p, torch.int32) for p in payloads))):
@@ -110,7 +99,7 @@ def sum_(
 
 def decode(
     values: torch.Tensor, length: int, block: int, shared: torch.Tensor, headroom: int,
-    contributors: int, empty: Empty = _fresh,
+    contributors: int, empty: Empty = fresh,
 ) -> torch.Tensor | None:  # fmt: skip
     """float32 values * (2**-shift / contributors) for the first ``length`` int32 sums."""
     shared = _exponents(shared, _blocks(length, block))

@@ -13,8 +13,7 @@ same distribution; FWHTs agree to float32 rounding, aggregates bit for bit.
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,6 +21,7 @@ import torch
 
 from ..base import check_finite
 from ..bits import packed_nbytes
+from ..native_common import Empty, cpu_ready, enabled, fresh
 
 if TYPE_CHECKING:
     from .hadamard import Rotation
@@ -35,12 +35,6 @@ LANES = 8  # the kernels' vector width: FWHT blocks must be at least this long
 MAX_SUM_BITS = 16  # widest downstream sum the aggregator kernel packs
 MAX_GRANULARITY = 4095  # the encode kernel's per-cell table packs grid values in 12 bits
 
-Empty = Callable[[int, torch.dtype], torch.Tensor]  # where outputs come from (buffers.Recycler)
-
-
-def fresh(count: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(count, dtype=dtype)
-
 
 def built() -> bool:
     """Whether the C extension was compiled and imports."""
@@ -49,13 +43,11 @@ def built() -> bool:
 
 def available() -> bool:
     """Whether the native path is in use: built and not disabled by GRADSUM_NATIVE=0."""
-    return _kernels is not None and os.environ.get("GRADSUM_NATIVE", "1") != "0"
+    return _kernels is not None and enabled()
 
 
 def _ready(*tensors: tuple[torch.Tensor, torch.dtype]) -> bool:
-    return available() and all(
-        t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t, dtype in tensors
-    )
+    return available() and cpu_ready(*tensors)
 
 
 def fwht_(x: torch.Tensor, block: int, scale: float) -> bool:

@@ -1,0 +1,28 @@
+"""What the native kernel wrappers (``bfp_native``, ``thc/native``) share: the ``GRADSUM_NATIVE``
+switch, the check that tensors are what the C code can take, and the allocator type of outputs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+Empty = Callable[[int, torch.dtype], torch.Tensor]  # where outputs come from (buffers.Recycler)
+
+
+def fresh(count: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(count, dtype=dtype)
+
+
+def enabled() -> bool:
+    """False under GRADSUM_NATIVE=0 (read on every call, so tests can flip it)."""
+    return os.environ.get("GRADSUM_NATIVE", "1") != "0"
+
+
+def cpu_ready(*tensors: tuple[torch.Tensor, torch.dtype]) -> bool:
+    """Every tensor is on the CPU, contiguous, of its dtype."""
+    return all(
+        t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t, dtype in tensors
+    )
