@@ -209,3 +209,11 @@ def test_header_round_trip_and_payload_offset():
     data = header.pack() + b"x" * 64
     assert parse_header(data) == header
     assert len(header.pack()) == HEADER_SIZE == 32
+
+
+def test_a_group_must_be_an_ipv4_multicast_address_and_survives_the_json_round_trip():
+    spec = int32_job(workers=2, group=("239.7.8.9", 48864))
+    assert JobSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    for bad in (("10.0.0.1", 5000), ("ff02::1", 5000), ("239.1.1.1", 0), ("host", 1)):
+        with pytest.raises(SpecError, match="multicast"):
+            int32_job(workers=2, group=bad)

@@ -24,6 +24,17 @@ def test_basic_reduction_multicasts_the_sum_to_every_worker_once_all_arrived():
     )  # fmt: skip
 
 
+def test_a_job_with_a_group_multicasts_one_result_there_and_still_answers_retransmissions():
+    spec = int32_job(workers=2, group=("239.1.2.3", 5000))
+    switch = switch_with(spec)
+    send(switch, spec, 0, 0, [3] * 8)
+    (multicast,) = sends(send(switch, spec, 1, 0, [4] * 8), "multicast")
+    assert multicast.destinations == (("239.1.2.3", 5000),)  # one copy; the network replicates
+    (unicast,) = sends(send(switch, spec, 1, 0, [4] * 8))  # its result was lost
+    assert unicast.destinations == (spec.addresses[1],)
+    assert lanes_of(unicast) == lanes_of(multicast) == [7] * 8
+
+
 def test_retransmission_after_completion_unicasts_the_same_result_every_time():
     spec = int32_job(workers=2)
     switch = switch_with(spec)

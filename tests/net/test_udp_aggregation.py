@@ -85,6 +85,22 @@ def test_loss_both_ways_gives_bit_identical_results(codec, workers, rate):
 
 
 @pytest.mark.parametrize("codec", ["bfp", "thc"])
+def test_multicast_results_with_loss_are_bit_identical_and_sent_once_per_round(codec):
+    with DaemonProcess("switch", "--drop-rate", "0.01", "--seed", "5") as switch:
+        task = WorkerTask((switch.address,), job=1, workers=4, codec=codec, elements=LENGTH,
+                          steps=2, multicast=True, **small({}))  # fmt: skip
+        results = run_workers(task, timeout=120)
+        assert_all_equal(results, task, steps=2)
+        stderr = switch.stop()
+    final = json.loads(stderr.split("statistics ", 1)[1].splitlines()[0])
+    received, sent = final["daemon"]["received"], final["daemon"]["sent"]
+    # one multicast per completed round plus retransmission answers, not one copy per worker
+    assert sent < received / 2, final["daemon"]
+    chunks = sum(r.stats[next(iter(r.stats))]["results"] for r in results)
+    assert chunks >= 4 * 2 * 3  # every worker got every result of both steps
+
+
+@pytest.mark.parametrize("codec", ["bfp", "thc"])
 def test_duplicated_and_reordered_packets_give_bit_identical_results(codec):
     flags = ("--duplicate-rate", "0.1", "--reorder-rate", "0.1", "--seed", "3")
     with DaemonProcess("switch", *flags) as switch:

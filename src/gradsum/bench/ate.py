@@ -48,6 +48,9 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.add_argument("--pipelines", type=positive_int, default=1,
                         help="processes of the switch/server (gradsum switch --pipelines): a "
                         "job's lanes are spread over them (default 1)")  # fmt: skip
+    parser.add_argument("--unicast-results", action="store_true",
+                        help="the switch sends each worker its own copy of every result "
+                        "(default: one multicast, replicated by the network)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write one row per measurement")
     testbed = parser.add_argument_group(
         "across an emulated cluster (gradsum testbed; needs root and iproute2)"
@@ -120,8 +123,15 @@ def _gradsum(kind: str, codec: str, workers: int, elements: int, args) -> list[l
     with DaemonProcess(kind, *flags) as daemon:
         task = WorkerTask(daemon.addresses, job=1, workers=workers, codec=codec,
                           elements=elements, steps=args.steps, warmup=args.warmup,
-                          slots=args.slots, keep_output=False)  # fmt: skip
+                          slots=args.slots, keep_output=False,
+                          multicast=multicast(kind, args))  # fmt: skip
         return [r.seconds for r in run_workers(task, timeout=600)]
+
+
+def multicast(kind: str, args) -> bool:
+    """Switches multicast results (the network replicates them, as a hardware switch's
+    multicast engine does); servers answer each worker, as the PS model has them."""
+    return kind == "switch" and not args.unicast_results
 
 
 def _gloo(workers: int, elements: int, steps: int, warmup: int) -> list[list[float]]:

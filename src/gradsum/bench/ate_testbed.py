@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from .ate import METHODS
+from .ate import METHODS, multicast
 
 TESTBED_METHODS = ("gloo", "switch+bfp", "switch+thc", "server+thc", "server+topk")
 DEFAULT_ELEMENTS = 1 << 22
@@ -52,6 +52,7 @@ class Setup:
     testbed_id: str = "ate"
     receive_buffer: int = 64 << 20  # the aggregator's socket receive buffer (bytes)
     pipelines: int = 1  # processes of the switch/server daemon
+    unicast_results: bool = False  # the switch sends n copies instead of one multicast
 
     def slots_at(self, rate: int, method: str | None = None) -> int:
         shared = method is not None and METHODS[method][0] == "server"
@@ -334,7 +335,7 @@ def measure_method(tb, method: str, elements: int, setup: Setup, rate: int):
     host = SWITCH_HOST if kind == "switch" else PS_HOST
     task = WorkerTask((), job=1, workers=setup.workers, codec=codec, elements=elements,
                       steps=setup.warmup + setup.steps, slots=setup.slots_at(rate, method),
-                      keep_output=False)  # fmt: skip
+                      keep_output=False, multicast=multicast(kind, setup))  # fmt: skip
     with Daemon(tb, host, kind, pipelines=setup.pipelines) as daemon:
         results = aggregate(tb, daemon, task, timeout=600)
     # the testbed's workers time every step; the first `warmup` ones (job start-up) are dropped
@@ -380,7 +381,8 @@ def run(args) -> int:
         raise UsageError("--drop-rate is for loopback; across a testbed use gradsum testbed --loss")
     setup = Setup(args.workers, tuple(args.sizes or [DEFAULT_ELEMENTS]),
                   tuple(args.methods or TESTBED_METHODS), args.steps, args.warmup,
-                  args.slots, args.testbed_id, receive_buffer(), args.pipelines)  # fmt: skip
+                  args.slots, args.testbed_id, receive_buffer(), args.pipelines,
+                  args.unicast_results)  # fmt: skip
     rows: list[dict] = []
     profiles: dict = {}
     with sigterm_as_exit():

@@ -191,7 +191,7 @@ class Aggregator:
             parent = type(parent)(self.resolve(parent.address), parent.job, parent.worker)
         return JobSpec(
             spec.job, addresses, spec.slots, spec.elements, spec.op, spec.max_contributors,
-            spec.quorum, spec.deadline, parent,
+            spec.quorum, spec.deadline, parent, spec.group,
         )  # fmt: skip
 
     def statistics(self) -> dict:

@@ -6,6 +6,7 @@ REGISTER control message (``to_json`` / ``from_json``).
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 
 from ..codecs.base import IntegerOp
@@ -112,6 +113,7 @@ class JobSpec:
     quorum: int = 0  # partial aggregation: complete at the deadline once this many arrived
     deadline: float = 0.0  # seconds after a slot's first arrival
     parent: ParentLink | None = None
+    group: Address | None = None  # results multicast to this IP group (workers joined it)
 
     def __post_init__(self):
         workers = len(self.addresses)
@@ -131,6 +133,8 @@ class JobSpec:
                 raise SpecError("a quorum needs a positive deadline")
         if self.parent is not None and not isinstance(self.op, IntegerSum):
             raise SpecError("only integer-sum jobs can forward to a parent switch")
+        if self.group is not None:
+            _check_group(self.group)
         self._check_width(total)
 
     def _check_width(self, total: int) -> None:
@@ -163,6 +167,7 @@ class JobSpec:
             "quorum": self.quorum,
             "deadline": self.deadline,
             "parent": parent,
+            "group": None if self.group is None else f"{self.group[0]}:{self.group[1]}",
         }
 
     @classmethod
@@ -181,6 +186,7 @@ class JobSpec:
                 quorum=_int(body, "quorum", 0),
                 deadline=float(body.get("deadline", 0.0)),
                 parent=None if parent is None else _parent(parent),
+                group=None if body.get("group") is None else parse_address(body["group"]),
             )
         except (TypeError, ValueError) as error:
             if isinstance(error, SpecError):
@@ -228,6 +234,16 @@ def _parent(body: object) -> ParentLink:
     _check_range("parent.job", link.job, 0, 0xFFFF)
     _check_range("parent.worker", link.worker, 0, MAX_WORKERS - 1)
     return link
+
+
+def _check_group(group: Address) -> None:
+    host, port = group
+    try:
+        multicast = ipaddress.IPv4Address(host).is_multicast
+    except ValueError:
+        multicast = False
+    if not multicast or not 1 <= port <= 65535:
+        raise SpecError(f"group {host}:{port} is not an IPv4 multicast address (224.0.0.0/4:PORT)")
 
 
 def _int(body: dict, key: str, default: int | None = None) -> int:

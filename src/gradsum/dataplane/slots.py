@@ -247,7 +247,9 @@ class SlotPool:
         v, i = self._where(r.chunk)
         self._count("multicasts")
         header = self._result_header(Kind.RESULT, r, ANY_WORKER, v, i)
-        return Send(actions.MULTICAST, self.spec.addresses, header, r.result)
+        group = self.spec.group
+        destinations = self.spec.addresses if group is None else (group,)
+        return Send(actions.MULTICAST, destinations, header, r.result)
 
     def _reply(self, kind: Kind, r: Round, asked: Header, what: str) -> Send:
         if kind is Kind.STALE:

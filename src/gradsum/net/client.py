@@ -29,7 +29,13 @@ from ..dataplane.jobspec import Address, JobSpec
 from ..dataplane.packet import HEADER_SIZE, Header, Kind, MalformedPacket, parse_header
 from ..dataplane.transfer import Transfer
 from ..dataplane.worker import RetryPolicy
-from .udp import local_address, open_socket, resolve
+from .udp import (
+    local_address,
+    multicast_group,
+    open_group_socket,
+    open_socket,
+    resolve,
+)
 
 _PEEK = socket.MSG_PEEK | socket.MSG_TRUNC
 _request_ids = itertools.count(1)
@@ -107,15 +113,21 @@ def aggregator_stats(address: Address, timeout: float = 5.0) -> dict:
 
 
 class UdpTransport:
-    """Runs transfers to completion over one socket with real timers."""
+    """Runs transfers to completion over one socket with real timers; results may also arrive
+    on ``group_sockets`` (the jobs' multicast groups)."""
 
-    def __init__(self, sock: socket.socket, wait_limit: float = 60.0):
+    def __init__(
+        self, sock: socket.socket, wait_limit: float = 60.0, group_sockets: Sequence = ()
+    ):
         self.sock = sock
         self.wait_limit = wait_limit  # longest silence before a run fails, whatever the policy
+        # Groups first: when they are joined, nearly every result arrives there.
+        self._receivers = [*group_sockets, sock]
         self._header = bytearray(HEADER_SIZE)
         self._scratch = bytearray(1 << 16)
         self._poll = select.poll()
-        self._poll.register(sock, select.POLLIN)
+        for receiver in self._receivers:
+            self._poll.register(receiver, select.POLLIN)
 
     def run(self, pairs: Sequence[tuple[JobHandle, Transfer]]) -> None:
         routes = {(job.address, t.job): t for job, t in pairs}
@@ -128,7 +140,7 @@ class UdpTransport:
         next_check = now
         last_progress = now
         while pending:
-            if self._receive_one(routes, peers):
+            if any([self._receive_one(r, routes, peers) for r in self._receivers]):
                 last_progress = time.monotonic()
             else:
                 self._wait(pending, last_progress)
@@ -141,10 +153,10 @@ class UdpTransport:
                 next_check = min(deadlines, default=now + 0.01)
             pending = [t for t in pending if not t.done]
 
-    def _receive_one(self, routes, peers) -> bool:
+    def _receive_one(self, sock: socket.socket, routes, peers) -> bool:
         """Handle one datagram if one is queued; True if it was a result we waited for."""
         try:
-            size, source = self.sock.recvfrom_into(self._header, HEADER_SIZE, _PEEK)
+            size, source = sock.recvfrom_into(self._header, HEADER_SIZE, _PEEK)
         except (BlockingIOError, InterruptedError):
             return False
         except ConnectionRefusedError:  # ICMP: nobody listens at the aggregator's port (yet)
@@ -157,23 +169,23 @@ class UdpTransport:
         target = None
         if transfer is not None:
             if header.kind is Kind.STALE:
-                self._discard()
+                self._discard(sock)
                 transfer.on_stale(header)
                 return False
             target = transfer.destination(header, size - HEADER_SIZE)
         if target is None:
-            self._discard()
+            self._discard(sock)
             return False
-        received, _, flags, _ = self.sock.recvmsg_into([self._header, target])
+        received, _, flags, _ = sock.recvmsg_into([self._header, target])
         if flags & socket.MSG_TRUNC or received != size:
             return False  # raced with another datagram; the timer resends
         for chunk in transfer.on_result(header, size - HEADER_SIZE, time.monotonic()):
             self._send(transfer, chunk, peers[id(transfer)])
         return True
 
-    def _discard(self) -> None:
+    def _discard(self, sock: socket.socket) -> None:
         with contextlib.suppress(BlockingIOError, InterruptedError, ConnectionRefusedError):
-            self.sock.recv_into(self._scratch)
+            sock.recv_into(self._scratch)
 
     def _wait(self, pending: list[Transfer], last_progress: float) -> None:
         now = time.monotonic()
@@ -220,6 +232,7 @@ class SwitchClient:
         seed: int = 0,
         rank: int | None = None,
         policy: RetryPolicy | None = None,
+        multicast: bool = False,
     ):
         self.aggregators = [_address(a) for a in aggregators]
         self.job, self.worker, self.workers = job, worker, workers
@@ -230,7 +243,19 @@ class SwitchClient:
         self.elements = elements or self._default_elements()
         self.sock = open_socket(bind)
         self.address = local_address(self.sock)
-        self.transport = UdpTransport(self.sock)
+        if multicast and self.sock.family != socket.AF_INET:
+            raise ValueError("multicast results need IPv4 aggregators")
+        self.multicast = multicast
+        self.group_sockets = []
+        try:
+            if self.multicast:
+                for address in self.aggregators:
+                    group = multicast_group(address, job)
+                    self.group_sockets.append(open_group_socket(group, self.address[0]))
+        except OSError:
+            self.close()
+            raise
+        self.transport = UdpTransport(self.sock, group_sockets=self.group_sockets)
         handles = [
             JobHandle(a, job, worker, slots, self.elements, workers) for a in self.aggregators
         ]
@@ -242,14 +267,20 @@ class SwitchClient:
             return self.format.lanes_per_packet()
         return 1 << 13  # coordinates per partition for decode-sum-encode codecs (fits a packet)
 
-    def job_spec(self, worker_addresses: Sequence[Address], **extra) -> JobSpec:
+    def job_spec(
+        self, worker_addresses: Sequence[Address], aggregator: Address | None = None, **extra
+    ) -> JobSpec:
+        """The job's registration; for ``aggregator``, it names the multicast group the
+        workers joined (when they multicast)."""
         addresses = tuple(resolve(a) for a in worker_addresses)
+        if self.multicast and aggregator is not None:
+            extra.setdefault("group", multicast_group(resolve(aggregator), self.job))
         return JobSpec(self.job, addresses, self.slots, self.elements, self.format.op, **extra)
 
     def register(self, worker_addresses: Sequence[Address], **extra) -> None:
         """Register this job on every aggregator (call from one worker)."""
         for address in self.aggregators:
-            register_job(address, self.job_spec(worker_addresses, **extra))
+            register_job(address, self.job_spec(worker_addresses, address, **extra))
 
     def teardown(self) -> None:
         for address in self.aggregators:
@@ -267,7 +298,8 @@ class SwitchClient:
         return {f"{a[0]}:{a[1]}/{j}": s.as_dict() for (a, j), s in self.collective.stats.items()}
 
     def close(self) -> None:
-        self.sock.close()
+        for sock in (self.sock, *self.group_sockets):
+            sock.close()
 
     def __enter__(self) -> SwitchClient:
         return self

@@ -98,6 +98,7 @@ class WorkerTask:
     retry_timeout: float = 0.01
     give_up_after: float = 60.0
     groups: int = 1  # hierarchy: worker w talks to aggregators[w // (workers // groups)]
+    multicast: bool = False  # results multicast to a group the workers join (a switch's)
 
     def route(self, worker: int) -> tuple[tuple[Address, ...], int]:
         """(aggregators, worker id there) of a global worker."""
@@ -144,9 +145,8 @@ def run_workers(task: WorkerTask, timeout: float = 300.0, register=None) -> list
     try:
         addresses = [_receive(p, timeout, f"worker {w}'s address") for w, p in enumerate(pipes)]
         if register is None:
-            spec = job_spec(task, addresses)
             for aggregator in task.aggregators:
-                register_job(aggregator, spec)
+                register_job(aggregator, job_spec(task, addresses, aggregator))
         else:
             register(addresses)
         for pipe in pipes:
@@ -170,15 +170,17 @@ def run_workers(task: WorkerTask, timeout: float = 300.0, register=None) -> list
     return results
 
 
-def job_spec(task: WorkerTask, addresses, **extra):
-    """The spec the task's workers expect (``extra``: quorum, parent, max_contributors...)."""
+def job_spec(task: WorkerTask, addresses, aggregator=None, **extra):
+    """The spec the task's workers expect at ``aggregator`` (``extra``: quorum, parent,
+    max_contributors...); without ``aggregator``, results are unicast."""
     from .client import SwitchClient
 
     probe = SwitchClient(task.aggregators[:1], job=task.job, worker=0, workers=task.workers,
                          codec=task.codec, codec_options=task.codec_options, slots=task.slots,
-                         elements=task.slot_elements)  # fmt: skip
+                         elements=task.slot_elements, multicast=False)  # fmt: skip
+    probe.multicast = task.multicast
     try:
-        return probe.job_spec(addresses, **extra)
+        return probe.job_spec(addresses, aggregator, **extra)
     finally:
         probe.close()
 
@@ -211,7 +213,7 @@ def _work(task: WorkerTask, worker: int, pipe) -> WorkerResult:
     client = SwitchClient(aggregators, job=task.job, worker=local, workers=task.workers,
                           codec=task.codec, codec_options=task.codec_options, slots=task.slots,
                           elements=task.slot_elements, seed=task.seed, rank=worker,
-                          policy=policy)  # fmt: skip
+                          policy=policy, multicast=task.multicast)  # fmt: skip
     with client:
         pipe.send(client.address)
         if not pipe.poll(120):

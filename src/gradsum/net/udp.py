@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import errno
+import ipaddress
 import socket
+import struct
+import zlib
 
 from ..dataplane.jobspec import Address, SpecError, parse_address
 
@@ -51,6 +54,7 @@ def open_socket(bind: Address) -> socket.socket:
                 error.errno, f"{bind[0]}:{bind[1]} is already in use (another daemon running?)"
             ) from None
         raise OSError(error.errno, f"cannot bind {bind[0]}:{bind[1]}: {error.strerror}") from None
+    enable_multicast(sock, bind)
     sock.setblocking(False)
     return sock
 
@@ -74,3 +78,62 @@ def granted_receive_buffer() -> int:
 def local_address(sock: socket.socket) -> Address:
     host, port = sock.getsockname()[:2]
     return host, port
+
+
+# -- multicast results ----------------------------------------------------------------------------
+# A switch multicasts each completed slot: one send that the network (a bridge, or the kernel's
+# loopback) replicates to every worker, as a hardware switch's multicast engine does, instead of
+# n unicast copies. Workers receive results on a second socket bound to the job's group.
+
+
+def multicast_group(aggregator: Address, job: int) -> Address:
+    """The group a job's results are multicast to: derived from the aggregator's address and the
+    job id, which every worker knows, so no worker has to be told. 239/8 is administratively
+    scoped (RFC 2365); a collision between two jobs only costs copies (workers check the source
+    and job of every packet)."""
+    host, port = aggregator
+    octets = zlib.crc32(f"{host}:{port}/{job}".encode()).to_bytes(4, "little")[:3]
+    return f"239.{octets[0]}.{octets[1]}.{octets[2]}", port
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def enable_multicast(sock: socket.socket, bind: Address) -> None:
+    """Let an aggregator's socket send to groups: out of its bound interface, looped back to
+    listeners on this host, and never beyond the first hop (a loopback socket's datagrams, TTL 0,
+    never leave the host at all)."""
+    if sock.family != socket.AF_INET:
+        return
+    host = bind[0]
+    if host not in ("", "0.0.0.0"):
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(host))
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 0 if is_loopback(host) else 1)
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+
+
+def open_group_socket(group: Address, interface: str) -> socket.socket:
+    """A socket that receives what is sent to ``group`` on the interface holding ``interface``
+    (an address of this host; "0.0.0.0": the kernel's choice)."""
+    host, port = group
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # all local workers bind it
+        set_buffer(sock, socket.SO_RCVBUF, SOCKET_BUFFER)
+        sock.bind((host, port))
+        local = interface if interface not in ("", "::") else "0.0.0.0"
+        request = struct.pack("4s4s", socket.inet_aton(host), socket.inet_aton(local))
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, request)
+    except OSError as error:
+        sock.close()
+        raise OSError(
+            error.errno,
+            f"cannot join multicast group {host}:{port} on {interface}: {error.strerror} "
+            "(run the workers without multicast results)",
+        ) from None
+    sock.setblocking(False)
+    return sock

@@ -98,7 +98,8 @@ def aggregation_worker(task, worker: int, addresses: list) -> object:
     client = SwitchClient(task.aggregators, job=task.job, worker=worker, workers=task.workers,
                           codec=task.codec, codec_options=task.codec_options, slots=task.slots,
                           elements=task.slot_elements, seed=task.seed, rank=worker,
-                          policy=policy, bind=tuple(addresses[worker]))  # fmt: skip
+                          policy=policy, bind=tuple(addresses[worker]),
+                          multicast=task.multicast)  # fmt: skip
     with client:
         if worker == 0:
             client.register(addresses)
