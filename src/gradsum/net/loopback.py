@@ -123,6 +123,17 @@ def worker_input(task: WorkerTask, worker: int, step: int):
     return torch.randn(task.elements, generator=generator)
 
 
+def worker_inputs(task: WorkerTask, worker: int) -> list:
+    """The worker's input of every step, made before any is timed. A benchmark that keeps no
+    outputs cycles through at most ``DISTINCT_INPUTS`` of them (memory: steps x elements)."""
+    distinct = task.steps if task.keep_output else min(task.steps, DISTINCT_INPUTS)
+    made = [worker_input(task, worker, step) for step in range(distinct)]
+    return [made[step % distinct] for step in range(task.steps)]
+
+
+DISTINCT_INPUTS = 4
+
+
 def _context():
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "gradsum.net.client"])
@@ -219,7 +230,7 @@ def _work(task: WorkerTask, worker: int, pipe) -> WorkerResult:
         if not pipe.poll(120):
             raise TimeoutError("no 'go' from the parent within 120 s")
         pipe.recv()
-        inputs = [worker_input(task, worker, s) for s in range(task.steps)]
+        inputs = worker_inputs(task, worker)
         for _ in range(task.warmup):
             client.allreduce(inputs[0], key="warmup")
         outputs, seconds = [], []

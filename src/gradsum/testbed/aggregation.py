@@ -91,7 +91,7 @@ def aggregation_worker(task, worker: int, addresses: list) -> object:
 
     from ..dataplane.worker import RetryPolicy
     from ..net.client import SwitchClient
-    from ..net.loopback import WorkerResult, worker_input
+    from ..net.loopback import WorkerResult, worker_inputs
 
     torch.set_num_threads(1)
     policy = RetryPolicy(timeout=task.retry_timeout, give_up_after=task.give_up_after)
@@ -104,8 +104,10 @@ def aggregation_worker(task, worker: int, addresses: list) -> object:
         if worker == 0:
             client.register(addresses)
         outputs, seconds = [], []
-        for step in range(task.steps):
-            tensor = worker_input(task, worker, step)
+        # made before the first step: a worker drawing its input while the others wait for
+        # its contribution would add that to their step times
+        inputs = worker_inputs(task, worker)
+        for tensor in inputs:
             start = time.perf_counter()
             out = client.allreduce(tensor)
             seconds.append(time.perf_counter() - start)
