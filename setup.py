@@ -1,7 +1,9 @@
-"""Builds the optional C kernels of THC and of bfp; all package metadata lives in pyproject.toml.
+"""Builds the optional C kernels of THC and of bfp and the worker's datagram pump; all package
+metadata lives in pyproject.toml.
 
 The extensions are optional: without a working C compiler the build skips them and gradsum runs
-its torch code instead (see src/gradsum/codecs/thc/native.py and src/gradsum/codecs/bfp_native.py).
+its torch code instead (see src/gradsum/codecs/thc/native.py and src/gradsum/codecs/bfp_native.py)
+and its Python transport (src/gradsum/net/pump.py).
 """
 
 from setuptools import Extension, setup
@@ -19,6 +21,12 @@ setup(
             sources=["src/gradsum/codecs/_bfp_kernels.c"],
             # no fused multiply-adds: the results must match torch's bit for bit
             extra_compile_args=["-O3", "-std=gnu11", "-Wno-psabi", "-ffp-contract=off"],
+            optional=True,
+        ),
+        Extension(
+            "gradsum.net._pump",
+            sources=["src/gradsum/net/_pump.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
             optional=True,
         ),
     ]

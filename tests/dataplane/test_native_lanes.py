@@ -16,8 +16,6 @@ pytestmark = pytest.mark.skipif(not native.built(), reason="THC's C extension is
 THC_TABLE = THC(workers=4).table
 
 
-
-
 @pytest.mark.parametrize(
     ("bits", "table", "out_bits"),
     [

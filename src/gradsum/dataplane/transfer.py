@@ -36,6 +36,14 @@ class LaneBuffers:
     def chunks(self) -> int:
         return self.layout.chunks
 
+    @property
+    def upstream_view(self) -> memoryview:
+        return self._up
+
+    @property
+    def downstream_view(self) -> memoryview:
+        return self._down
+
     def elements(self, index: int) -> int:
         return self.layout.lanes_of(index)[1]
 
@@ -143,11 +151,15 @@ class Transfer:
 
     def on_result(self, header: Header, nbytes: int, now: float) -> list[int]:
         """The payload of an accepted result is in place; return the chunks to send next."""
-        index = header.chunk - self.first
-        self.contributors[index] = header.contributors
-        self.partial |= bool(header.flags & PARTIAL)
+        return self.accept(header.chunk, header.contributors, header.flags, nbytes, now)
+
+    def accept(self, chunk: int, contributors: int, flags: int, nbytes: int, now: float):
+        """``on_result`` from the header's fields (the native pump reports just these)."""
+        index = chunk - self.first
+        self.contributors[index] = contributors
+        self.partial |= bool(flags & PARTIAL)
         self.buffers.received(index, nbytes)
-        return self.stream.on_result(header.chunk, now)
+        return self.stream.on_result(chunk, now)
 
     def on_stale(self, header: Header) -> None:
         if header.job == self.job:

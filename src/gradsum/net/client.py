@@ -29,6 +29,7 @@ from ..dataplane.jobspec import Address, JobSpec
 from ..dataplane.packet import HEADER_SIZE, Header, Kind, MalformedPacket, parse_header
 from ..dataplane.transfer import Transfer
 from ..dataplane.worker import RetryPolicy
+from . import pump
 from .udp import (
     local_address,
     multicast_group,
@@ -116,9 +117,7 @@ class UdpTransport:
     """Runs transfers to completion over one socket with real timers; results may also arrive
     on ``group_sockets`` (the jobs' multicast groups)."""
 
-    def __init__(
-        self, sock: socket.socket, wait_limit: float = 60.0, group_sockets: Sequence = ()
-    ):
+    def __init__(self, sock: socket.socket, wait_limit: float = 60.0, group_sockets: Sequence = ()):
         self.sock = sock
         self.wait_limit = wait_limit  # longest silence before a run fails, whatever the policy
         # Groups first: when they are joined, nearly every result arrives there.
@@ -130,6 +129,9 @@ class UdpTransport:
             self._poll.register(receiver, select.POLLIN)
 
     def run(self, pairs: Sequence[tuple[JobHandle, Transfer]]) -> None:
+        if pump.serves(pairs):
+            self._run_pumped(pairs)
+            return
         routes = {(job.address, t.job): t for job, t in pairs}
         peers = {id(t): job.address for job, t in pairs}
         now = time.monotonic()
@@ -152,6 +154,41 @@ class UdpTransport:
                 deadlines = [d for t in pending if (d := t.next_deadline()) is not None]
                 next_check = min(deadlines, default=now + 0.01)
             pending = [t for t in pending if not t.done]
+
+    def _run_pumped(self, pairs: Sequence[tuple[JobHandle, Transfer]]) -> None:
+        """``run`` with the native pump (``net/pump.py``) moving the datagrams in batches: the
+        same transfers make the same decisions, per batch of results instead of per datagram."""
+        routes = pump.Routes(pairs)
+        transfers = routes.transfers
+        fds = [receiver.fileno() for receiver in self._receivers]
+        fd = self.sock.fileno()
+        now = time.monotonic()
+        routes.send(fd, [(r, c) for r, t in enumerate(transfers) for c in t.start(now)])
+        pending = [r for r, t in enumerate(transfers) if not t.done]
+        next_check = last_progress = now
+        while pending:
+            events = routes.receive(fds, min(max(0.0, next_check - now), 0.05))
+            now = time.monotonic()
+            out = []
+            for r, chunk, contributors, flags, event in events:
+                transfer = transfers[r]
+                if event == pump.PLACED:
+                    last_progress = now
+                    out += [(r, c) for c in transfer.accept(chunk, contributors, flags, 0, now)]
+                elif event == pump.REPEAT:
+                    transfer.stream.stats.duplicate_results += 1
+                else:
+                    transfer.stream.on_stale(chunk)
+            if now >= next_check:
+                for r in pending:
+                    out += [(r, c) for c in transfers[r].expired(now)]
+                deadlines = [d for r in pending if (d := transfers[r].next_deadline()) is not None]
+                next_check = min(deadlines, default=now + 0.01)
+            routes.send(fd, out)
+            if now - last_progress > self.wait_limit:
+                waiting = ", ".join(transfers[r].stream.what for r in pending)
+                raise TimeoutError(f"no result from {waiting} for {self.wait_limit:.0f} s")
+            pending = [r for r in pending if not transfers[r].done]
 
     def _receive_one(self, sock: socket.socket, routes, peers) -> bool:
         """Handle one datagram if one is queued; True if it was a result we waited for."""

@@ -1,0 +1,386 @@
+/* The worker's packet pump: the per-datagram system calls and checks of net/client.py in C.
+ *
+ * The Python transport keeps every decision (dataplane/worker.py's ChunkStream: what to send,
+ * when to resend, when a round is done); this module only moves datagrams, in batches, with the
+ * GIL released:
+ *
+ *   receive(fds, routes, wait_ms, max_events) -> [(route, chunk, contributors, flags, event)]
+ *     Drains queued datagrams from the sockets (waiting up to wait_ms when none is queued). A
+ *     RESULT that route r expects (source, job, op, chunk in range and not yet placed, lane
+ *     count, contributors, payload size: dataplane/transfer.py's checks) is received straight
+ *     into its place in the route's result buffer; a repeat of a placed chunk or a STALE notice
+ *     becomes an event; anything else is read and dropped, as the Python path does.
+ *   send(fd, routes, [(route, chunk), ...]) -> packets sent
+ *     Builds each chunk's header (dataplane/packet.py's layout) and sends header + the chunk's
+ *     slice of the route's upstream buffer gathered, with sendmmsg.
+ *
+ * ``routes`` is a contiguous array of struct route (its numpy twin is ROUTE in net/pump.py);
+ * the buffers it points to belong to the caller, who keeps them alive across the calls.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#define HEADER_SIZE 32
+#define PROTOCOL 1
+#define KIND_DATA 1
+#define KIND_RESULT 2
+#define KIND_STALE 3
+#define KNOWN_FLAGS 3
+#define MAX_FDS 16
+#define MAX_BATCH 64
+#define SEND_WAIT_MS 20 /* how long a full send buffer may stall one batch (client.py's too) */
+
+enum event { PLACED = 1, REPEAT = 2, STALE = 3 };
+
+struct route {             /* one transfer: an aggregator job streaming one buffer */
+    uint32_t ip;           /* the aggregator, network order */
+    uint16_t port;         /* network order */
+    uint16_t job;
+    uint16_t worker;
+    uint8_t op;
+    uint8_t in_bits;
+    uint8_t out_bits;
+    uint8_t pad[3];
+    uint32_t max_contributors;
+    int64_t first;         /* first chunk id */
+    int64_t count;         /* chunks */
+    int64_t lanes;
+    int64_t lanes_per_chunk;
+    int64_t slots;
+    uint64_t upstream;     /* address of the packed lanes to send */
+    uint64_t downstream;   /* address of the result buffer */
+    uint64_t placed;       /* address of uint8[count]: 1 once a chunk's result is in place */
+};
+
+struct header {
+    uint8_t kind, op, flags;
+    uint16_t job, worker, contributors;
+    uint32_t slot, elements;
+    uint8_t version;
+    int64_t chunk;
+};
+
+static int parse(const uint8_t *b, struct header *h) {
+    if (b[0] != 'G' || b[1] != 'S' || b[2] != PROTOCOL) return 0;
+    h->kind = b[3];
+    memcpy(&h->job, b + 4, 2);
+    memcpy(&h->worker, b + 6, 2);
+    memcpy(&h->slot, b + 8, 4);
+    h->version = b[12];
+    h->op = b[13];
+    h->flags = b[14];
+    memcpy(&h->chunk, b + 16, 8);
+    memcpy(&h->elements, b + 24, 4);
+    memcpy(&h->contributors, b + 28, 2);
+    uint16_t pad2;
+    memcpy(&pad2, b + 30, 2);
+    return h->version <= 1 && !(h->flags & ~KNOWN_FLAGS) && b[15] == 0 && pad2 == 0;
+}
+
+static void pack(uint8_t *b, const struct route *r, int64_t chunk, uint32_t elements) {
+    uint32_t slot = (uint32_t)(chunk % r->slots);
+    uint16_t contributors = 1;
+    memset(b, 0, HEADER_SIZE);
+    b[0] = 'G', b[1] = 'S', b[2] = PROTOCOL, b[3] = KIND_DATA;
+    memcpy(b + 4, &r->job, 2);
+    memcpy(b + 6, &r->worker, 2);
+    memcpy(b + 8, &slot, 4);
+    b[12] = (uint8_t)((chunk / r->slots) % 2);
+    b[13] = r->op;
+    memcpy(b + 16, &chunk, 8);
+    memcpy(b + 24, &elements, 4);
+    memcpy(b + 28, &contributors, 2);
+}
+
+/* ChunkLayout: lanes of chunk `index` and their byte range at `bits` per lane */
+static int64_t lanes_of(const struct route *r, int64_t index) {
+    int64_t start = index * r->lanes_per_chunk, left = r->lanes - start;
+    return left < r->lanes_per_chunk ? left : r->lanes_per_chunk;
+}
+
+static void byte_range(const struct route *r, int64_t index, int bits, int64_t *start,
+                       int64_t *stop) {
+    int64_t first = index * r->lanes_per_chunk;
+    *start = first * bits / 8;
+    *stop = (first * bits + lanes_of(r, index) * bits + 7) / 8;
+}
+
+struct found {
+    int64_t route, chunk;
+    uint16_t contributors;
+    uint8_t flags, event;
+};
+
+/* Handle the datagram at the head of `fd`: 1 if one was read (an event may be filled), 0 when
+   the socket is empty. */
+static int take_one(int fd, const struct route *routes, Py_ssize_t nroutes, struct found *out,
+                    int *has_event) {
+    uint8_t head[HEADER_SIZE];
+    struct sockaddr_in source;
+    socklen_t source_size = sizeof source;
+    *has_event = 0;
+    ssize_t size = recvfrom(fd, head, HEADER_SIZE, MSG_PEEK | MSG_TRUNC | MSG_DONTWAIT,
+                            (struct sockaddr *)&source, &source_size);
+    if (size < 0) return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
+    struct header h;
+    const struct route *r = NULL;
+    Py_ssize_t which = 0;
+    if (size >= HEADER_SIZE && source.sin_family == AF_INET && parse(head, &h)) {
+        for (; which < nroutes; which++) {
+            const struct route *c = routes + which;
+            if (c->ip == source.sin_addr.s_addr && c->port == source.sin_port && c->job == h.job) {
+                r = c;
+                break;
+            }
+        }
+    }
+    uint8_t *target = NULL, *placed = NULL;
+    size_t target_size = 0;
+    int64_t index = 0;
+    if (r != NULL && (h.kind == KIND_RESULT || h.kind == KIND_STALE) && h.op == r->op &&
+        h.chunk >= r->first && h.chunk < r->first + r->count) {
+        index = h.chunk - r->first;
+        placed = (uint8_t *)(uintptr_t)r->placed;
+        out->route = which, out->chunk = h.chunk;
+        out->contributors = h.contributors, out->flags = h.flags;
+        if (h.kind == KIND_STALE) {
+            out->event = STALE, *has_event = 1;
+        } else if (placed[index]) {
+            out->event = REPEAT, *has_event = 1;
+        } else {
+            int64_t start, stop;
+            byte_range(r, index, r->out_bits, &start, &stop);
+            if (h.elements == lanes_of(r, index) && h.contributors >= 1 &&
+                h.contributors <= r->max_contributors && size - HEADER_SIZE == stop - start) {
+                target = (uint8_t *)(uintptr_t)r->downstream + start;
+                target_size = (size_t)(stop - start);
+            }
+        }
+    }
+    if (target == NULL) { /* not ours, or not as expected: read it and let it go */
+        uint8_t scrap[1];
+        recv(fd, scrap, sizeof scrap, MSG_DONTWAIT | MSG_TRUNC);
+        return 1;
+    }
+    struct iovec parts[2] = {{head, HEADER_SIZE}, {target, target_size}};
+    struct msghdr message = {.msg_iov = parts, .msg_iovlen = 2};
+    ssize_t got = recvmsg(fd, &message, MSG_DONTWAIT);
+    if (got != size || (message.msg_flags & MSG_TRUNC)) return 1; /* raced: the timer resends */
+    placed[index] = 1;
+    out->event = PLACED, *has_event = 1;
+    return 1;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Python entry points
+ */
+
+static int fds_of(PyObject *sequence, int *fds, Py_ssize_t *count) {
+    PyObject *fast = PySequence_Fast(sequence, "fds must be a sequence of file descriptors");
+    if (fast == NULL) return 0;
+    *count = PySequence_Fast_GET_SIZE(fast);
+    if (*count < 1 || *count > MAX_FDS) {
+        Py_DECREF(fast);
+        PyErr_Format(PyExc_ValueError, "between 1 and %d sockets", MAX_FDS);
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < *count; i++) {
+        long fd = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (fd < 0) {
+            Py_DECREF(fast);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a closed socket");
+            return 0;
+        }
+        fds[i] = (int)fd;
+    }
+    Py_DECREF(fast);
+    return 1;
+}
+
+static int routes_of(Py_buffer *view, const struct route **routes, Py_ssize_t *count) {
+    if (view->len % (Py_ssize_t)sizeof(struct route)) {
+        PyErr_Format(PyExc_ValueError, "routes: %zd bytes is not a whole number of %zu-byte routes",
+                     view->len, sizeof(struct route));
+        return 0;
+    }
+    *routes = view->buf;
+    *count = view->len / (Py_ssize_t)sizeof(struct route);
+    return 1;
+}
+
+/* Drain up to `limit` datagrams from the sockets, in turns; 0 = empty, -1 = error (errno). */
+static int drain(const int *fds, Py_ssize_t nfds, const struct route *routes, Py_ssize_t nroutes,
+                 struct found *events, int limit, int *nevents) {
+    /* at most 4 * limit reads, so a flood of strangers' datagrams cannot hold off the timers */
+    int idle = 0;
+    for (int turn = 0; *nevents < limit && idle < nfds && turn < 4 * limit; turn++) {
+        int fd = fds[turn % nfds], has_event;
+        int taken = take_one(fd, routes, nroutes, events + *nevents, &has_event);
+        if (taken < 0) {
+            if (errno == ECONNREFUSED || errno == EINTR) continue; /* ICMP of an earlier send */
+            return -1;
+        }
+        idle = taken ? 0 : idle + 1;
+        *nevents += has_event;
+    }
+    return 0;
+}
+
+static PyObject *py_receive(PyObject *self, PyObject *args) {
+    PyObject *fd_list;
+    Py_buffer view;
+    int wait_ms, limit;
+    if (!PyArg_ParseTuple(args, "Oy*ii", &fd_list, &view, &wait_ms, &limit)) return NULL;
+    int fds[MAX_FDS];
+    Py_ssize_t nfds, nroutes;
+    const struct route *routes;
+    struct found events[MAX_BATCH];
+    if (limit < 1 || limit > MAX_BATCH) limit = MAX_BATCH;
+    if (!fds_of(fd_list, fds, &nfds) || !routes_of(&view, &routes, &nroutes)) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    int nevents = 0, failed = 0, error = 0;
+    Py_BEGIN_ALLOW_THREADS
+    failed = drain(fds, nfds, routes, nroutes, events, limit, &nevents);
+    if (!failed && nevents == 0 && wait_ms > 0) {
+        struct pollfd polls[MAX_FDS];
+        for (Py_ssize_t i = 0; i < nfds; i++) polls[i] = (struct pollfd){fds[i], POLLIN, 0};
+        if (poll(polls, (nfds_t)nfds, wait_ms) > 0)
+            failed = drain(fds, nfds, routes, nroutes, events, limit, &nevents);
+    }
+    error = errno;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (failed) {
+        errno = error;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    PyObject *list = PyList_New(nevents);
+    for (int i = 0; list != NULL && i < nevents; i++) {
+        struct found *e = events + i;
+        PyObject *item = Py_BuildValue("(nLiii)", (Py_ssize_t)e->route, (long long)e->chunk,
+                                       (int)e->contributors, (int)e->flags, (int)e->event);
+        if (item == NULL) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, i, item);
+    }
+    return list;
+}
+
+/* Send a batch; returns how many went out (a full buffer waits once, then the rest is left to
+   the retransmission timers, as client.py's _send does). */
+static int send_batch(int fd, struct mmsghdr *messages, int count) {
+    int sent = 0, waited = 0;
+    while (sent < count) {
+        int n = sendmmsg(fd, messages + sent, (unsigned)(count - sent), 0);
+        if (n > 0) {
+            sent += n;
+            continue;
+        }
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && !waited) {
+            struct pollfd writable = {fd, POLLOUT, 0};
+            poll(&writable, 1, SEND_WAIT_MS);
+            waited = 1;
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        sent += 1; /* refused or unreachable: skip it, its timer resends */
+    }
+    return sent;
+}
+
+static PyObject *py_send(PyObject *self, PyObject *args) {
+    int fd;
+    Py_buffer view;
+    PyObject *chunks;
+    if (!PyArg_ParseTuple(args, "iy*O", &fd, &view, &chunks)) return NULL;
+    const struct route *routes;
+    Py_ssize_t nroutes;
+    if (!routes_of(&view, &routes, &nroutes)) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(chunks, "chunks must be a sequence of (route, chunk)");
+    if (fast == NULL) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    Py_ssize_t total = PySequence_Fast_GET_SIZE(fast), done = 0;
+    uint8_t headers[MAX_BATCH][HEADER_SIZE];
+    struct iovec parts[MAX_BATCH][2];
+    struct sockaddr_in addresses[MAX_BATCH];
+    struct mmsghdr messages[MAX_BATCH];
+    while (done < total) {
+        int batch = 0;
+        for (; batch < MAX_BATCH && done + batch < total; batch++) {
+            Py_ssize_t which;
+            long long chunk;
+            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, done + batch), "nL", &which,
+                                  &chunk))
+                goto fail;
+            if (which < 0 || which >= nroutes) {
+                PyErr_Format(PyExc_IndexError, "route %zd of %zd", which, nroutes);
+                goto fail;
+            }
+            const struct route *r = routes + which;
+            if (chunk < r->first || chunk >= r->first + r->count) {
+                PyErr_Format(PyExc_ValueError, "chunk %lld is not route %zd's", chunk, which);
+                goto fail;
+            }
+            int64_t index = chunk - r->first, start, stop;
+            byte_range(r, index, r->in_bits, &start, &stop);
+            pack(headers[batch], r, chunk, (uint32_t)lanes_of(r, index));
+            parts[batch][0] = (struct iovec){headers[batch], HEADER_SIZE};
+            parts[batch][1] = (struct iovec){(uint8_t *)(uintptr_t)r->upstream + start,
+                                             (size_t)(stop - start)};
+            addresses[batch] = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = r->port,
+                                                    .sin_addr.s_addr = r->ip};
+            messages[batch] = (struct mmsghdr){.msg_hdr = {.msg_name = addresses + batch,
+                                                           .msg_namelen = sizeof addresses[0],
+                                                           .msg_iov = parts[batch],
+                                                           .msg_iovlen = 2}};
+        }
+        Py_BEGIN_ALLOW_THREADS
+        send_batch(fd, messages, batch);
+        Py_END_ALLOW_THREADS
+        done += batch;
+    }
+    Py_DECREF(fast);
+    PyBuffer_Release(&view);
+    return PyLong_FromSsize_t(total);
+fail:
+    Py_DECREF(fast);
+    PyBuffer_Release(&view);
+    return NULL;
+}
+
+static PyObject *py_route_size(PyObject *self, PyObject *unused) {
+    return PyLong_FromSize_t(sizeof(struct route));
+}
+
+static PyMethodDef methods[] = {
+    {"receive", py_receive, METH_VARARGS,
+     "receive(fds, routes, wait_ms, limit) -> [(route, chunk, contributors, flags, event)]"},
+    {"send", py_send, METH_VARARGS, "send(fd, routes, [(route, chunk), ...]) -> chunks sent"},
+    {"route_size", py_route_size, METH_NOARGS, "sizeof(struct route), checked against ROUTE"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pump",
+                                    "The worker's datagram pump (see net/pump.py).", -1, methods};
+
+PyMODINIT_FUNC PyInit__pump(void) {
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,122 @@
+"""The native datagram pump: what it places, what it lets go, and that a transport running on it
+gives the Python loop's results (real UDP on loopback, daemon and workers as threads)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from gradsum.codecs import make_codec, run_round
+from gradsum.dataplane import Aggregator, switch_profile
+from gradsum.dataplane.collective import JobHandle
+from gradsum.dataplane.packet import ANY_WORKER, Header, Kind, Op
+from gradsum.dataplane.transfer import LaneBuffers, Transfer
+from gradsum.dataplane.worker import ChunkLayout
+from gradsum.net import pump
+from gradsum.net.client import SwitchClient
+from gradsum.net.daemon import Daemon
+from gradsum.net.loopback import WorkerTask, worker_input
+from gradsum.net.udp import open_socket
+
+pytestmark = pytest.mark.skipif(not pump.available(), reason="the _pump extension is not built")
+
+
+def test_the_pump_places_expected_results_and_lets_everything_else_go():
+    with open_socket(("127.0.0.1", 0)) as worker, open_socket(("127.0.0.1", 0)) as switch, \
+            open_socket(("127.0.0.1", 0)) as stranger:  # fmt: skip
+        layout = ChunkLayout(lanes=20, lanes_per_chunk=8, in_bits=32, out_bits=32)
+        up = np.arange(20, dtype=np.int32)
+        down = np.zeros(20, dtype=np.int32)
+        buffers = LaneBuffers(layout, memoryview(up).cast("B"), memoryview(down).cast("B"))
+        transfer = Transfer(job=7, worker=1, op=Op.SUM, first_chunk=4, slots=2, buffers=buffers,
+                            max_contributors=3)  # fmt: skip
+        job = JobHandle(switch.getsockname(), 7, 1, 2, 8, 3)
+        assert pump.serves([(job, transfer)])
+        routes = pump.Routes([(job, transfer)])
+
+        def result(chunk, lanes, job_id=7, kind=Kind.RESULT, contributors=3, values=None):
+            v, s = (chunk // 2) % 2, chunk % 2
+            header = Header(kind, job_id, ANY_WORKER, s, v, Op.SUM, 0, chunk, lanes, contributors)
+            data = np.full(lanes, 100 + chunk, np.int32) if values is None else values
+            return header.pack() + data.tobytes()
+
+        target = worker.getsockname()
+        stranger.sendto(result(4, 8), target)  # the right packet from the wrong address
+        switch.sendto(b"GS garbage", target)
+        switch.sendto(result(4, 8, job_id=8), target)  # another job
+        switch.sendto(result(9, 8), target)  # a chunk outside the transfer
+        switch.sendto(result(5, 7), target)  # wrong lane count
+        switch.sendto(result(5, 8, contributors=4), target)  # more contributors than workers
+        switch.sendto(result(4, 8), target)  # expected: placed
+        switch.sendto(result(4, 8, values=np.zeros(8, np.int32)), target)  # a repeat
+        switch.sendto(result(6, 4), target)  # the short last chunk
+        switch.sendto(result(5, 8, kind=Kind.STALE, values=np.zeros(0, np.int32)), target)
+        fd = worker.fileno()
+        events = []
+        for _ in range(20):
+            events += routes.receive([fd], 0.05)
+            if len(events) >= 4:
+                break
+        assert events == [
+            (0, 4, 3, 0, pump.PLACED),
+            (0, 4, 3, 0, pump.REPEAT),
+            (0, 6, 3, 0, pump.PLACED),
+            (0, 5, 3, 0, pump.STALE),
+        ]
+        assert down.tolist() == [104] * 8 + [0] * 8 + [106] * 4  # the repeat did not overwrite
+
+        routes.send(worker.fileno(), [(0, 5), (0, 6)])  # chunk 5: lanes 8..15; 6: 16..19
+        switch.settimeout(2)
+        for chunk, lanes in ((5, range(8, 16)), (6, range(16, 20))):
+            data, source = switch.recvfrom(1 << 16)
+            assert source == worker.getsockname()
+            assert data[:32] == Header(Kind.DATA, 7, 1, chunk % 2, (chunk // 2) % 2, Op.SUM, 0,
+                                       chunk, len(lanes), 1).pack()  # fmt: skip
+            assert np.frombuffer(data[32:], np.int32).tolist() == list(lanes)
+
+
+@pytest.mark.parametrize("pumped", [True, False])
+def test_a_pumped_transport_gives_the_python_loops_results_under_loss(monkeypatch, pumped):
+    monkeypatch.setenv("GRADSUM_PUMP", "1" if pumped else "0")
+    task = WorkerTask((), job=3, workers=3, codec="bfp", elements=50_000, steps=2)
+    sock = open_socket(("127.0.0.1", 0))
+    daemon = Daemon(Aggregator(switch_profile()), sock, drop_rate=0.05, seed=11)
+    serving = threading.Thread(target=daemon.serve, daemon=True)
+    serving.start()
+    address = sock.getsockname()
+    options = {"workers": 3, "codec": "bfp", "slots": 4, "elements": 1024, "multicast": True}
+    clients = [SwitchClient([address], job=3, worker=w, **options) for w in range(3)]
+    try:
+        clients[0].register([c.address for c in clients])
+        outputs: dict = {}
+
+        def work(w):
+            outputs[w] = [clients[w].allreduce(worker_input(task, w, s)) for s in range(2)]
+
+        threads = [threading.Thread(target=work, args=(w,)) for w in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        daemon.stop.set()
+        serving.join(timeout=5)
+        for client in clients:
+            client.close()
+        sock.close()
+    codec = make_codec("bfp", workers=3)
+    for step in range(2):
+        inputs = [worker_input(task, w, step) for w in range(3)]
+        want = run_round(codec, inputs, seed=0, step=step).average.numpy()
+        for w in range(3):
+            np.testing.assert_array_equal(outputs[w][step].numpy(), want)
+    assert daemon.stats.as_dict()["received"] > 3 * 2 * 49  # lost packets were resent
+
+
+def test_an_ipv6_or_payload_transfer_keeps_the_python_loop():
+    layout = ChunkLayout(lanes=8, lanes_per_chunk=8, in_bits=32, out_bits=32)
+    data = memoryview(bytearray(32))
+    transfer = Transfer(job=1, worker=0, op=Op.SUM, first_chunk=0, slots=1,
+                        buffers=LaneBuffers(layout, data, data), max_contributors=1)  # fmt: skip
+    assert not pump.serves([(JobHandle(("::1", 5), 1, 0, 1, 8, 1), transfer)])
+    assert pump.serves([(JobHandle(("127.0.0.1", 5), 1, 0, 1, 8, 1), transfer)])
