@@ -1,9 +1,9 @@
-"""Builds the optional C kernels of THC and of bfp and the worker's datagram pump; all package
-metadata lives in pyproject.toml.
+"""Builds the optional C kernels of THC and of bfp, the switch's native slot pools and the worker's
+datagram pump; all package metadata lives in pyproject.toml.
 
 The extensions are optional: without a working C compiler the build skips them and gradsum runs
 its torch code instead (see src/gradsum/codecs/thc/native.py and src/gradsum/codecs/bfp_native.py)
-and its Python transport (src/gradsum/net/pump.py).
+and its Python data plane and transport (src/gradsum/dataplane/native_pool.py, net/pump.py).
 """
 
 from setuptools import Extension, setup
@@ -21,6 +21,13 @@ setup(
             sources=["src/gradsum/codecs/_bfp_kernels.c"],
             # no fused multiply-adds: the results must match torch's bit for bit
             extra_compile_args=["-O3", "-std=gnu11", "-Wno-psabi", "-ffp-contract=off"],
+            optional=True,
+        ),
+        Extension(
+            "gradsum.dataplane._pool",
+            sources=["src/gradsum/dataplane/_pool.c"],
+            depends=["src/gradsum/codecs/thc/lanes_api.h"],
+            extra_compile_args=["-O3", "-std=gnu11", "-Wall"],
             optional=True,
         ),
         Extension(

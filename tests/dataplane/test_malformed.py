@@ -27,6 +27,9 @@ def primed_switch():
 def snapshot(switch):
     state = {}
     for job_id, job in switch.jobs.items():
+        if job.native:
+            state[job_id] = job.pool.core.snapshot()
+            continue
         rounds = [
             (r.state, r.chunk, bytes(r.seen), r.arrivals, r.contributors, r.op, r.elements)
             for row in job.pool.rounds for r in row

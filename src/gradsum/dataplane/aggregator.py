@@ -16,10 +16,11 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import actions
+from . import actions, native_pool
 from .actions import Drop, Send
 from .combiners import DecodeSumEncodeOp, FloatSumOp, IntegerSumOp
 from .jobspec import Address, IntegerSum, JobSpec, SpecError
+from .native_pool import NativePool
 from .packet import HEADER_SIZE, Header, Kind, MalformedPacket, parse_header
 from .slots import SlotPool
 
@@ -67,15 +68,22 @@ def slot_memory(spec: JobSpec) -> int:
 
 
 class Job:
-    def __init__(self, spec: JobSpec):
+    def __init__(self, spec: JobSpec, native: bool = True):
         self.spec = spec
-        self.pool = SlotPool(spec, _sum_op(spec))
+        self.native = native and native_pool.serves(spec)
+        self.pool = NativePool(spec) if self.native else SlotPool(spec, _sum_op(spec))
 
 
 class Aggregator:
-    def __init__(self, profile: Profile, resolve: Callable[[Address], Address] | None = None):
+    def __init__(
+        self,
+        profile: Profile,
+        resolve: Callable[[Address], Address] | None = None,
+        native: bool = True,
+    ):
         self.profile = profile
         self.resolve = resolve or (lambda address: address)
+        self.native = native  # integer jobs' pools in C where they can be (native_pool)
         self.jobs: dict[int, Job] = {}
         self._children: dict[tuple[Address, int], int] = {}  # (parent, parent job) -> our job
         self.stats: dict[str, int] = {}
@@ -158,7 +166,7 @@ class Aggregator:
         if refusal:
             raise ControlError("unsupported", refusal)
         self._check_memory(spec)
-        job = Job(spec)
+        job = Job(spec, self.native)
         self.jobs[spec.job] = job
         if spec.parent is not None:
             self._children[(spec.parent.address, spec.parent.job)] = spec.job
@@ -193,6 +201,13 @@ class Aggregator:
             spec.job, addresses, spec.slots, spec.elements, spec.op, spec.max_contributors,
             spec.quorum, spec.deadline, parent, spec.group,
         )  # fmt: skip
+
+    def native_pools(self) -> list:
+        """The C cores of the native jobs, for the daemon's loop (``native_pool.serve``)."""
+        return [job.pool.core for job in self.jobs.values() if job.native]
+
+    def count(self, name: str, times: int = 1) -> None:
+        self.stats[name] = self.stats.get(name, 0) + times
 
     def statistics(self) -> dict:
         return {

@@ -2,7 +2,9 @@
 
 Receives into one reused buffer, hands the view to the data plane, sends each action's header and
 payload gathered (``sendmsg``, no copy), injects seeded loss both ways if asked, completes quorum
-slots at their deadlines, and stops within a fraction of a second of ``stop`` being set.
+slots at their deadlines, and stops within a fraction of a second of ``stop`` being set. The
+packets of native jobs (``dataplane.native_pool``) are received, aggregated and answered by the C
+loop, which hands every other datagram back here; injected impairments keep everything here.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..dataplane import native_pool
 from ..dataplane.actions import Send
 from ..dataplane.aggregator import Aggregator
 from .loss import Impairment
@@ -65,6 +68,10 @@ class Daemon:
     def serve(self) -> None:
         view = memoryview(self._buffer)
         while not self.stop.is_set():
+            pools = self._native_pools()
+            if pools:
+                self._serve_native(pools, view)
+                continue
             try:
                 size, source = self.sock.recvfrom_into(self._buffer)
             except (BlockingIOError, InterruptedError):
@@ -77,6 +84,26 @@ class Daemon:
             arrived = self.impair_in(packet, _keep_received) if self.impair_in.active else [packet]
             for data, sender in arrived:
                 self._perform(self.aggregator.on_datagram(data, sender, self.clock()))
+
+    def _native_pools(self) -> list:
+        """The C pools of the jobs registered now, when packets need no impairing."""
+        if self.impair_in.active or self.impair_out.active:
+            return []
+        return self.aggregator.native_pools()
+
+    def _serve_native(self, pools: list, view: memoryview) -> None:
+        """Let the C loop handle the native jobs' packets; Python takes whatever it leaves."""
+        fd = self.sock.fileno()
+        handled, sent, failures, size, source = native_pool.serve(fd, pools, self._buffer)
+        self.stats.received += handled + (1 if size else 0)
+        self.stats.sent += sent
+        self.stats.send_failures += failures
+        if handled:
+            self.aggregator.count("datagrams", handled)
+        if size:
+            self._perform(self.aggregator.on_datagram(view[:size], source, self.clock()))
+        elif not handled:
+            self._idle()
 
     def _idle(self) -> None:
         now = self.clock()

@@ -17,6 +17,7 @@ lookup uses AVX2 intrinsics behind a runtime CPU check, with a scalar loop other
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "lanes_api.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -1011,10 +1012,21 @@ static struct PyModuleDef module = {
     .m_methods = methods,
 };
 
+static const struct thc_lane_api lanes_api = {lookup_accumulate, pack_int32};
+
 PyMODINIT_FUNC PyInit__kernels(void) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     have_avx2 = __builtin_cpu_supports("avx2");
 #endif
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    /* for the switch's native slot pools (dataplane/_pool.c) */
+    PyObject *capsule = PyCapsule_New((void *)&lanes_api, THC_LANE_API_CAPSULE, NULL);
+    if (capsule == NULL || PyModule_AddObject(m, "lanes_api", capsule) < 0) {
+        Py_XDECREF(capsule);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

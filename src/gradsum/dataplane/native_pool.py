@@ -1,0 +1,106 @@
+"""Slot pools of integer-sum jobs in C (``_pool.c``): ``SlotPool``'s decisions without the
+interpreter, and a daemon loop that handles their packets end to end.
+
+A switch spends most of its time on the DATA packets of integer jobs (bfp, THC); in Python each
+costs ~30 us of interpreter time on top of the kernel's copies. ``NativePool`` holds such a job's
+slots in C and answers ``on_data`` exactly as ``SlotPool`` does (tests compare them packet by
+packet); ``serve`` (used by ``net.daemon``) receives, aggregates and sends for all native jobs
+and hands every other datagram to the Python aggregator.
+
+A job is native when the extension is built, ``GRADSUM_NATIVE`` is not 0, its op is an integer
+sum of int32 lanes or of indices of up to 8 bits (its table of at most 256 entries), it has no
+quorum and no parent, and its workers and group are IPv4.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+
+from . import actions
+from .actions import Drop, Send, Store
+from .jobspec import IntegerSum, JobSpec
+from .packet import Header
+
+try:
+    from . import _pool
+except ImportError:  # built without a C compiler
+    _pool = None
+
+MULTICAST, UNICAST, STALE, DROP = 1, 2, 3, 4  # _pool.c's actions
+_WHAT = {MULTICAST: actions.MULTICAST, UNICAST: actions.UNICAST, STALE: actions.STALE}
+
+
+def serves(spec: JobSpec) -> bool:
+    from ..codecs.native_common import enabled
+
+    op = spec.op
+    return (
+        _pool is not None
+        and enabled()
+        and isinstance(op, IntegerSum)
+        and (op.signed or op.in_bits <= 8)
+        and not spec.quorum
+        and spec.parent is None
+        and all(_ipv4(host) for host, _ in (*spec.addresses, *([spec.group] if spec.group else [])))
+    )
+
+
+class NativePool:
+    """``SlotPool``'s interface for one native job."""
+
+    def __init__(self, spec: JobSpec):
+        op = spec.op
+        table = () if op.signed else (op.table or tuple(range(1 << op.in_bits)))
+        self.spec = spec
+        self.acc = np.zeros((2, spec.slots, spec.elements), dtype=np.int32)  # as SlotPool's
+        self.core = _pool.Pool(
+            spec.job, spec.slots, spec.elements, spec.max_contributors, op.in_bits, op.out_bits,
+            op.signed, table, list(spec.addresses), spec.group, True, self.acc,
+        )  # fmt: skip
+
+    def on_data(self, header: Header, payload: memoryview, now: float) -> list:
+        stored, action, *rest = self.core.process(
+            header.worker, header.slot, header.version, int(header.op), header.flags,
+            header.chunk, header.elements, header.contributors, payload,
+        )  # fmt: skip
+        done = [Store(self.spec.job, header.slot, header.version, header.chunk)] if stored else []
+        if action == DROP:
+            return [*done, Drop(rest[0])]
+        if action:
+            worker, head, data = rest
+            return [*done, Send(_WHAT[action], self._destinations(action, worker), head, data)]
+        return done
+
+    def _destinations(self, action: int, worker: int) -> tuple:
+        if action != MULTICAST:
+            return (self.spec.addresses[worker],)
+        return (self.spec.group,) if self.spec.group else self.spec.addresses
+
+    def on_parent_result(self, header: Header, payload: memoryview) -> list:
+        return [Drop("unexpected", "a native job has no parent")]
+
+    def on_tick(self, now: float) -> list:
+        return []
+
+    def next_deadline(self) -> float | None:
+        return None
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self.core.stats()
+
+
+def serve(fd: int, pools: list, buffer: bytearray, limit: int = 256):
+    """Handle queued datagrams of native jobs; (handled, sent, send failures, size, source) with
+    ``size`` > 0 when a datagram for the Python aggregator waits in ``buffer``."""
+    return _pool.serve(fd, pools, buffer, limit)
+
+
+def _ipv4(host: str) -> bool:
+    try:
+        socket.inet_pton(socket.AF_INET, host)
+    except OSError:
+        return False
+    return True
