@@ -9,11 +9,13 @@
  *   Pool.process(worker, slot, version, op, flags, chunk, elements, contributors, payload)
  *       sans-IO: one DATA packet whose job, worker and source the caller checked; returns the
  *       actions as tuples (see native_pool.py).
- *   serve(fd, pools, buffer, limit) -> (handled, sent, size, source)
+ *   serve(fd, pools, buffer, limit, drop_in, drop_out, rng) -> (handled, sent, failures,
+ *                                                               dropped_in, dropped_out, size, source)
  *       the daemon's loop: receives datagrams into `buffer` and handles those of the pools'
  *       jobs from their workers' addresses, sending results itself, until the socket is empty,
  *       `limit` were handled, or a datagram needs Python (anything else: control, another job,
  *       a stranger, a malformed header), which is left in `buffer` (size, source) for it.
+ *       drop_in/drop_out: injected loss (rng: its uint64 state), as net/loss.py's drops.
  *
  * Lane arithmetic: int32 adds and maxes here; THC's table lookups and result packing through the
  * capsule of gradsum.codecs.thc._kernels (its AVX2 kernels), else in plain C.
@@ -482,6 +484,21 @@ static PyTypeObject PoolType = {
 
 /* -- the daemon loop ------------------------------------------------------------------------- */
 
+/* seeded loss injection (--drop-rate): xorshift64* draws in [0, 1) */
+struct loss {
+    double in, out;
+    uint64_t *state;
+    long long dropped_in, dropped_out;
+};
+
+static int lost(struct loss *l, double rate) {
+    if (rate <= 0) return 0;
+    uint64_t x = *l->state;
+    x ^= x >> 12, x ^= x << 25, x ^= x >> 27;
+    *l->state = x;
+    return (double)((x * 0x2545F4914F6CDD1Dull) >> 11) * 0x1.0p-53 < rate;
+}
+
 static int send_to(int fd, const struct sockaddr_in *to, const struct outcome *o) {
     struct iovec parts[2] = {{(void *)o->header, HEADER_SIZE},
                              {(void *)o->payload, o->payload_size}};
@@ -498,15 +515,28 @@ static int send_to(int fd, const struct sockaddr_in *to, const struct outcome *o
     return 0;
 }
 
-static int send_outcome(int fd, Pool *p, const struct outcome *o, long long *failures) {
+/* one copy to `to` unless the injected loss takes it: 1 if it went out */
+static int emit(int fd, const struct sockaddr_in *to, const struct outcome *o, struct loss *l,
+                long long *failures) {
+    if (lost(l, l->out)) {
+        l->dropped_out++;
+        return 0;
+    }
+    if (send_to(fd, to, o)) return 1;
+    ++*failures;
+    return 0;
+}
+
+static int send_outcome(int fd, Pool *p, const struct outcome *o, struct loss *l,
+                        long long *failures) {
     int sent = 0;
     if (o->action == SEND_MULTICAST && p->has_group) {
-        sent += send_to(fd, &p->group, o) || (++*failures, 0);
+        sent += emit(fd, &p->group, o, l, failures);
     } else if (o->action == SEND_MULTICAST) {
         for (uint32_t w = 0; w < p->workers; w++)
-            sent += send_to(fd, p->addresses + w, o) || (++*failures, 0);
+            sent += emit(fd, p->addresses + w, o, l, failures);
     } else if (o->action == SEND_UNICAST || o->action == SEND_STALE) {
-        sent += send_to(fd, p->addresses + o->to_worker, o) || (++*failures, 0);
+        sent += emit(fd, p->addresses + o->to_worker, o, l, failures);
     }
     return sent;
 }
@@ -522,13 +552,24 @@ static Pool *pool_for(Pool **pools, Py_ssize_t count, uint16_t job) {
 static PyObject *py_serve(PyObject *self, PyObject *args) {
     int fd, limit;
     PyObject *sequence;
-    Py_buffer buffer;
-    if (!PyArg_ParseTuple(args, "iOw*i", &fd, &sequence, &buffer, &limit)) return NULL;
+    Py_buffer buffer, rng;
+    struct loss loss = {0};
+    if (!PyArg_ParseTuple(args, "iOw*iddw*", &fd, &sequence, &buffer, &limit, &loss.in,
+                          &loss.out, &rng))
+        return NULL;
+    if (rng.len != sizeof(uint64_t)) {
+        PyBuffer_Release(&rng);
+        PyBuffer_Release(&buffer);
+        PyErr_SetString(PyExc_ValueError, "the loss state is one uint64");
+        return NULL;
+    }
+    loss.state = rng.buf;
     PyObject *fast = PySequence_Fast(sequence, "pools must be a sequence of Pool");
     if (fast == NULL || buffer.len < MAX_DATAGRAM + 1) {
         if (fast != NULL) PyErr_SetString(PyExc_ValueError, "the buffer must hold a datagram");
         Py_XDECREF(fast);
         PyBuffer_Release(&buffer);
+        PyBuffer_Release(&rng);
         return NULL;
     }
     Py_ssize_t count = PySequence_Fast_GET_SIZE(fast);
@@ -539,6 +580,7 @@ static PyObject *py_serve(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_TypeError, "pools must be a sequence of Pool");
             Py_DECREF(fast);
             PyBuffer_Release(&buffer);
+            PyBuffer_Release(&rng);
             return NULL;
         }
         pools[i] = (Pool *)item;
@@ -560,6 +602,10 @@ static PyObject *py_serve(PyObject *self, PyObject *args) {
             size = 0;
             break;
         }
+        if (lost(&loss, loss.in)) {
+            loss.dropped_in++;
+            continue;
+        }
         struct header h;
         Pool *p = NULL;
         if (source.sin_family == AF_INET && parse(data, (size_t)size, &h))
@@ -570,18 +616,21 @@ static PyObject *py_serve(PyObject *self, PyObject *args) {
             break; /* Python's: it drops and counts what is wrong, or it is control */
         struct outcome o;
         on_data(p, &h, data + HEADER_SIZE, (size_t)size - HEADER_SIZE, &o);
-        sent += send_outcome(fd, p, &o, &failures);
+        sent += send_outcome(fd, p, &o, &loss, &failures);
         handled++;
         size = 0;
     }
     Py_END_ALLOW_THREADS
     Py_DECREF(fast);
     PyBuffer_Release(&buffer);
+    PyBuffer_Release(&rng);
     if (error) {
         errno = error;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    if (size == 0) return Py_BuildValue("(LLLnO)", handled, sent, failures, (Py_ssize_t)0, Py_None);
+    if (size == 0)
+        return Py_BuildValue("(LLLLLnO)", handled, sent, failures, loss.dropped_in,
+                             loss.dropped_out, (Py_ssize_t)0, Py_None);
     char host[INET_ADDRSTRLEN] = "";
     PyObject *where = NULL;
     if (source.sin_family == AF_INET) {
@@ -591,12 +640,14 @@ static PyObject *py_serve(PyObject *self, PyObject *args) {
         where = Py_BuildValue("(si)", "", 0); /* not IPv4: no job's worker */
     }
     if (where == NULL) return NULL;
-    return Py_BuildValue("(LLLnN)", handled, sent, failures, (Py_ssize_t)size, where);
+    return Py_BuildValue("(LLLLLnN)", handled, sent, failures, loss.dropped_in, loss.dropped_out,
+                         (Py_ssize_t)size, where);
 }
 
 static PyMethodDef methods[] = {
     {"serve", py_serve, METH_VARARGS,
-     "serve(fd, pools, buffer, limit) -> (handled, sent, send_failures, size, source)"},
+     "serve(fd, pools, buffer, limit, drop_in, drop_out, rng) -> (handled, sent, send_failures,"
+     " dropped_in, dropped_out, size, source)"},
     {NULL, NULL, 0, NULL},
 };
 

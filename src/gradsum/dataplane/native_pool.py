@@ -92,10 +92,26 @@ class NativePool:
         return self.core.stats()
 
 
-def serve(fd: int, pools: list, buffer: bytearray, limit: int = 256):
+def serve(fd: int, pools: list, buffer: bytearray, loss: Loss, limit: int = 256):
     """Handle queued datagrams of native jobs; (handled, sent, send failures, size, source) with
     ``size`` > 0 when a datagram for the Python aggregator waits in ``buffer``."""
-    return _pool.serve(fd, pools, buffer, limit)
+    handled, sent, failures, dropped_in, dropped_out, size, source = _pool.serve(
+        fd, pools, buffer, limit, loss.drop_in, loss.drop_out, loss.state
+    )
+    loss.dropped_in += dropped_in
+    loss.dropped_out += dropped_out
+    return handled, sent, failures, size, source
+
+
+class Loss:
+    """Injected loss for the native loop: rates each way and the seeded generator's state."""
+
+    def __init__(self, drop_in: float = 0.0, drop_out: float = 0.0, seed: int = 0):
+        self.drop_in, self.drop_out = drop_in, drop_out
+        # xorshift needs a non-zero state; splitmix the seed into one
+        mixed = (seed + 0x9E3779B97F4A7C15) * 0xBF58476D1CE4E5B9 % (1 << 64)
+        self.state = np.array([mixed or 1], dtype=np.uint64)
+        self.dropped_in = self.dropped_out = 0
 
 
 def _ipv4(host: str) -> bool:

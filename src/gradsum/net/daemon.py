@@ -58,6 +58,8 @@ class Daemon:
         rates = (drop_rate, duplicate_rate, reorder_rate)
         self.impair_in = Impairment(*rates, seed=seed)
         self.impair_out = Impairment(*rates, seed=seed + 1)
+        self.duplicate_rate, self.reorder_rate = duplicate_rate, reorder_rate
+        self._native_loss = native_pool.Loss(drop_rate, drop_rate, seed=seed + 2)
         self.clock = clock
         self.stop = threading.Event()
         self.stats = DaemonStats()
@@ -86,16 +88,19 @@ class Daemon:
                 self._perform(self.aggregator.on_datagram(data, sender, self.clock()))
 
     def _native_pools(self) -> list:
-        """The C pools of the jobs registered now, when packets need no impairing."""
-        if self.impair_in.active or self.impair_out.active:
+        """The C pools of the jobs registered now, unless duplicates or reordering are injected
+        (the C loop injects loss only)."""
+        if self.duplicate_rate or self.reorder_rate:
             return []
         return self.aggregator.native_pools()
 
     def _serve_native(self, pools: list, view: memoryview) -> None:
         """Let the C loop handle the native jobs' packets; Python takes whatever it leaves."""
         fd = self.sock.fileno()
-        handled, sent, failures, size, source = native_pool.serve(fd, pools, self._buffer)
-        self.stats.received += handled + (1 if size else 0)
+        loss = self._native_loss
+        before = loss.dropped_in
+        handled, sent, failures, size, source = native_pool.serve(fd, pools, self._buffer, loss)
+        self.stats.received += handled + (1 if size else 0) + loss.dropped_in - before
         self.stats.sent += sent
         self.stats.send_failures += failures
         if handled:
@@ -140,9 +145,11 @@ class Daemon:
 
     def statistics(self) -> dict:
         daemon = self.stats.as_dict()
+        native = {"in": self._native_loss.dropped_in, "out": self._native_loss.dropped_out}
         for direction, impairment in (("in", self.impair_in), ("out", self.impair_out)):
             for name, count in impairment.counts.items():
-                daemon[f"injected_{name}_{direction}"] = count
+                extra = native[direction] if name == "dropped" else 0
+                daemon[f"injected_{name}_{direction}"] = count + extra
         return {"daemon": daemon, **self.aggregator.statistics()}
 
     def statistics_json(self) -> str:
