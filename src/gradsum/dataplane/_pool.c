@@ -178,13 +178,22 @@ static int32_t lane_at(const uint8_t *packed, size_t i, int bits) {
 static void enter_lanes(Pool *p, int32_t *acc, const uint8_t *payload, size_t payload_size,
                         uint32_t n, uint8_t op, int presummed, int first) {
     if (op == OP_MAX || p->is_signed || (presummed && p->out_bits == 32)) {
-        const int32_t *v = (const int32_t *)payload; /* int32 lanes (checked length) */
-        int32_t lane;
-        for (uint32_t i = 0; i < n; i++) {
-            memcpy(&lane, v + i, 4);
-            if (first) acc[i] = lane;
-            else if (op == OP_MAX) acc[i] = acc[i] > lane ? acc[i] : lane;
-            else acc[i] = (int32_t)((uint32_t)acc[i] + (uint32_t)lane);
+        /* int32 lanes (length checked); one plain loop per case, so each vectorises */
+        if (first) {
+            memcpy(acc, payload, 4 * (size_t)n);
+        } else if (op == OP_MAX) {
+            for (uint32_t i = 0; i < n; i++) {
+                int32_t lane;
+                memcpy(&lane, payload + 4 * (size_t)i, 4);
+                acc[i] = acc[i] > lane ? acc[i] : lane;
+            }
+        } else {
+            uint32_t *sum = (uint32_t *)acc; /* unsigned: wraps like numpy's int32 add */
+            for (uint32_t i = 0; i < n; i++) {
+                uint32_t lane;
+                memcpy(&lane, payload + 4 * (size_t)i, 4);
+                sum[i] += lane;
+            }
         }
         return;
     }
