@@ -101,7 +101,9 @@ class GridCodec(Codec):
             )
         self.sum_bits = bits_for(workers * self.granularity)
         self._device_tables: dict[torch.device, _Lookups] = {}
-        self._recycler = Recycler()  # the native kernels' outputs (no page faults per call)
+        # the native kernels' outputs, reused so no call faults in fresh pages; a worker's round
+        # holds up to ~5 of them at once (rotated input, error, average, the caller's last one)
+        self._recycler = Recycler(per_request=8)
         self._work_key: tuple | None = None
         self._work: tuple[torch.Tensor, ...] = ()
 
