@@ -33,15 +33,19 @@ class JobSettings:
     seed: int = 0
 
 
-def connect_jobs(address_groups: Sequence[Sequence[Address]], settings: JobSettings) -> list:
+def connect_jobs(
+    address_groups: Sequence[Sequence[Address]], settings: JobSettings, multicast: bool = False
+) -> list:
     """One client per group of aggregator addresses, each for its own job; worker 0 registers
-    every job with all workers' addresses, gathered over the control group."""
+    every job with all workers' addresses, gathered over the control group. ``multicast``: the
+    aggregators multicast results to groups the workers join."""
     from ..net.client import SwitchClient
 
     clients = []
     for group in address_groups:
         client = SwitchClient(
             group,
+            multicast=multicast,
             bind=(local_address_towards(group[0]), 0),
             job=_agree_on_job_id(),
             worker=settings.rank,
@@ -77,13 +81,16 @@ class ServiceAggregator(Aggregator):
     """Every tensor streamed through one job spread over all given aggregators."""
 
     def __init__(self, kind: str, addresses: Sequence[str], settings: JobSettings):
-        from ..net.udp import parse_bind
+        from ..net.udp import is_loopback, parse_bind
 
         super().__init__(settings.rank, settings.world)
         self.name = kind
         flag = "--switch" if kind == "switch" else "--servers"
         parsed = [parse_bind(address, flag) for address in addresses]
-        (self.client,) = connect_jobs([parsed], settings)
+        # A switch on this host multicasts its results through the kernel's loopback; elsewhere
+        # that needs a multicast-capable network, so results stay unicast.
+        local = kind == "switch" and all(is_loopback(host) for host, _ in parsed)
+        (self.client,) = connect_jobs([parsed], settings, multicast=local)
 
     def synchronize(
         self, flat, codec, *, key: Hashable, step: int, seed: int = 0, partition_elements=None
