@@ -33,14 +33,13 @@
 #include <sys/uio.h>
 
 #include "../codecs/thc/lanes_api.h"
+#include "header.h"
 
-#define HEADER_SIZE 32
+#define HEADER_SIZE GS_HEADER_SIZE
 #define MAX_DATAGRAM 65507
-#define PROTOCOL 1
 #define ANY_WORKER 0xFFFF
 #define SEND_WAIT_MS 20 /* daemon.py's: how long a full send buffer may stall one send */
 
-enum kind { DATA = 1, RESULT = 2, STALE_KIND = 3 };
 enum op { OP_NONE = 0, OP_SUM = 1, OP_MAX = 2 };
 enum flag { PRESUMMED = 1, PARTIAL = 2 };
 enum state { EMPTY = 0, OPEN = 1, COMPLETE = 2 };
@@ -69,13 +68,6 @@ enum action { SEND_MULTICAST = 1, SEND_UNICAST = 2, SEND_STALE = 3, DROP = 4, ST
 #define AS_NAME(id, name) name,
 enum counter { COUNTERS(AS_ENUM) NCOUNTERS };
 static const char *counter_names[] = {COUNTERS(AS_NAME)};
-
-struct header {
-    uint8_t kind, op, flags, version;
-    uint16_t job, worker, contributors;
-    uint32_t slot, elements;
-    uint64_t chunk;
-};
 
 typedef struct {
     int64_t chunk; /* -1: never opened */
@@ -117,38 +109,19 @@ struct outcome {
 
 static size_t packed_nbytes(size_t n, int bits) { return (n * (size_t)bits + 7) / 8; }
 
-static int parse(const uint8_t *b, size_t size, struct header *h) {
-    if (size < HEADER_SIZE || size > MAX_DATAGRAM) return 0;
-    if (b[0] != 'G' || b[1] != 'S' || b[2] != PROTOCOL) return 0;
-    uint16_t pad2;
-    h->kind = b[3];
-    memcpy(&h->job, b + 4, 2);
-    memcpy(&h->worker, b + 6, 2);
-    memcpy(&h->slot, b + 8, 4);
-    h->version = b[12];
-    h->op = b[13];
-    h->flags = b[14];
-    memcpy(&h->chunk, b + 16, 8);
-    memcpy(&h->elements, b + 24, 4);
-    memcpy(&h->contributors, b + 28, 2);
-    memcpy(&pad2, b + 30, 2);
-    /* only DATA with a valid op comes here; packet.py judges everything else */
-    return h->kind == DATA && h->op <= OP_MAX && h->version <= 1 && !(h->flags & ~3) &&
-           b[15] == 0 && pad2 == 0;
+/* a DATA packet with a valid op; packet.py judges everything else */
+static int parse(const uint8_t *b, size_t size, struct gs_header *h) {
+    return size >= HEADER_SIZE && size <= MAX_DATAGRAM && gs_parse(b, h) && h->kind == GS_DATA &&
+           h->op <= OP_MAX;
 }
 
 static void pack_header(uint8_t *b, uint8_t kind, uint16_t job, uint16_t worker, uint32_t slot,
                         uint8_t version, uint8_t op, uint8_t flags, uint64_t chunk,
                         uint32_t elements, uint16_t contributors) {
-    memset(b, 0, HEADER_SIZE);
-    b[0] = 'G', b[1] = 'S', b[2] = PROTOCOL, b[3] = kind;
-    memcpy(b + 4, &job, 2);
-    memcpy(b + 6, &worker, 2);
-    memcpy(b + 8, &slot, 4);
-    b[12] = version, b[13] = op, b[14] = flags;
-    memcpy(b + 16, &chunk, 8);
-    memcpy(b + 24, &elements, 4);
-    memcpy(b + 28, &contributors, 2);
+    struct gs_header h = {.kind = kind, .version = version, .op = op, .flags = flags,
+                          .job = job, .worker = worker, .contributors = contributors,
+                          .slot = slot, .elements = elements, .chunk = chunk};
+    gs_pack(b, &h);
 }
 
 static void drop(Pool *p, struct outcome *o, int counter) {
@@ -159,7 +132,7 @@ static void drop(Pool *p, struct outcome *o, int counter) {
 static void reply_result(Pool *p, const Round *r, struct outcome *o, int action, uint16_t worker,
                          uint32_t slot, uint8_t version) {
     o->action = action, o->to_worker = worker;
-    pack_header(o->header, RESULT, p->job, worker, slot, version, r->op, r->flags,
+    pack_header(o->header, GS_RESULT, p->job, worker, slot, version, r->op, r->flags,
                 (uint64_t)r->chunk, r->elements, (uint16_t)r->contributors);
     o->payload = r->result, o->payload_size = r->result_size;
 }
@@ -233,7 +206,7 @@ static void finish(Pool *p, Round *r, int32_t *acc, uint8_t *packed) {
 
 /* -- the state machine (slots.py's SlotPool.on_data) ----------------------------------------- */
 
-static void on_data(Pool *p, const struct header *h, const uint8_t *payload, size_t size,
+static void on_data(Pool *p, const struct gs_header *h, const uint8_t *payload, size_t size,
                     struct outcome *o) {
     o->action = o->stored = o->counter = 0, o->to_worker = 0;
     o->payload = NULL, o->payload_size = 0;
@@ -258,7 +231,7 @@ static void on_data(Pool *p, const struct header *h, const uint8_t *payload, siz
     if (chunk < r->chunk) {
         p->counts[C_STALE]++;
         o->action = SEND_STALE, o->to_worker = h->worker;
-        pack_header(o->header, STALE_KIND, p->job, h->worker, h->slot, h->version, h->op, 0,
+        pack_header(o->header, GS_STALE, p->job, h->worker, h->slot, h->version, h->op, 0,
                     h->chunk, 0, 0);
         return;
     }
@@ -427,8 +400,10 @@ static PyObject *Pool_process(Pool *p, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "fields the caller should have checked");
         return NULL;
     }
-    struct header h = {DATA, (uint8_t)op, (uint8_t)flags, (uint8_t)version, p->job,
-                       (uint16_t)worker, (uint16_t)contributors, slot, elements, chunk};
+    struct gs_header h = {.kind = GS_DATA, .version = (uint8_t)version, .op = (uint8_t)op,
+                          .flags = (uint8_t)flags, .job = p->job, .worker = (uint16_t)worker,
+                          .contributors = (uint16_t)contributors, .slot = slot,
+                          .elements = elements, .chunk = chunk};
     struct outcome o;
     on_data(p, &h, payload.buf, (size_t)payload.len, &o);
     PyBuffer_Release(&payload);
@@ -615,7 +590,7 @@ static PyObject *py_serve(PyObject *self, PyObject *args) {
             loss.dropped_in++;
             continue;
         }
-        struct header h;
+        struct gs_header h;
         Pool *p = NULL;
         if (source.sin_family == AF_INET && parse(data, (size_t)size, &h))
             p = pool_for(pools, count, h.job);

@@ -29,12 +29,9 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
-#define HEADER_SIZE 32
-#define PROTOCOL 1
-#define KIND_DATA 1
-#define KIND_RESULT 2
-#define KIND_STALE 3
-#define KNOWN_FLAGS 3
+#include "../dataplane/header.h"
+
+#define HEADER_SIZE GS_HEADER_SIZE
 #define MAX_FDS 16
 #define MAX_BATCH 64
 #define SEND_WAIT_MS 20 /* how long a full send buffer may stall one batch (client.py's too) */
@@ -61,44 +58,12 @@ struct route {             /* one transfer: an aggregator job streaming one buff
     uint64_t placed;       /* address of uint8[count]: 1 once a chunk's result is in place */
 };
 
-struct header {
-    uint8_t kind, op, flags;
-    uint16_t job, worker, contributors;
-    uint32_t slot, elements;
-    uint8_t version;
-    int64_t chunk;
-};
-
-static int parse(const uint8_t *b, struct header *h) {
-    if (b[0] != 'G' || b[1] != 'S' || b[2] != PROTOCOL) return 0;
-    h->kind = b[3];
-    memcpy(&h->job, b + 4, 2);
-    memcpy(&h->worker, b + 6, 2);
-    memcpy(&h->slot, b + 8, 4);
-    h->version = b[12];
-    h->op = b[13];
-    h->flags = b[14];
-    memcpy(&h->chunk, b + 16, 8);
-    memcpy(&h->elements, b + 24, 4);
-    memcpy(&h->contributors, b + 28, 2);
-    uint16_t pad2;
-    memcpy(&pad2, b + 30, 2);
-    return h->version <= 1 && !(h->flags & ~KNOWN_FLAGS) && b[15] == 0 && pad2 == 0;
-}
-
 static void pack(uint8_t *b, const struct route *r, int64_t chunk, uint32_t elements) {
-    uint32_t slot = (uint32_t)(chunk % r->slots);
-    uint16_t contributors = 1;
-    memset(b, 0, HEADER_SIZE);
-    b[0] = 'G', b[1] = 'S', b[2] = PROTOCOL, b[3] = KIND_DATA;
-    memcpy(b + 4, &r->job, 2);
-    memcpy(b + 6, &r->worker, 2);
-    memcpy(b + 8, &slot, 4);
-    b[12] = (uint8_t)((chunk / r->slots) % 2);
-    b[13] = r->op;
-    memcpy(b + 16, &chunk, 8);
-    memcpy(b + 24, &elements, 4);
-    memcpy(b + 28, &contributors, 2);
+    struct gs_header h = {.kind = GS_DATA, .version = (uint8_t)((chunk / r->slots) % 2),
+                          .op = r->op, .job = r->job, .worker = r->worker, .contributors = 1,
+                          .slot = (uint32_t)(chunk % r->slots), .elements = elements,
+                          .chunk = (uint64_t)chunk};
+    gs_pack(b, &h);
 }
 
 /* ChunkLayout: lanes of chunk `index` and their byte range at `bits` per lane */
@@ -131,10 +96,10 @@ static int take_one(int fd, const struct route *routes, Py_ssize_t nroutes, stru
     ssize_t size = recvfrom(fd, head, HEADER_SIZE, MSG_PEEK | MSG_TRUNC | MSG_DONTWAIT,
                             (struct sockaddr *)&source, &source_size);
     if (size < 0) return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
-    struct header h;
+    struct gs_header h;
     const struct route *r = NULL;
     Py_ssize_t which = 0;
-    if (size >= HEADER_SIZE && source.sin_family == AF_INET && parse(head, &h)) {
+    if (size >= HEADER_SIZE && source.sin_family == AF_INET && gs_parse(head, &h)) {
         for (; which < nroutes; which++) {
             const struct route *c = routes + which;
             if (c->ip == source.sin_addr.s_addr && c->port == source.sin_port && c->job == h.job) {
@@ -146,13 +111,13 @@ static int take_one(int fd, const struct route *routes, Py_ssize_t nroutes, stru
     uint8_t *target = NULL, *placed = NULL;
     size_t target_size = 0;
     int64_t index = 0;
-    if (r != NULL && (h.kind == KIND_RESULT || h.kind == KIND_STALE) && h.op == r->op &&
-        h.chunk >= r->first && h.chunk < r->first + r->count) {
-        index = h.chunk - r->first;
+    if (r != NULL && (h.kind == GS_RESULT || h.kind == GS_STALE) && h.op == r->op &&
+        h.chunk >= (uint64_t)r->first && h.chunk < (uint64_t)(r->first + r->count)) {
+        index = (int64_t)(h.chunk - (uint64_t)r->first);
         placed = (uint8_t *)(uintptr_t)r->placed;
-        out->route = which, out->chunk = h.chunk;
+        out->route = which, out->chunk = (int64_t)h.chunk;
         out->contributors = h.contributors, out->flags = h.flags;
-        if (h.kind == KIND_STALE) {
+        if (h.kind == GS_STALE) {
             out->event = STALE, *has_event = 1;
         } else if (placed[index]) {
             out->event = REPEAT, *has_event = 1;
