@@ -118,6 +118,7 @@ def allreduce_worker(
     """One rank (runs on a testbed host): per-iteration all-reduce times and whether the sum
     of every rank's ``rank + 1`` came out right."""
     os.environ["GLOO_SOCKET_IFNAME"] = interface
+    os.environ.setdefault("USE_LIBUV", "0")  # the classic TCPStore (bench/train_testbed.py)
     import torch
     import torch.distributed as dist
 
