@@ -90,7 +90,7 @@ class Aggregator:
 
     # -- the one entry point for packets ----------------------------------------------------
     def on_datagram(self, data: memoryview, source: Address, now: float) -> list:
-        self._count("datagrams")
+        self.count("datagrams")
         try:
             header = parse_header(data)
         except MalformedPacket as error:
@@ -133,7 +133,7 @@ class Aggregator:
 
     # -- control ----------------------------------------------------------------------------
     def _on_control(self, header: Header, payload: memoryview, source: Address) -> Send:
-        self._count(f"control_{header.kind.name.lower()}")
+        self.count(f"control_{header.kind.name.lower()}")
         try:
             if header.kind is Kind.REGISTER:
                 spec = JobSpec.from_json(_json_body(payload))
@@ -148,10 +148,10 @@ class Aggregator:
                 return _reply(Kind.STATS, header, source, self.statistics())
             raise ControlError("unexpected_kind", f"{header.kind.name} is a reply, not a request")
         except ControlError as error:
-            self._count(f"control_error_{error.code}")
+            self.count(f"control_error_{error.code}")
             return _reply(Kind.ERROR, header, source, {"code": error.code, "message": str(error)})
         except SpecError as error:
-            self._count("control_error_bad_spec")
+            self.count("control_error_bad_spec")
             return _reply(Kind.ERROR, header, source, {"code": "bad_spec", "message": str(error)})
 
     def register(self, spec: JobSpec) -> Job:
@@ -217,11 +217,8 @@ class Aggregator:
         }
 
     def _drop(self, reason: str, detail: str = "") -> Drop:
-        self._count(f"dropped_{reason}")
+        self.count(f"dropped_{reason}")
         return Drop(reason, detail)
-
-    def _count(self, name: str) -> None:
-        self.stats[name] = self.stats.get(name, 0) + 1
 
 
 class ControlError(Exception):

@@ -236,13 +236,18 @@ def _parent(body: object) -> ParentLink:
     return link
 
 
+def is_ipv4(host: str) -> bool:
+    """A numeric IPv4 address (what the native paths and multicast groups take)."""
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def _check_group(group: Address) -> None:
     host, port = group
-    try:
-        multicast = ipaddress.IPv4Address(host).is_multicast
-    except ValueError:
-        multicast = False
-    if not multicast or not 1 <= port <= 65535:
+    if not is_ipv4(host) or not ipaddress.IPv4Address(host).is_multicast or not 1 <= port <= 65535:
         raise SpecError(f"group {host}:{port} is not an IPv4 multicast address (224.0.0.0/4:PORT)")
 
 

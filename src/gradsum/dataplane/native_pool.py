@@ -14,13 +14,11 @@ quorum and no parent, and its workers and group are IPv4.
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 
 from . import actions
 from .actions import Drop, Send, Store
-from .jobspec import IntegerSum, JobSpec
+from .jobspec import IntegerSum, JobSpec, is_ipv4
 from .packet import Header
 
 try:
@@ -43,7 +41,9 @@ def serves(spec: JobSpec) -> bool:
         and (op.signed or op.in_bits <= 8)
         and not spec.quorum
         and spec.parent is None
-        and all(_ipv4(host) for host, _ in (*spec.addresses, *([spec.group] if spec.group else [])))
+        and all(
+            is_ipv4(host) for host, _ in (*spec.addresses, *([spec.group] if spec.group else []))
+        )
     )
 
 
@@ -112,11 +112,3 @@ class Loss:
         mixed = (seed + 0x9E3779B97F4A7C15) * 0xBF58476D1CE4E5B9 % (1 << 64)
         self.state = np.array([mixed or 1], dtype=np.uint64)
         self.dropped_in = self.dropped_out = 0
-
-
-def _ipv4(host: str) -> bool:
-    try:
-        socket.inet_pton(socket.AF_INET, host)
-    except OSError:
-        return False
-    return True

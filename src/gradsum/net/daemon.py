@@ -4,7 +4,8 @@ Receives into one reused buffer, hands the view to the data plane, sends each ac
 payload gathered (``sendmsg``, no copy), injects seeded loss both ways if asked, completes quorum
 slots at their deadlines, and stops within a fraction of a second of ``stop`` being set. The
 packets of native jobs (``dataplane.native_pool``) are received, aggregated and answered by the C
-loop, which hands every other datagram back here; injected impairments keep everything here.
+loop, which injects loss itself and hands every other datagram back here; injected duplication
+or reordering keeps everything here.
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ class Daemon:
         rates = (drop_rate, duplicate_rate, reorder_rate)
         self.impair_in = Impairment(*rates, seed=seed)
         self.impair_out = Impairment(*rates, seed=seed + 1)
-        self.duplicate_rate, self.reorder_rate = duplicate_rate, reorder_rate
         self._native_loss = native_pool.Loss(drop_rate, drop_rate, seed=seed + 2)
         self.clock = clock
         self.stop = threading.Event()
@@ -90,7 +90,7 @@ class Daemon:
     def _native_pools(self) -> list:
         """The C pools of the jobs registered now, unless duplicates or reordering are injected
         (the C loop injects loss only)."""
-        if self.duplicate_rate or self.reorder_rate:
+        if self.impair_in.duplicate or self.impair_in.reorder:
             return []
         return self.aggregator.native_pools()
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..codecs.native_common import enabled
+from ..dataplane.jobspec import is_ipv4
 from ..dataplane.transfer import LaneBuffers, Transfer
 
 try:
@@ -68,7 +69,7 @@ def available() -> bool:
 def serves(pairs: Sequence[tuple]) -> bool:
     """Whether the pump can run these (job handle, transfer) pairs."""
     return available() and all(
-        isinstance(t.buffers, LaneBuffers) and _ipv4(job.address[0]) for job, t in pairs
+        isinstance(t.buffers, LaneBuffers) and is_ipv4(job.address[0]) for job, t in pairs
     )
 
 
@@ -110,11 +111,3 @@ class Routes:
 
 def _array(view: memoryview) -> np.ndarray:
     return np.frombuffer(view, dtype=np.uint8) if len(view) else np.zeros(1, np.uint8)
-
-
-def _ipv4(host: str) -> bool:
-    try:
-        socket.inet_aton(host)
-    except OSError:
-        return False
-    return "." in host
