@@ -10,6 +10,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -21,6 +22,8 @@ from gradsum.testbed.plan import owned_namespaces
 MBIT = 10**6
 # TCP payload per 1514-byte frame of a shaped link: 1448 bytes (timestamps on).
 TCP_GOODPUT = 1448 / 1514
+# a sender process's start-up in a namespace (Python + imports), with room for a loaded host
+SENDER_START_UP_S = 3.0
 
 
 def assert_gone(testbed_id: str) -> None:
@@ -59,8 +62,13 @@ def test_a_server_host_has_one_nic_so_its_incast_shares_it(make_testbed):
         receivers = [
             tb.start_call("ps0", probe.tcp_receive, args=(p, nbytes)) for p in ports.values()
         ]
-        senders = [tb.start_call(w, probe.tcp_send, args=(tb.address("ps0"), p, nbytes))
-                   for w, p in ports.items()]  # fmt: skip
+        # both push from one instant, whatever their processes' start-up took on a busy host
+        start_at = time.monotonic() + SENDER_START_UP_S
+        senders = [
+            tb.start_call(w, probe.tcp_send, args=(tb.address("ps0"), p, nbytes),
+                          kwargs={"start_at": start_at})
+            for w, p in ports.items()
+        ]  # fmt: skip
         for sender in senders:
             sender.result(30)
         flows = [r.result(30) for r in receivers]

@@ -49,8 +49,12 @@ def tcp_receive(port: int, nbytes: int, timeout: float = 30.0, skip: float = 0.1
     }
 
 
-def tcp_send(address: str, port: int, nbytes: int, timeout: float = 30.0) -> int:
-    """Connect to ``address:port`` (retrying until the receiver listens) and send ``nbytes``."""
+def tcp_send(
+    address: str, port: int, nbytes: int, timeout: float = 30.0, start_at: float | None = None
+) -> int:
+    """Connect to ``address:port`` (retrying until the receiver listens) and send ``nbytes``,
+    beginning at ``start_at`` (``time.monotonic()``, one clock for every namespace) if given, so
+    that senders started as separate processes push at the same time."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -62,6 +66,8 @@ def tcp_send(address: str, port: int, nbytes: int, timeout: float = 30.0) -> int
             time.sleep(CONNECT_RETRY_S)
     chunk = bytes(1 << 20)
     with connection:
+        if start_at is not None:
+            time.sleep(max(0.0, start_at - time.monotonic()))
         sent = 0
         while sent < nbytes:
             piece = memoryview(chunk)[: min(len(chunk), nbytes - sent)]
