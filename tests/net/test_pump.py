@@ -9,7 +9,7 @@ import pytest
 from gradsum.codecs import make_codec, run_round
 from gradsum.dataplane import Aggregator, switch_profile
 from gradsum.dataplane.collective import JobHandle
-from gradsum.dataplane.packet import ANY_WORKER, Header, Kind, Op
+from gradsum.dataplane.packet import ANY_WORKER, Header, Kind, Op, parse_header
 from gradsum.dataplane.transfer import LaneBuffers, Transfer
 from gradsum.dataplane.worker import ChunkLayout
 from gradsum.net import pump
@@ -65,14 +65,17 @@ def test_the_pump_places_expected_results_and_lets_everything_else_go():
         ]
         assert down.tolist() == [104] * 8 + [0] * 8 + [106] * 4  # the repeat did not overwrite
 
-        routes.send(worker.fileno(), [(0, 5), (0, 6)])  # chunk 5: lanes 8..15; 6: 16..19
+        # chunk 5 (lanes 8..15) goes out; chunk 6 has its result: a resend repeats only
+        # packets that have none, so nothing of it goes
+        routes.send(worker.fileno(), [(0, 5), (0, 6)])
         switch.settimeout(2)
-        for chunk, lanes in ((5, range(8, 16)), (6, range(16, 20))):
-            data, source = switch.recvfrom(1 << 16)
-            assert source == worker.getsockname()
-            assert data[:32] == Header(Kind.DATA, 7, 1, chunk % 2, (chunk // 2) % 2, Op.SUM, 0,
-                                       chunk, len(lanes), 1).pack()  # fmt: skip
-            assert np.frombuffer(data[32:], np.int32).tolist() == list(lanes)
+        data, source = switch.recvfrom(1 << 16)
+        assert source == worker.getsockname()
+        assert data[:32] == Header(Kind.DATA, 7, 1, 1, 0, Op.SUM, 0, 5, 8, 1).pack()
+        assert np.frombuffer(data[32:], np.int32).tolist() == list(range(8, 16))
+        switch.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            switch.recvfrom(1 << 16)
 
 
 @pytest.mark.parametrize("pumped", [True, False])
@@ -120,3 +123,63 @@ def test_an_ipv6_or_payload_transfer_keeps_the_python_loop():
                         buffers=LaneBuffers(layout, data, data), max_contributors=1)  # fmt: skip
     assert not pump.serves([(JobHandle(("::1", 5), 1, 0, 1, 8, 1), transfer)])
     assert pump.serves([(JobHandle(("127.0.0.1", 5), 1, 0, 1, 8, 1), transfer)])
+
+
+def segmented_transfer(segments: int = 3):
+    """36 lanes in packets of 8, three packets per chunk: chunks 10 (packets 0-2) and 11
+    (packets 3-4, the last one of 4 lanes); the aggregator's packet ids start at 30."""
+    layout = ChunkLayout(lanes=36, lanes_per_chunk=8 * segments, in_bits=32, out_bits=32)
+    up = np.arange(36, dtype=np.int32)
+    down = np.zeros(36, dtype=np.int32)
+    buffers = LaneBuffers(layout, memoryview(up).cast("B"), memoryview(down).cast("B"))
+    transfer = Transfer(job=2, worker=0, op=Op.SUM, first_chunk=10, slots=2, buffers=buffers,
+                        max_contributors=2, segments=segments, first_packet=30)  # fmt: skip
+    return transfer, up, down
+
+
+def test_a_chunk_of_several_packets_goes_in_one_send_and_is_placed_once_all_are_in():
+    transfer, _up, down = segmented_transfer()
+    with open_socket(("127.0.0.1", 0)) as worker, open_socket(("127.0.0.1", 0)) as switch:
+        job = JobHandle(switch.getsockname(), 2, 0, 2, 8, 2, segments=3)
+        routes = pump.Routes([(job, transfer)])
+        routes.send(worker.fileno(), [(0, 10), (0, 11)])
+        switch.settimeout(2)
+        packets = [switch.recvfrom(1 << 16)[0] for _ in range(5)]  # GSO cut them apart
+        slots = 2 * 3  # the aggregator's: one per packet of the window
+        for i, data in enumerate(packets):
+            packet, lanes = 30 + i, 8 if i < 4 else 4
+            want = Header(Kind.DATA, 2, 0, packet % slots, (packet // slots) % 2, Op.SUM, 0,
+                          packet, lanes, 1)  # fmt: skip
+            assert data[:32] == want.pack()
+            assert np.frombuffer(data[32:], np.int32).tolist() == list(range(8 * i, 8 * i + lanes))
+
+        def result(packet, lanes=8):
+            header = Header(Kind.RESULT, 2, ANY_WORKER, packet % slots, (packet // slots) % 2,
+                            Op.SUM, 0, packet, lanes, 2)  # fmt: skip
+            return header.pack() + np.full(lanes, packet, np.int32).tobytes()
+
+        for packet in (30, 31, 33):  # chunk 10 lacks packet 32, chunk 11 packet 34
+            switch.sendto(result(packet), worker.getsockname())
+        assert drain(routes, worker) == []  # no chunk is complete
+        routes.send(worker.fileno(), [(0, 10), (0, 11)])  # resends repeat only missing packets
+        resent = sorted(parse_header(switch.recvfrom(1 << 16)[0]).chunk for _ in range(2))
+        assert resent == [32, 34]
+        switch.sendto(result(34, lanes=4), worker.getsockname())
+        switch.sendto(result(32), worker.getsockname())
+        assert drain(routes, worker) == [(0, 11, 2, 0, pump.PLACED), (0, 10, 2, 0, pump.PLACED)]
+        assert down.tolist() == [30] * 8 + [31] * 8 + [32] * 8 + [33] * 8 + [34] * 4
+
+
+def drain(routes, sock) -> list:
+    events = []
+    for _ in range(5):
+        events += routes.receive([sock.fileno()], 0.05)
+    return events
+
+
+def test_chunks_of_several_packets_need_the_pump(monkeypatch):
+    monkeypatch.setenv("GRADSUM_PUMP", "0")
+    transfer, _, _ = segmented_transfer()
+    job = JobHandle(("127.0.0.1", 5), 2, 0, 2, 8, 2, segments=3)
+    with pytest.raises(RuntimeError, match="native pump"):
+        pump.serves([(job, transfer)])

@@ -259,9 +259,29 @@ def test_loss_drops_are_read_from_the_loss_queue_only():
 
 
 def test_every_namespace_gets_reassembly_memory_and_a_short_fragment_timeout():
-    p = plan(spec(workers=2, ps=1, switch=True))
-    tuned = {c[3]: c[5:] for c in p.commands() if c[:3] == ("ip", "netns", "exec")}
-    assert set(tuned) == set(p.namespaces)
+    tuned = sysctl_settings(plan(spec(workers=2, ps=1, switch=True)))
+    assert set(tuned) == set(plan(spec(workers=2, ps=1, switch=True)).namespaces)
     for settings in tuned.values():
         assert "net.ipv4.ipfrag_high_thresh=67108864" in settings
         assert "net.ipv4.ipfrag_time=1" in settings
+
+
+def test_the_tor_bridges_frames_without_the_hosts_firewall():
+    p = plan(spec(workers=2, ps=1, switch=True))
+    tuned = sysctl_settings(p)
+    for table in ("iptables", "ip6tables", "arptables"):
+        assert f"net.bridge.bridge-nf-call-{table}=0" in tuned[p.tor_namespace]
+        for namespace in set(p.namespaces) - {p.tor_namespace}:  # no bridge there
+            assert f"net.bridge.bridge-nf-call-{table}=0" not in tuned[namespace]
+    # -e: hosts without br_netfilter have no such keys, and that is fine
+    bridging = [c for c in p.commands() if "net.bridge.bridge-nf-call-iptables=0" in c]
+    assert len(bridging) == 1 and "-e" in bridging[0]
+
+
+def sysctl_settings(p) -> dict[str, list[str]]:
+    """namespace -> every key=value its sysctl commands set"""
+    tuned: dict[str, list[str]] = {}
+    for command in p.commands():
+        if command[:3] == ("ip", "netns", "exec") and command[4] == "sysctl":
+            tuned.setdefault(command[3], []).extend(a for a in command[5:] if "=" in a)
+    return tuned

@@ -53,6 +53,7 @@ class Setup:
     receive_buffer: int = 64 << 20  # the aggregator's socket receive buffer (bytes)
     pipelines: int = 1  # processes of the switch/server daemon
     unicast_results: bool = False  # the switch sends n copies instead of one multicast
+    fragmented: bool = False  # 64 KiB datagrams that IP fragments, not MTU-sized packets (GSO)
 
     def slots_at(self, rate: int, method: str | None = None) -> int:
         shared = method is not None and METHODS[method][0] == "server"
@@ -326,6 +327,7 @@ def measure_method(tb, method: str, elements: int, setup: Setup, rate: int):
     from ..net.loopback import WorkerTask
     from ..testbed.aggregation import Daemon, aggregate
     from ..testbed.gloo import gloo_allreduce
+    from ..testbed.plan import MTU
 
     kind, codec = METHODS[method]
     if kind is None:
@@ -335,7 +337,8 @@ def measure_method(tb, method: str, elements: int, setup: Setup, rate: int):
     host = SWITCH_HOST if kind == "switch" else PS_HOST
     task = WorkerTask((), job=1, workers=setup.workers, codec=codec, elements=elements,
                       steps=setup.warmup + setup.steps, slots=setup.slots_at(rate, method),
-                      keep_output=False, multicast=multicast(kind, setup))  # fmt: skip
+                      keep_output=False, multicast=multicast(kind, setup),
+                      mtu=None if setup.fragmented else MTU)  # fmt: skip
     with Daemon(tb, host, kind, pipelines=setup.pipelines) as daemon:
         results = aggregate(tb, daemon, task, timeout=600)
     # the testbed's workers time every step; the first `warmup` ones (job start-up) are dropped

@@ -483,13 +483,36 @@ static int lost(struct loss *l, double rate) {
     return (double)((x * 0x2545F4914F6CDD1Dull) >> 11) * 0x1.0p-53 < rate;
 }
 
-static int send_to(int fd, const struct sockaddr_in *to, const struct outcome *o) {
-    struct iovec parts[2] = {{(void *)o->header, HEADER_SIZE},
-                             {(void *)o->payload, o->payload_size}};
-    struct msghdr message = {.msg_name = (void *)to, .msg_namelen = sizeof *to,
-                             .msg_iov = parts, .msg_iovlen = o->payload_size ? 2 : 1};
+/* Results wait in a queue until the socket is drained (or the queue is full), so that runs of
+ * them to one address, of one size, leave in one system call with UDP_SEGMENT (GSO): a worker's
+ * chunk of MTU-sized packets (net/pump.py) completes as such a run. Payloads stay valid while
+ * queued: they live in their round's slot memory, which no packet can reuse before the workers
+ * have these results. */
+#ifndef SOL_UDP
+#define SOL_UDP 17
+#endif
+#ifndef UDP_SEGMENT
+#define UDP_SEGMENT 103 /* Linux 4.18 */
+#endif
+#define MAX_QUEUE 64
+
+struct queued {
+    struct sockaddr_in to;
+    uint8_t header[HEADER_SIZE];
+    const uint8_t *payload;
+    size_t payload_size;
+};
+
+struct send_queue {
+    int fd, count, gso_works;
+    long long sent, failures;
+    struct queued items[MAX_QUEUE];
+    struct iovec parts[2 * MAX_QUEUE];
+};
+
+static int send_message(int fd, struct msghdr *message) {
     for (int attempt = 0; attempt < 2; attempt++) {
-        if (sendmsg(fd, &message, 0) >= 0) return 1;
+        if (sendmsg(fd, message, 0) >= 0) return 1;
         if (errno != EAGAIN && errno != EWOULDBLOCK) return 0; /* the worker's timer recovers */
         if (attempt == 0) {
             struct pollfd writable = {fd, POLLOUT, 0};
@@ -499,30 +522,93 @@ static int send_to(int fd, const struct sockaddr_in *to, const struct outcome *o
     return 0;
 }
 
-/* one copy to `to` unless the injected loss takes it: 1 if it went out */
-static int emit(int fd, const struct sockaddr_in *to, const struct outcome *o, struct loss *l,
-                long long *failures) {
+static int same_run(const struct queued *a, const struct queued *b) {
+    return a->to.sin_addr.s_addr == b->to.sin_addr.s_addr && a->to.sin_port == b->to.sin_port &&
+           a->payload_size == b->payload_size;
+}
+
+/* Items [first, first + count) as one GSO message (count > 1) or one datagram. */
+static void send_run(struct send_queue *q, int first, int count) {
+    for (int i = 0; i < count; i++) {
+        struct queued *item = q->items + first + i;
+        q->parts[2 * i] = (struct iovec){item->header, HEADER_SIZE};
+        q->parts[2 * i + 1] = (struct iovec){(void *)item->payload, item->payload_size};
+    }
+    struct msghdr message = {.msg_name = &q->items[first].to,
+                             .msg_namelen = sizeof q->items[first].to, .msg_iov = q->parts,
+                             .msg_iovlen = 2 * (size_t)count};
+    union {
+        char buf[CMSG_SPACE(sizeof(uint16_t))];
+        struct cmsghdr align;
+    } control;
+    if (count > 1) {
+        message.msg_control = control.buf, message.msg_controllen = sizeof control.buf;
+        struct cmsghdr *c = CMSG_FIRSTHDR(&message);
+        c->cmsg_level = SOL_UDP, c->cmsg_type = UDP_SEGMENT;
+        c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+        uint16_t size = (uint16_t)(HEADER_SIZE + q->items[first].payload_size);
+        memcpy(CMSG_DATA(c), &size, sizeof size);
+    }
+    if (send_message(q->fd, &message)) {
+        q->sent += count;
+        return;
+    }
+    if (count > 1 && (errno == EINVAL || errno == EIO || errno == EMSGSIZE ||
+                      errno == ENOPROTOOPT || errno == EOPNOTSUPP)) {
+        q->gso_works = 0; /* refused here (old kernel, a device without it): one by one */
+        for (int i = 0; i < count; i++) send_run(q, first + i, 1);
+        return;
+    }
+    q->failures += count;
+}
+
+static void flush(struct send_queue *q) {
+    int first = 0;
+    while (first < q->count) {
+        int count = 1;
+        size_t packet = HEADER_SIZE + q->items[first].payload_size;
+        /* a run: same address and size; the last item may be shorter (a stream's last packet) */
+        while (q->gso_works && first + count < q->count &&
+               (size_t)(count + 1) * packet <= MAX_DATAGRAM) {
+            const struct queued *next = q->items + first + count;
+            if (!same_run(q->items + first, next)) {
+                int shorter = next->to.sin_addr.s_addr == q->items[first].to.sin_addr.s_addr &&
+                              next->to.sin_port == q->items[first].to.sin_port &&
+                              next->payload_size < q->items[first].payload_size;
+                count += shorter;
+                break;
+            }
+            count++;
+        }
+        send_run(q, first, count);
+        first += count;
+    }
+    q->count = 0;
+}
+
+/* one copy to `to` unless the injected loss takes it: 1 if it was queued */
+static int emit(struct send_queue *q, const struct sockaddr_in *to, const struct outcome *o,
+                struct loss *l) {
     if (lost(l, l->out)) {
         l->dropped_out++;
         return 0;
     }
-    if (send_to(fd, to, o)) return 1;
-    ++*failures;
-    return 0;
+    if (q->count == MAX_QUEUE) flush(q);
+    struct queued *item = q->items + q->count++;
+    item->to = *to;
+    memcpy(item->header, o->header, HEADER_SIZE);
+    item->payload = o->payload, item->payload_size = o->payload_size;
+    return 1;
 }
 
-static int send_outcome(int fd, Pool *p, const struct outcome *o, struct loss *l,
-                        long long *failures) {
-    int sent = 0;
+static void send_outcome(struct send_queue *q, Pool *p, const struct outcome *o, struct loss *l) {
     if (o->action == SEND_MULTICAST && p->has_group) {
-        sent += emit(fd, &p->group, o, l, failures);
+        emit(q, &p->group, o, l);
     } else if (o->action == SEND_MULTICAST) {
-        for (uint32_t w = 0; w < p->workers; w++)
-            sent += emit(fd, p->addresses + w, o, l, failures);
+        for (uint32_t w = 0; w < p->workers; w++) emit(q, p->addresses + w, o, l);
     } else if (o->action == SEND_UNICAST || o->action == SEND_STALE) {
-        sent += emit(fd, p->addresses + o->to_worker, o, l, failures);
+        emit(q, p->addresses + o->to_worker, o, l);
     }
-    return sent;
 }
 
 static Pool *pool_for(Pool **pools, Py_ssize_t count, uint16_t job) {
@@ -532,6 +618,8 @@ static Pool *pool_for(Pool **pools, Py_ssize_t count, uint16_t job) {
 }
 
 #define MAX_POOLS 256
+
+static int gso_works = 1; /* cleared for good by the first refusal */
 
 static PyObject *py_serve(PyObject *self, PyObject *args) {
     int fd, limit;
@@ -571,7 +659,16 @@ static PyObject *py_serve(PyObject *self, PyObject *args) {
     }
     if (count > MAX_POOLS) count = MAX_POOLS;
     uint8_t *data = buffer.buf;
-    long long handled = 0, sent = 0, failures = 0;
+    long long handled = 0;
+    struct send_queue *queue = PyMem_RawMalloc(sizeof *queue);
+    if (queue == NULL) {
+        Py_DECREF(fast);
+        PyBuffer_Release(&buffer);
+        PyBuffer_Release(&rng);
+        return PyErr_NoMemory();
+    }
+    queue->fd = fd, queue->count = 0, queue->gso_works = gso_works;
+    queue->sent = queue->failures = 0;
     ssize_t size = 0;
     struct sockaddr_in source;
     int error = 0;
@@ -600,11 +697,15 @@ static PyObject *py_serve(PyObject *self, PyObject *args) {
             break; /* Python's: it drops and counts what is wrong, or it is control */
         struct outcome o;
         on_data(p, &h, data + HEADER_SIZE, (size_t)size - HEADER_SIZE, &o);
-        sent += send_outcome(fd, p, &o, &loss, &failures);
+        send_outcome(queue, p, &o, &loss);
         handled++;
         size = 0;
     }
+    flush(queue); /* before Python handles what it was left, in order */
     Py_END_ALLOW_THREADS
+    gso_works = queue->gso_works;
+    long long sent = queue->sent, failures = queue->failures;
+    PyMem_RawFree(queue);
     Py_DECREF(fast);
     PyBuffer_Release(&buffer);
     PyBuffer_Release(&rng);

@@ -37,11 +37,19 @@ class JobHandle:
     job: int
     worker: int
     slots: int
-    elements: int
+    elements: int  # lanes per packet, as registered
     max_contributors: int
+    # Packets per chunk: a chunk of the window travels as this many packets, numbered and
+    # slotted one after another at the aggregator (which sees ``slots * segments`` slots), and
+    # sent in one system call (UDP GSO). Lets packets fit a path MTU without multiplying the
+    # worker's per-chunk bookkeeping; needs the native pump (net/pump.py).
+    segments: int = 1
+
+    def packet_lanes(self, bits: int) -> int:
+        return min(self.elements, lanes_fitting(bits)) // 8 * 8
 
     def lanes_per_chunk(self, bits: int) -> int:
-        return min(self.elements, lanes_fitting(bits)) // 8 * 8
+        return self.packet_lanes(bits) * self.segments
 
 
 RunTransfers = Callable[[Sequence[tuple[JobHandle, Transfer]]], None]
@@ -79,7 +87,8 @@ class Collective:
         self.stats = {(j.address, j.job): StreamStats() for j in jobs}
         # round trips are learnt per job and kept across rounds and calls
         self._round_trips = {(j.address, j.job): RoundTrip() for j in jobs}
-        self._next_chunk = [0] * len(jobs)
+        self._next_chunk = [0] * len(jobs)  # the transfers' chunk ids
+        self._next_packet = [0] * len(jobs)  # the aggregator's chunk ids (segments per chunk)
         self._buffers: dict[tuple, torch.Tensor] = {}
 
     def allreduce(self, tensor: torch.Tensor, key: Hashable = None) -> torch.Tensor:
@@ -130,7 +139,9 @@ class Collective:
                 up[start * in_bits // 8 : packed_nbytes(start + count, in_bits)],
                 down[start * out_bits // 8 : packed_nbytes(start + count, out_bits)],
             )
-            planned.append((job, self._transfer(j, job, op, buffers), start, layout))
+            packets = -(-count // job.packet_lanes(bits))
+            transfer = self._transfer(j, job, op, buffers, job.segments, packets)
+            planned.append((job, transfer, start, layout))
         self.run([(job, transfer) for job, transfer, _, _ in planned])
         return [(start, layout, transfer.contributors) for _, transfer, start, layout in planned]
 
@@ -191,15 +202,18 @@ class Collective:
         return out
 
     # -- shared --------------------------------------------------------------------------------
-    def _transfer(self, index: int, job: JobHandle, op: Op, buffers) -> Transfer:
+    def _transfer(self, index, job: JobHandle, op, buffers, segments=1, packets=None) -> Transfer:
+        packets = buffers.chunks if packets is None else packets
         transfer = Transfer(
             job=job.job, worker=job.worker, op=op, first_chunk=self._next_chunk[index],
             slots=job.slots, buffers=buffers, max_contributors=job.max_contributors,
             policy=self.policy, stats=self.stats[(job.address, job.job)],
             what=f"{job.address[0]}:{job.address[1]} job {job.job}",
             rtt=self._round_trips[(job.address, job.job)],
+            segments=segments, first_packet=self._next_packet[index],
         )  # fmt: skip
         self._next_chunk[index] += buffers.chunks
+        self._next_packet[index] += packets
         return transfer
 
     def _buffer(self, name: str, nbytes: int, dtype: torch.dtype) -> torch.Tensor:

@@ -103,9 +103,15 @@ class Transfer:
         stats: StreamStats | None = None,
         what: str = "aggregator",
         rtt: RoundTrip | None = None,
+        segments: int = 1,
+        first_packet: int | None = None,
     ):
         self.job, self.worker, self.op = job, worker, op
         self.first, self.slots = first_chunk, slots
+        # the aggregator's view (collective.JobHandle.segments): packets numbered from
+        # first_packet, ``segments`` per chunk, in ``slots * segments`` slots
+        self.segments = segments
+        self.first_packet = first_chunk if first_packet is None else first_packet
         self.buffers = buffers
         self.max_contributors = max_contributors
         self.stream = ChunkStream(
@@ -125,6 +131,8 @@ class Transfer:
 
     def packet(self, chunk: int) -> tuple[bytes, memoryview]:
         """Header and payload view of a chunk's data packet (send them gathered, no copy)."""
+        if self.segments != 1:
+            raise NotImplementedError("chunks of several packets travel through the native pump")
         index = chunk - self.first
         version, slot = (chunk // self.slots) % 2, chunk % self.slots
         header = Header(Kind.DATA, self.job, self.worker, slot, version, self.op, 0, chunk,

@@ -10,9 +10,16 @@
  *     count, contributors, payload size: dataplane/transfer.py's checks) is received straight
  *     into its place in the route's result buffer; a repeat of a placed chunk or a STALE notice
  *     becomes an event; anything else is read and dropped, as the Python path does.
- *   send(fd, routes, [(route, chunk), ...]) -> packets sent
- *     Builds each chunk's header (dataplane/packet.py's layout) and sends header + the chunk's
- *     slice of the route's upstream buffer gathered, with sendmmsg.
+ *   send(fd, routes, [(route, chunk), ...]) -> chunks sent
+ *     Builds each packet's header (dataplane/packet.py's layout) and sends header + the
+ *     packet's slice of the route's upstream buffer gathered, with sendmmsg. A chunk of several
+ *     packets (a route's `segments`) goes as one message with UDP_SEGMENT (GSO): the kernel cuts
+ *     it into the datagrams, so a window of MTU-sized packets costs one call per chunk. Where
+ *     GSO is refused (old kernel, a device without it), its packets go one by one from then on.
+ *
+ * Chunks are the transfer's (dataplane/transfer.py); the aggregator sees packets: chunk c of a
+ * route is packets base + (c - first) * segments + i, i < segments, in slots * segments slots.
+ * A result is placed per packet; the chunk is reported PLACED once all its packets are.
  *
  * ``routes`` is a contiguous array of struct route (its numpy twin is ROUTE in net/pump.py);
  * the buffers it points to belong to the caller, who keeps them alive across the calls.
@@ -29,11 +36,19 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
+#ifndef SOL_UDP
+#define SOL_UDP 17
+#endif
+#ifndef UDP_SEGMENT
+#define UDP_SEGMENT 103 /* Linux 4.18 */
+#endif
+
 #include "../dataplane/header.h"
 
 #define HEADER_SIZE GS_HEADER_SIZE
 #define MAX_FDS 16
 #define MAX_BATCH 64
+#define MAX_SEGMENTS 64 /* packets per GSO send (the kernel's UDP_MAX_SEGMENTS is 64 or 128) */
 #define SEND_WAIT_MS 20 /* how long a full send buffer may stall one batch (client.py's too) */
 
 enum event { PLACED = 1, REPEAT = 2, STALE = 3 };
@@ -51,11 +66,14 @@ struct route {             /* one transfer: an aggregator job streaming one buff
     int64_t first;         /* first chunk id */
     int64_t count;         /* chunks */
     int64_t lanes;
-    int64_t lanes_per_chunk;
-    int64_t slots;
+    int64_t slots;         /* the aggregator's: slots of the window * segments */
+    int64_t base;          /* first packet id */
+    int64_t segments;      /* packets per chunk */
+    int64_t packet_lanes;
+    int64_t packets;
     uint64_t upstream;     /* address of the packed lanes to send */
     uint64_t downstream;   /* address of the result buffer */
-    uint64_t placed;       /* address of uint8[count]: 1 once a chunk's result is in place */
+    uint64_t placed;       /* address of uint8[packets]: 1 once a packet's result is in place */
 };
 
 static void pack(uint8_t *b, const struct route *r, int64_t chunk, uint32_t elements) {
@@ -66,17 +84,32 @@ static void pack(uint8_t *b, const struct route *r, int64_t chunk, uint32_t elem
     gs_pack(b, &h);
 }
 
-/* ChunkLayout: lanes of chunk `index` and their byte range at `bits` per lane */
+/* ChunkLayout at packet granularity: lanes of packet `index` and their byte range */
 static int64_t lanes_of(const struct route *r, int64_t index) {
-    int64_t start = index * r->lanes_per_chunk, left = r->lanes - start;
-    return left < r->lanes_per_chunk ? left : r->lanes_per_chunk;
+    int64_t start = index * r->packet_lanes, left = r->lanes - start;
+    return left < r->packet_lanes ? left : r->packet_lanes;
 }
 
 static void byte_range(const struct route *r, int64_t index, int bits, int64_t *start,
                        int64_t *stop) {
-    int64_t first = index * r->lanes_per_chunk;
+    int64_t first = index * r->packet_lanes;
     *start = first * bits / 8;
     *stop = (first * bits + lanes_of(r, index) * bits + 7) / 8;
+}
+
+/* the packets [*from, *to) of the route's chunk `index` */
+static void packets_of(const struct route *r, int64_t index, int64_t *from, int64_t *to) {
+    *from = index * r->segments;
+    *to = *from + r->segments < r->packets ? *from + r->segments : r->packets;
+}
+
+static int chunk_placed(const struct route *r, int64_t index) {
+    const uint8_t *placed = (const uint8_t *)(uintptr_t)r->placed;
+    int64_t from, to;
+    packets_of(r, index, &from, &to);
+    for (int64_t p = from; p < to; p++)
+        if (!placed[p]) return 0;
+    return 1;
 }
 
 struct found {
@@ -110,21 +143,21 @@ static int take_one(int fd, const struct route *routes, Py_ssize_t nroutes, stru
     }
     uint8_t *target = NULL, *placed = NULL;
     size_t target_size = 0;
-    int64_t index = 0;
+    int64_t packet = 0;
     if (r != NULL && (h.kind == GS_RESULT || h.kind == GS_STALE) && h.op == r->op &&
-        h.chunk >= (uint64_t)r->first && h.chunk < (uint64_t)(r->first + r->count)) {
-        index = (int64_t)(h.chunk - (uint64_t)r->first);
+        h.chunk >= (uint64_t)r->base && h.chunk < (uint64_t)(r->base + r->packets)) {
+        packet = (int64_t)(h.chunk - (uint64_t)r->base);
         placed = (uint8_t *)(uintptr_t)r->placed;
-        out->route = which, out->chunk = (int64_t)h.chunk;
+        out->route = which, out->chunk = r->first + packet / r->segments;
         out->contributors = h.contributors, out->flags = h.flags;
         if (h.kind == GS_STALE) {
             out->event = STALE, *has_event = 1;
-        } else if (placed[index]) {
+        } else if (placed[packet]) {
             out->event = REPEAT, *has_event = 1;
         } else {
             int64_t start, stop;
-            byte_range(r, index, r->out_bits, &start, &stop);
-            if (h.elements == lanes_of(r, index) && h.contributors >= 1 &&
+            byte_range(r, packet, r->out_bits, &start, &stop);
+            if (h.elements == lanes_of(r, packet) && h.contributors >= 1 &&
                 h.contributors <= r->max_contributors && size - HEADER_SIZE == stop - start) {
                 target = (uint8_t *)(uintptr_t)r->downstream + start;
                 target_size = (size_t)(stop - start);
@@ -140,8 +173,8 @@ static int take_one(int fd, const struct route *routes, Py_ssize_t nroutes, stru
     struct msghdr message = {.msg_iov = parts, .msg_iovlen = 2};
     ssize_t got = recvmsg(fd, &message, MSG_DONTWAIT);
     if (got != size || (message.msg_flags & MSG_TRUNC)) return 1; /* raced: the timer resends */
-    placed[index] = 1;
-    out->event = PLACED, *has_event = 1;
+    placed[packet] = 1;
+    if (chunk_placed(r, packet / r->segments)) out->event = PLACED, *has_event = 1;
     return 1;
 }
 
@@ -244,6 +277,27 @@ static PyObject *py_receive(PyObject *self, PyObject *args) {
     return list;
 }
 
+/* Whether GSO sends work here; cleared for good by the first refusal. */
+static int gso_works = 1;
+
+static int gso_refused(int error) {
+    return error == EINVAL || error == EIO || error == ENOPROTOOPT || error == EOPNOTSUPP ||
+           error == EMSGSIZE;
+}
+
+/* The datagrams of one GSO message, one by one (after GSO was refused). */
+static void send_singly(int fd, const struct msghdr *gso) {
+    for (size_t i = 0; i + 1 < gso->msg_iovlen; i += 2) {
+        struct msghdr single = {.msg_name = gso->msg_name, .msg_namelen = gso->msg_namelen,
+                                .msg_iov = gso->msg_iov + i, .msg_iovlen = 2};
+        if (sendmsg(fd, &single, 0) < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            struct pollfd writable = {fd, POLLOUT, 0};
+            poll(&writable, 1, SEND_WAIT_MS);
+            sendmsg(fd, &single, 0); /* a second refusal is left to the timers */
+        }
+    }
+}
+
 /* Send a batch; returns how many went out (a full buffer waits once, then the rest is left to
    the retransmission timers, as client.py's _send does). */
 static int send_batch(int fd, struct mmsghdr *messages, int count) {
@@ -261,9 +315,72 @@ static int send_batch(int fd, struct mmsghdr *messages, int count) {
             continue;
         }
         if (n < 0 && errno == EINTR) continue;
+        struct msghdr *failed = &messages[sent].msg_hdr;
+        if (n < 0 && failed->msg_controllen && gso_refused(errno)) {
+            gso_works = 0;
+            send_singly(fd, failed);
+        }
         sent += 1; /* refused or unreachable: skip it, its timer resends */
     }
     return sent;
+}
+
+/* Room for one batch of sends: up to MAX_BATCH messages of up to MAX_SEGMENTS packets. */
+struct send_room {
+    uint8_t headers[MAX_BATCH * MAX_SEGMENTS][HEADER_SIZE];
+    struct iovec parts[MAX_BATCH * MAX_SEGMENTS * 2];
+    struct sockaddr_in addresses[MAX_BATCH];
+    union {
+        char buf[CMSG_SPACE(sizeof(uint16_t))];
+        struct cmsghdr align;
+    } controls[MAX_BATCH];
+    struct mmsghdr messages[MAX_BATCH];
+};
+
+/* Fill messages from `room->messages[*used]` on with chunk `index` of route `r`'s packets that
+   have no result yet (a resent chunk repeats only those): one GSO message when there are several
+   and GSO works, else one message per packet. Returns 0 when the batch has no room for them. */
+static int add_chunk(struct send_room *room, int *used, int *packed, const struct route *r,
+                     int64_t index) {
+    const uint8_t *placed = (const uint8_t *)(uintptr_t)r->placed;
+    int64_t from, to, missing[MAX_SEGMENTS];
+    int count = 0;
+    packets_of(r, index, &from, &to);
+    for (int64_t packet = from; packet < to; packet++)
+        if (!placed[packet]) missing[count++] = packet;
+    int gso = count > 1 && gso_works, needed = gso ? 1 : count;
+    if (*used + needed > MAX_BATCH || *packed + count > MAX_BATCH * MAX_SEGMENTS) return 0;
+    for (int i = 0; i < count; i++) {
+        int64_t packet = missing[i], start, stop;
+        int at = *packed + i;
+        byte_range(r, packet, r->in_bits, &start, &stop);
+        pack(room->headers[at], r, r->base + packet, (uint32_t)lanes_of(r, packet));
+        room->parts[2 * at] = (struct iovec){room->headers[at], HEADER_SIZE};
+        room->parts[2 * at + 1] = (struct iovec){(uint8_t *)(uintptr_t)r->upstream + start,
+                                                 (size_t)(stop - start)};
+    }
+    for (int m = 0; m < needed; m++) {
+        int at = *used + m, first = *packed + (gso ? 0 : m);
+        room->addresses[at] = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = r->port,
+                                                   .sin_addr.s_addr = r->ip};
+        struct msghdr *h = &room->messages[at].msg_hdr;
+        *h = (struct msghdr){.msg_name = room->addresses + at,
+                             .msg_namelen = sizeof room->addresses[0],
+                             .msg_iov = room->parts + 2 * first,
+                             .msg_iovlen = gso ? 2 * (size_t)count : 2};
+        if (gso) { /* full packets but the chunk's last, which only the stream's last can be */
+            h->msg_control = room->controls[at].buf;
+            h->msg_controllen = sizeof room->controls[at].buf;
+            struct cmsghdr *c = CMSG_FIRSTHDR(h);
+            c->cmsg_level = SOL_UDP, c->cmsg_type = UDP_SEGMENT;
+            c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+            uint16_t size = (uint16_t)(HEADER_SIZE + room->parts[2 * first + 1].iov_len);
+            memcpy(CMSG_DATA(c), &size, sizeof size);
+        }
+        room->messages[at].msg_len = 0;
+    }
+    *used += needed, *packed += count;
+    return 1;
 }
 
 static PyObject *py_send(PyObject *self, PyObject *args) {
@@ -278,21 +395,21 @@ static PyObject *py_send(PyObject *self, PyObject *args) {
         return NULL;
     }
     PyObject *fast = PySequence_Fast(chunks, "chunks must be a sequence of (route, chunk)");
-    if (fast == NULL) {
+    struct send_room *room = fast == NULL ? NULL : PyMem_RawMalloc(sizeof *room);
+    if (room == NULL) {
+        if (fast != NULL) PyErr_NoMemory();
+        Py_XDECREF(fast);
         PyBuffer_Release(&view);
         return NULL;
     }
     Py_ssize_t total = PySequence_Fast_GET_SIZE(fast), done = 0;
-    uint8_t headers[MAX_BATCH][HEADER_SIZE];
-    struct iovec parts[MAX_BATCH][2];
-    struct sockaddr_in addresses[MAX_BATCH];
-    struct mmsghdr messages[MAX_BATCH];
     while (done < total) {
-        int batch = 0;
-        for (; batch < MAX_BATCH && done + batch < total; batch++) {
+        int used = 0, packed = 0;
+        Py_ssize_t taken = 0;
+        for (; done + taken < total; taken++) {
             Py_ssize_t which;
             long long chunk;
-            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, done + batch), "nL", &which,
+            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, done + taken), "nL", &which,
                                   &chunk))
                 goto fail;
             if (which < 0 || which >= nroutes) {
@@ -304,29 +421,25 @@ static PyObject *py_send(PyObject *self, PyObject *args) {
                 PyErr_Format(PyExc_ValueError, "chunk %lld is not route %zd's", chunk, which);
                 goto fail;
             }
-            int64_t index = chunk - r->first, start, stop;
-            byte_range(r, index, r->in_bits, &start, &stop);
-            pack(headers[batch], r, chunk, (uint32_t)lanes_of(r, index));
-            parts[batch][0] = (struct iovec){headers[batch], HEADER_SIZE};
-            parts[batch][1] = (struct iovec){(uint8_t *)(uintptr_t)r->upstream + start,
-                                             (size_t)(stop - start)};
-            addresses[batch] = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = r->port,
-                                                    .sin_addr.s_addr = r->ip};
-            messages[batch] = (struct mmsghdr){.msg_hdr = {.msg_name = addresses + batch,
-                                                           .msg_namelen = sizeof addresses[0],
-                                                           .msg_iov = parts[batch],
-                                                           .msg_iovlen = 2}};
+            if (r->segments < 1 || r->segments > MAX_SEGMENTS) {
+                PyErr_Format(PyExc_ValueError, "%lld segments per chunk (1 to %d)",
+                             (long long)r->segments, MAX_SEGMENTS);
+                goto fail;
+            }
+            if (!add_chunk(room, &used, &packed, r, chunk - r->first)) break;
         }
         Py_BEGIN_ALLOW_THREADS
-        send_batch(fd, messages, batch);
+        send_batch(fd, room->messages, used);
         Py_END_ALLOW_THREADS
-        done += batch;
+        done += taken;
     }
     Py_DECREF(fast);
+    PyMem_RawFree(room);
     PyBuffer_Release(&view);
     return PyLong_FromSsize_t(total);
 fail:
     Py_DECREF(fast);
+    PyMem_RawFree(room);
     PyBuffer_Release(&view);
     return NULL;
 }

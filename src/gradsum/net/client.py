@@ -270,6 +270,7 @@ class SwitchClient:
         rank: int | None = None,
         policy: RetryPolicy | None = None,
         multicast: bool = False,
+        mtu: int | None = None,
     ):
         self.aggregators = [_address(a) for a in aggregators]
         self.job, self.worker, self.workers = job, worker, workers
@@ -277,7 +278,9 @@ class SwitchClient:
         self.codec = make_codec(codec, workers=workers, **self.codec_options)
         self.format: WireFormat = wire_format(self.codec, self.codec_options, seed)
         self.slots = slots
-        self.elements = elements or self._default_elements()
+        self.elements, self.segments = packet_geometry(
+            self.format, elements or self._default_elements(), mtu
+        )
         self.sock = open_socket(bind)
         self.address = local_address(self.sock)
         if multicast and self.sock.family != socket.AF_INET:
@@ -294,7 +297,8 @@ class SwitchClient:
             raise
         self.transport = UdpTransport(self.sock, group_sockets=self.group_sockets)
         handles = [
-            JobHandle(a, job, worker, slots, self.elements, workers) for a in self.aggregators
+            JobHandle(a, job, worker, slots, self.elements, workers, self.segments)
+            for a in self.aggregators
         ]
         self.collective = Collective(self.codec, self.format, handles, self.transport.run,
                                      seed=seed, rank=rank, policy=policy)  # fmt: skip
@@ -312,7 +316,14 @@ class SwitchClient:
         addresses = tuple(resolve(a) for a in worker_addresses)
         if self.multicast and aggregator is not None:
             extra.setdefault("group", multicast_group(resolve(aggregator), self.job))
-        return JobSpec(self.job, addresses, self.slots, self.elements, self.format.op, **extra)
+        if self.segments > 1 and extra.get("quorum"):
+            raise ValueError(
+                "partial aggregation needs one packet per chunk (no mtu): the "
+                "packets of a chunk could complete with different quorums"
+            )
+        # the aggregator holds a slot per packet of the window
+        slots = self.slots * self.segments
+        return JobSpec(self.job, addresses, slots, self.elements, self.format.op, **extra)
 
     def register(self, worker_addresses: Sequence[Address], **extra) -> None:
         """Register this job on every aggregator (call from one worker)."""
@@ -343,6 +354,28 @@ class SwitchClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+IPV4_UDP_HEADERS = 28
+MAX_GSO_BYTES = 65507  # one UDP send, GSO or not: 64 KiB less the IPv4 and UDP headers
+MAX_SEGMENTS = 64  # packets per GSO send (_pump.c)
+
+
+def packet_geometry(fmt: WireFormat, elements: int, mtu: int | None) -> tuple[int, int]:
+    """(lanes per packet, packets per chunk) for a path ``mtu``: packets that fit one frame, so
+    the IP layer never fragments them (a lost fragment loses its whole datagram, and each one
+    costs the kernel as much as a packet), sent a chunk at a time with GSO by the native pump.
+    Every worker of a job computes the same. Without ``mtu``: ``elements`` per packet, one
+    packet per chunk (datagrams of up to 64 KiB)."""
+    if mtu is None or not fmt.lanes:
+        return elements, 1
+    payload = mtu - IPV4_UDP_HEADERS - HEADER_SIZE
+    lanes = payload * 8 // max(fmt.in_bits, fmt.out_bits) // 8 * 8
+    if lanes < 8:
+        raise ValueError(f"mtu {mtu}: no room for a packet of 8 lanes")
+    lanes = min(lanes, elements)
+    packet = HEADER_SIZE + lanes * max(fmt.in_bits, fmt.out_bits) // 8
+    return lanes, max(1, min(MAX_SEGMENTS, MAX_GSO_BYTES // packet))
 
 
 def _address(value: Address | str) -> Address:

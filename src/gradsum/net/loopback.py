@@ -99,6 +99,7 @@ class WorkerTask:
     give_up_after: float = 60.0
     groups: int = 1  # hierarchy: worker w talks to aggregators[w // (workers // groups)]
     multicast: bool = False  # results multicast to a group the workers join (a switch's)
+    mtu: int | None = None  # packets that fit this path MTU, a chunk's sent with GSO
 
     def route(self, worker: int) -> tuple[tuple[Address, ...], int]:
         """(aggregators, worker id there) of a global worker."""
@@ -188,7 +189,8 @@ def job_spec(task: WorkerTask, addresses, aggregator=None, **extra):
 
     probe = SwitchClient(task.aggregators[:1], job=task.job, worker=0, workers=task.workers,
                          codec=task.codec, codec_options=task.codec_options, slots=task.slots,
-                         elements=task.slot_elements, multicast=False)  # fmt: skip
+                         elements=task.slot_elements, multicast=False,
+                         mtu=task.mtu)  # fmt: skip
     probe.multicast = task.multicast
     try:
         return probe.job_spec(addresses, aggregator, **extra)
@@ -224,7 +226,7 @@ def _work(task: WorkerTask, worker: int, pipe) -> WorkerResult:
     client = SwitchClient(aggregators, job=task.job, worker=local, workers=task.workers,
                           codec=task.codec, codec_options=task.codec_options, slots=task.slots,
                           elements=task.slot_elements, seed=task.seed, rank=worker,
-                          policy=policy, multicast=task.multicast)  # fmt: skip
+                          policy=policy, multicast=task.multicast, mtu=task.mtu)  # fmt: skip
     with client:
         pipe.send(client.address)
         if not pipe.poll(120):

@@ -7,6 +7,10 @@ next header, send) on top of the kernel's copy; four workers and a switch share 
 so that overhead, not the copies, bounded a worker. The pump leaves Python only the stream's
 bookkeeping per chunk.
 
+A chunk may travel as several packets (``segments``, to fit a path MTU): the pump sends them in
+one system call with UDP generic segmentation offload (GSO: the kernel, or the NIC, cuts the
+buffer into the datagrams), places each result packet, and reports the chunk once all are in.
+
 Used when the extension is built, neither ``GRADSUM_NATIVE`` nor ``GRADSUM_PUMP`` is 0, and every
 transfer streams lanes (``LaneBuffers``) to an IPv4 aggregator; otherwise the Python loop runs.
 """
@@ -46,8 +50,11 @@ ROUTE = np.dtype(
         ("first", "<i8"),
         ("count", "<i8"),
         ("lanes", "<i8"),
-        ("lanes_per_chunk", "<i8"),
         ("slots", "<i8"),
+        ("base", "<i8"),
+        ("segments", "<i8"),
+        ("packet_lanes", "<i8"),
+        ("packets", "<i8"),
         ("upstream", "<u8"),
         ("downstream", "<u8"),
         ("placed", "<u8"),
@@ -67,10 +74,17 @@ def available() -> bool:
 
 
 def serves(pairs: Sequence[tuple]) -> bool:
-    """Whether the pump can run these (job handle, transfer) pairs."""
-    return available() and all(
+    """Whether the pump can run these (job handle, transfer) pairs; chunks of several packets
+    (``segments``) only it can."""
+    ours = available() and all(
         isinstance(t.buffers, LaneBuffers) and is_ipv4(job.address[0]) for job, t in pairs
     )
+    if not ours and any(t.segments != 1 for _, t in pairs):
+        raise RuntimeError(
+            "chunks of several packets need the native pump (net/_pump.c) and "
+            "IPv4 aggregators; register the job with segments=1"
+        )
+    return ours
 
 
 class Routes:
@@ -85,7 +99,10 @@ class Routes:
 
     def _fill(self, row, address, transfer: Transfer) -> None:
         layout = transfer.buffers.layout
-        placed = np.zeros(max(1, transfer.buffers.chunks), dtype=np.uint8)
+        segments = transfer.segments
+        packet_lanes = layout.lanes_per_chunk // segments
+        packets = -(-layout.lanes // packet_lanes)
+        placed = np.zeros(max(1, packets), dtype=np.uint8)
         upstream = _array(transfer.buffers.upstream_view)
         downstream = _array(transfer.buffers.downstream_view)
         self._keep += [placed, upstream, downstream]
@@ -95,8 +112,10 @@ class Routes:
         row["in_bits"], row["out_bits"] = layout.in_bits, layout.out_bits
         row["max_contributors"] = transfer.max_contributors
         row["first"], row["count"] = transfer.first, transfer.buffers.chunks
-        row["lanes"], row["lanes_per_chunk"] = layout.lanes, layout.lanes_per_chunk
-        row["slots"] = transfer.slots
+        row["lanes"] = layout.lanes
+        row["slots"] = transfer.slots * segments  # the aggregator's slots: one per packet
+        row["base"], row["segments"] = transfer.first_packet, segments
+        row["packet_lanes"], row["packets"] = packet_lanes, packets
         row["upstream"] = upstream.ctypes.data
         row["downstream"] = downstream.ctypes.data
         row["placed"] = placed.ctypes.data

@@ -99,7 +99,7 @@ def aggregation_worker(task, worker: int, addresses: list) -> object:
                           codec=task.codec, codec_options=task.codec_options, slots=task.slots,
                           elements=task.slot_elements, seed=task.seed, rank=worker,
                           policy=policy, bind=tuple(addresses[worker]),
-                          multicast=task.multicast)  # fmt: skip
+                          multicast=task.multicast, mtu=task.mtu)  # fmt: skip
     with client:
         if worker == 0:
             client.register(addresses)
