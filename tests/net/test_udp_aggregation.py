@@ -191,3 +191,17 @@ def test_mtu_sized_packets_a_chunk_per_send_are_bit_identical_under_loss(codec):
     final = json.loads(stderr.split("statistics ", 1)[1].splitlines()[0])["daemon"]
     assert final["received"] >= 4 * packets  # each packet its own datagram
     assert final["injected_dropped_in"] > 0 and final["injected_dropped_out"] > 0
+
+
+def test_mtu_sized_packets_through_the_python_loop_are_bit_identical():
+    """Duplication keeps the daemon in its Python loop, which splits what UDP_GRO joined."""
+    pytest.importorskip("gradsum.net._pump", reason="chunks of several packets need the pump")
+    flags = ("--duplicate-rate", "0.05", "--reorder-rate", "0.05", "--seed", "3")
+    with DaemonProcess("switch", *flags) as switch:
+        task = WorkerTask((switch.address,), job=1, workers=3, codec="bfp", elements=60_000,
+                          slots=4, retry_timeout=0.005, mtu=9000)  # fmt: skip
+        assert_all_equal(run_workers(task, timeout=240), task)
+        stderr = switch.stop()
+    final = json.loads(stderr.split("statistics ", 1)[1].splitlines()[0])
+    assert final["daemon"]["received"] >= 3 * -(-60_000 // 2232)
+    assert final["daemon"]["injected_duplicated_in"] > 0

@@ -58,6 +58,12 @@ def register(benches: argparse._SubParsersAction) -> None:
     testbed.add_argument("--link-rate", metavar="RATE[,RATE...]",
                          help="run in a testbed with links of this rate (100mbit, 1gbit, 10gbit; "
                          "a comma list runs each), built and removed by the command")  # fmt: skip
+    testbed.add_argument(
+        "--fragmented",
+        action="store_true",
+        help="gradsum packets of up to 64 KiB, which IP cuts into fragments "
+        "(default: packets of one frame, a chunk of them per GSO send)",
+    )
     testbed.add_argument("--plot", metavar="PATH", help="PNG of ATE/s against link rate "
                          "(default ate-link-rate.png when several rates run)")  # fmt: skip
     testbed.add_argument(
@@ -88,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
         return ate_testbed.run(args)
     if args.plot:
         raise UsageError("--plot needs --link-rate or --from-json")
+    if args.fragmented:
+        raise UsageError("--fragmented is about a testbed's frames: it needs --link-rate")
     args.sizes = args.sizes or [1 << 20, 1 << 22]
     args.methods = args.methods or list(METHODS)
     args.slots = args.slots or 32

@@ -133,6 +133,7 @@ def make_row(method: str, setup: Setup, elements: int, rate: int, seconds: float
         "steps": setup.steps,
         "link_rate": rate,
         "slots": setup.slots_at(rate, method) if METHODS[method][0] else None,
+        "fragmented": setup.fragmented if METHODS[method][0] else None,
         "wire_seconds": wire,
         "codec_cpu_seconds": 0.0,
     }
@@ -385,7 +386,7 @@ def run(args) -> int:
     setup = Setup(args.workers, tuple(args.sizes or [DEFAULT_ELEMENTS]),
                   tuple(args.methods or TESTBED_METHODS), args.steps, args.warmup,
                   args.slots, args.testbed_id, receive_buffer(), args.pipelines,
-                  args.unicast_results)  # fmt: skip
+                  args.unicast_results, args.fragmented)  # fmt: skip
     rows: list[dict] = []
     profiles: dict = {}
     with sigterm_as_exit():

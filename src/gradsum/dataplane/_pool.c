@@ -621,6 +621,22 @@ static Pool *pool_for(Pool **pools, Py_ssize_t count, uint16_t job) {
 
 static int gso_works = 1; /* cleared for good by the first refusal */
 
+#ifndef UDP_GRO
+#define UDP_GRO 104 /* Linux 5.0 */
+#endif
+
+/* The size of each datagram UDP_GRO joined into this read (its control message), or all of it. */
+static size_t gro_segment(struct msghdr *message, size_t total) {
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(message); c != NULL; c = CMSG_NXTHDR(message, c)) {
+        if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) {
+            int size;
+            memcpy(&size, CMSG_DATA(c), sizeof size);
+            if (size > 0 && (size_t)size < total) return (size_t)size;
+        }
+    }
+    return total;
+}
+
 static PyObject *py_serve(PyObject *self, PyObject *args) {
     int fd, limit;
     PyObject *sequence;
@@ -674,32 +690,50 @@ static PyObject *py_serve(PyObject *self, PyObject *args) {
     int error = 0;
     Py_BEGIN_ALLOW_THREADS
     while (handled < limit) {
-        socklen_t source_size = sizeof source;
-        size = recvfrom(fd, data, MAX_DATAGRAM + 1, MSG_DONTWAIT, (struct sockaddr *)&source,
-                        &source_size);
-        if (size < 0) {
+        union {
+            char buf[CMSG_SPACE(sizeof(int))];
+            struct cmsghdr align;
+        } control;
+        struct iovec whole = {data, MAX_DATAGRAM + 1};
+        struct msghdr message = {.msg_name = &source, .msg_namelen = sizeof source,
+                                 .msg_iov = &whole, .msg_iovlen = 1,
+                                 .msg_control = control.buf, .msg_controllen = sizeof control.buf};
+        ssize_t total = recvmsg(fd, &message, MSG_DONTWAIT);
+        if (total < 0) {
             if (errno == ECONNREFUSED || errno == EINTR) continue;
             error = errno == EAGAIN || errno == EWOULDBLOCK ? 0 : errno;
-            size = 0;
             break;
         }
-        if (lost(&loss, loss.in)) {
-            loss.dropped_in++;
-            continue;
+        /* several datagrams of one sender when UDP_GRO joined them: `segment` bytes each, the
+           last maybe shorter */
+        size_t segment = gro_segment(&message, (size_t)total);
+        size_t datagrams = total == 0 ? 1 : ((size_t)total + segment - 1) / segment;
+        for (size_t i = 0, at = 0; i < datagrams; i++, at += segment) {
+            size_t length = (size_t)total - at < segment ? (size_t)total - at : segment;
+            if (lost(&loss, loss.in)) {
+                loss.dropped_in++;
+                continue;
+            }
+            const uint8_t *packet = data + at;
+            struct gs_header h;
+            Pool *p = NULL;
+            if (source.sin_family == AF_INET && parse(packet, length, &h))
+                p = pool_for(pools, count, h.job);
+            if (p == NULL || h.worker >= p->workers ||
+                p->addresses[h.worker].sin_addr.s_addr != source.sin_addr.s_addr ||
+                p->addresses[h.worker].sin_port != source.sin_port) {
+                /* Python's: it drops and counts what is wrong, or it is control. Datagrams
+                   joined after it are dropped with it (only a broken sender joins such). */
+                memmove(data, packet, length);
+                size = (ssize_t)length;
+                break;
+            }
+            struct outcome o;
+            on_data(p, &h, packet + HEADER_SIZE, length - HEADER_SIZE, &o);
+            send_outcome(queue, p, &o, &loss);
+            handled++;
         }
-        struct gs_header h;
-        Pool *p = NULL;
-        if (source.sin_family == AF_INET && parse(data, (size_t)size, &h))
-            p = pool_for(pools, count, h.job);
-        if (p == NULL || h.worker >= p->workers ||
-            p->addresses[h.worker].sin_addr.s_addr != source.sin_addr.s_addr ||
-            p->addresses[h.worker].sin_port != source.sin_port)
-            break; /* Python's: it drops and counts what is wrong, or it is control */
-        struct outcome o;
-        on_data(p, &h, data + HEADER_SIZE, (size_t)size - HEADER_SIZE, &o);
-        send_outcome(queue, p, &o, &loss);
-        handled++;
-        size = 0;
+        if (size) break;
     }
     flush(queue); /* before Python handles what it was left, in order */
     Py_END_ALLOW_THREADS

@@ -118,63 +118,134 @@ struct found {
     uint8_t flags, event;
 };
 
-/* Handle the datagram at the head of `fd`: 1 if one was read (an event may be filled), 0 when
-   the socket is empty. */
-static int take_one(int fd, const struct route *routes, Py_ssize_t nroutes, struct found *out,
-                    int *has_event) {
-    uint8_t head[HEADER_SIZE];
+#ifndef UDP_GRO
+#define UDP_GRO 104 /* Linux 5.0 */
+#endif
+
+/* The size of each datagram UDP_GRO joined into this read (its control message), or all of it. */
+static size_t gro_segment(struct msghdr *message, size_t total) {
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(message); c != NULL; c = CMSG_NXTHDR(message, c)) {
+        if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) {
+            int size;
+            memcpy(&size, CMSG_DATA(c), sizeof size);
+            if (size > 0 && (size_t)size < total) return (size_t)size;
+        }
+    }
+    return total;
+}
+
+static const struct route *route_of(const struct route *routes, Py_ssize_t nroutes,
+                                    const struct sockaddr_in *source, uint16_t job,
+                                    Py_ssize_t *which) {
+    for (*which = 0; *which < nroutes; ++*which) {
+        const struct route *c = routes + *which;
+        if (c->ip == source->sin_addr.s_addr && c->port == source->sin_port && c->job == job)
+            return c;
+    }
+    return NULL;
+}
+
+/* Where packet `packet` of route `r`, `payload` bytes, belongs: its place in the result buffer
+   if it is the route's, expected and of that size, else NULL. */
+static uint8_t *place_of(const struct route *r, int64_t packet, size_t payload) {
+    if (packet < 0 || packet >= r->packets || ((const uint8_t *)(uintptr_t)r->placed)[packet])
+        return NULL;
+    int64_t start, stop;
+    byte_range(r, packet, r->out_bits, &start, &stop);
+    return (size_t)(stop - start) == payload ? (uint8_t *)(uintptr_t)r->downstream + start : NULL;
+}
+
+/* A received result header against what route r expects of packet `packet`. */
+static int expected(const struct route *r, const struct gs_header *h, int64_t packet) {
+    return h->kind == GS_RESULT && h->op == r->op && h->chunk == (uint64_t)(r->base + packet) &&
+           h->elements == lanes_of(r, packet) && h->contributors >= 1 &&
+           h->contributors <= r->max_contributors;
+}
+
+static void add_event(struct found *events, int *nevents, Py_ssize_t route, int64_t chunk,
+                      const struct gs_header *h, int event) {
+    events[(*nevents)++] = (struct found){.route = route, .chunk = chunk,
+                                          .contributors = h->contributors, .flags = h->flags,
+                                          .event = (uint8_t)event};
+}
+
+static __thread uint8_t sink[1 << 16]; /* payloads that have no place go here */
+
+/* Handle the read at the head of `fd`: one datagram, or up to MAX_SEGMENTS of one sender that
+   UDP_GRO joined (a chunk the switch sent in one GSO message). Results land straight in their
+   places: the first header names the packet, the rest are predicted to follow it and checked
+   after the read; a mispredicted payload only overwrote a place still waiting for its result
+   (or the sink), and its datagram counts as lost. Appends at most MAX_SEGMENTS events. Returns 1
+   if something was read, 0 when the socket is empty, -1 on an error (errno). */
+static int take_one(int fd, const struct route *routes, Py_ssize_t nroutes,
+                    struct found *events, int *nevents) {
+    uint8_t heads[MAX_SEGMENTS][HEADER_SIZE];
     struct sockaddr_in source;
-    socklen_t source_size = sizeof source;
-    *has_event = 0;
-    ssize_t size = recvfrom(fd, head, HEADER_SIZE, MSG_PEEK | MSG_TRUNC | MSG_DONTWAIT,
-                            (struct sockaddr *)&source, &source_size);
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } control;
+    struct iovec peek = {heads[0], HEADER_SIZE};
+    struct msghdr message = {.msg_name = &source, .msg_namelen = sizeof source, .msg_iov = &peek,
+                             .msg_iovlen = 1, .msg_control = control.buf,
+                             .msg_controllen = sizeof control.buf};
+    ssize_t size = recvmsg(fd, &message, MSG_PEEK | MSG_TRUNC | MSG_DONTWAIT);
     if (size < 0) return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
-    struct gs_header h;
+    size_t segment = gro_segment(&message, (size_t)size);
+    int count = size == 0 ? 1 : (int)(((size_t)size + segment - 1) / segment);
+    struct gs_header first;
     const struct route *r = NULL;
     Py_ssize_t which = 0;
-    if (size >= HEADER_SIZE && source.sin_family == AF_INET && gs_parse(head, &h)) {
-        for (; which < nroutes; which++) {
-            const struct route *c = routes + which;
-            if (c->ip == source.sin_addr.s_addr && c->port == source.sin_port && c->job == h.job) {
-                r = c;
-                break;
-            }
-        }
-    }
-    uint8_t *target = NULL, *placed = NULL;
-    size_t target_size = 0;
-    int64_t packet = 0;
-    if (r != NULL && (h.kind == GS_RESULT || h.kind == GS_STALE) && h.op == r->op &&
-        h.chunk >= (uint64_t)r->base && h.chunk < (uint64_t)(r->base + r->packets)) {
-        packet = (int64_t)(h.chunk - (uint64_t)r->base);
-        placed = (uint8_t *)(uintptr_t)r->placed;
-        out->route = which, out->chunk = r->first + packet / r->segments;
-        out->contributors = h.contributors, out->flags = h.flags;
-        if (h.kind == GS_STALE) {
-            out->event = STALE, *has_event = 1;
-        } else if (placed[packet]) {
-            out->event = REPEAT, *has_event = 1;
-        } else {
-            int64_t start, stop;
-            byte_range(r, packet, r->out_bits, &start, &stop);
-            if (h.elements == lanes_of(r, packet) && h.contributors >= 1 &&
-                h.contributors <= r->max_contributors && size - HEADER_SIZE == stop - start) {
-                target = (uint8_t *)(uintptr_t)r->downstream + start;
-                target_size = (size_t)(stop - start);
-            }
-        }
-    }
-    if (target == NULL) { /* not ours, or not as expected: read it and let it go */
-        uint8_t scrap[1];
+    size_t last = (size_t)size - (size_t)(count - 1) * segment; /* the last datagram's size */
+    if (count <= MAX_SEGMENTS && last >= HEADER_SIZE && segment >= HEADER_SIZE &&
+        source.sin_family == AF_INET && gs_parse(heads[0], &first))
+        r = route_of(routes, nroutes, &source, first.job, &which);
+    if (r == NULL || (first.kind != GS_RESULT && first.kind != GS_STALE) || first.op != r->op ||
+        first.chunk < (uint64_t)r->base || first.chunk >= (uint64_t)(r->base + r->packets)) {
+        uint8_t scrap[1]; /* not ours, or not as expected: read it and let it go */
         recv(fd, scrap, sizeof scrap, MSG_DONTWAIT | MSG_TRUNC);
         return 1;
     }
-    struct iovec parts[2] = {{head, HEADER_SIZE}, {target, target_size}};
-    struct msghdr message = {.msg_iov = parts, .msg_iovlen = 2};
-    ssize_t got = recvmsg(fd, &message, MSG_DONTWAIT);
-    if (got != size || (message.msg_flags & MSG_TRUNC)) return 1; /* raced: the timer resends */
-    placed[packet] = 1;
-    if (chunk_placed(r, packet / r->segments)) out->event = PLACED, *has_event = 1;
+    int64_t packet = (int64_t)(first.chunk - (uint64_t)r->base);
+    struct iovec parts[2 * MAX_SEGMENTS];
+    uint8_t *places[MAX_SEGMENTS];
+    for (int i = 0; i < count; i++) {
+        size_t length = (size_t)size - (size_t)i * segment;
+        size_t payload = (length < segment ? length : segment) - HEADER_SIZE;
+        /* the first header is known before the read: a place only for what it promises */
+        int wanted = i > 0 ? first.kind == GS_RESULT : expected(r, &first, packet);
+        places[i] = wanted ? place_of(r, packet + i, payload) : NULL;
+        parts[2 * i] = (struct iovec){heads[i], HEADER_SIZE};
+        parts[2 * i + 1] = (struct iovec){places[i] ? places[i] : sink, payload};
+    }
+    struct msghdr whole = {.msg_iov = parts, .msg_iovlen = 2 * (size_t)count};
+    ssize_t got = recvmsg(fd, &whole, MSG_DONTWAIT);
+    if (got != size || (whole.msg_flags & MSG_TRUNC)) return 1; /* raced: the timer resends */
+    uint8_t *placed = (uint8_t *)(uintptr_t)r->placed;
+    int64_t reported = -1;
+    for (int i = 0; i < count; i++) {
+        struct gs_header h;
+        int64_t p = packet + i, chunk;
+        if (!gs_parse(heads[i], &h) || h.job != r->job) continue;
+        if (h.kind == GS_STALE && h.chunk >= (uint64_t)r->base &&
+            h.chunk < (uint64_t)(r->base + r->packets)) {
+            chunk = (int64_t)(h.chunk - (uint64_t)r->base) / r->segments;
+            add_event(events, nevents, which, r->first + chunk, &h, STALE);
+        } else if (places[i] != NULL && expected(r, &h, p)) {
+            placed[p] = 1;
+        } else if (p < r->packets && placed[p] && expected(r, &h, p)) {
+            add_event(events, nevents, which, r->first + p / r->segments, &h, REPEAT);
+        }
+    }
+    for (int i = 0; i < count; i++) { /* chunks completed by this read, once each */
+        int64_t p = packet + i, chunk = p / r->segments;
+        struct gs_header h = {0};
+        if (places[i] == NULL || !placed[p] || chunk == reported || !chunk_placed(r, chunk))
+            continue;
+        gs_parse(heads[i], &h);
+        add_event(events, nevents, which, r->first + chunk, &h, PLACED);
+        reported = chunk;
+    }
     return 1;
 }
 
@@ -221,14 +292,13 @@ static int drain(const int *fds, Py_ssize_t nfds, const struct route *routes, Py
     /* at most 4 * limit reads, so a flood of strangers' datagrams cannot hold off the timers */
     int idle = 0;
     for (int turn = 0; *nevents < limit && idle < nfds && turn < 4 * limit; turn++) {
-        int fd = fds[turn % nfds], has_event;
-        int taken = take_one(fd, routes, nroutes, events + *nevents, &has_event);
+        int fd = fds[turn % nfds];
+        int taken = take_one(fd, routes, nroutes, events, nevents);
         if (taken < 0) {
             if (errno == ECONNREFUSED || errno == EINTR) continue; /* ICMP of an earlier send */
             return -1;
         }
         idle = taken ? 0 : idle + 1;
-        *nevents += has_event;
     }
     return 0;
 }
@@ -241,7 +311,7 @@ static PyObject *py_receive(PyObject *self, PyObject *args) {
     int fds[MAX_FDS];
     Py_ssize_t nfds, nroutes;
     const struct route *routes;
-    struct found events[MAX_BATCH];
+    struct found events[MAX_BATCH + MAX_SEGMENTS]; /* a read may overshoot the limit */
     if (limit < 1 || limit > MAX_BATCH) limit = MAX_BATCH;
     if (!fds_of(fd_list, fds, &nfds) || !routes_of(&view, &routes, &nroutes)) {
         PyBuffer_Release(&view);

@@ -31,6 +31,7 @@ from ..dataplane.transfer import Transfer
 from ..dataplane.worker import RetryPolicy
 from . import pump
 from .udp import (
+    enable_gro,
     local_address,
     multicast_group,
     open_group_socket,
@@ -295,6 +296,9 @@ class SwitchClient:
         except OSError:
             self.close()
             raise
+        if self.segments > 1:  # the switch answers a chunk in one GSO send: read it as one
+            for sock in (self.sock, *self.group_sockets):
+                enable_gro(sock)
         self.transport = UdpTransport(self.sock, group_sockets=self.group_sockets)
         handles = [
             JobHandle(a, job, worker, slots, self.elements, workers, self.segments)

@@ -21,6 +21,7 @@ from ..dataplane import native_pool
 from ..dataplane.actions import Send
 from ..dataplane.aggregator import Aggregator
 from .loss import Impairment
+from .udp import enable_gro, receive_datagrams
 
 POLL_CEILING = 0.2  # seconds between checks of the stop flag when idle
 SEND_WAIT_MS = 20  # how long a full send buffer may stall one send before it counts as lost
@@ -66,6 +67,7 @@ class Daemon:
         self._buffer = bytearray(1 << 16)
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
+        enable_gro(sock)  # both loops split joined datagrams
 
     def serve(self) -> None:
         view = memoryview(self._buffer)
@@ -75,17 +77,21 @@ class Daemon:
                 self._serve_native(pools, view)
                 continue
             try:
-                size, source = self.sock.recvfrom_into(self._buffer)
+                datagrams, source = receive_datagrams(self.sock, self._buffer)
             except (BlockingIOError, InterruptedError):
                 self._idle()
                 continue
             except ConnectionRefusedError:  # ICMP from an earlier send to a closed port
                 continue
-            self.stats.received += 1
-            packet = (view[:size], source[:2])
-            arrived = self.impair_in(packet, _keep_received) if self.impair_in.active else [packet]
-            for data, sender in arrived:
-                self._perform(self.aggregator.on_datagram(data, sender, self.clock()))
+            for datagram in datagrams:
+                self._on_datagram(view[datagram], source[:2])
+
+    def _on_datagram(self, data: memoryview, source) -> None:
+        self.stats.received += 1
+        packet = (data, source)
+        arrived = self.impair_in(packet, _keep_received) if self.impair_in.active else [packet]
+        for data, sender in arrived:
+            self._perform(self.aggregator.on_datagram(data, sender, self.clock()))
 
     def _native_pools(self) -> list:
         """The C pools of the jobs registered now, unless duplicates or reordering are injected

@@ -6,6 +6,7 @@ import errno
 import ipaddress
 import socket
 import struct
+import sys
 import zlib
 
 from ..dataplane.jobspec import Address, SpecError, parse_address
@@ -137,3 +138,31 @@ def open_group_socket(group: Address, interface: str) -> socket.socket:
         ) from None
     sock.setblocking(False)
     return sock
+
+
+UDP_GRO = 104  # linux/udp.h (Linux 5.0): join a sender's datagrams into one read
+_GRO_CONTROL = socket.CMSG_SPACE(4)
+
+
+def enable_gro(sock: socket.socket) -> bool:
+    """Let one read return several datagrams of one sender (see ``receive_datagrams``): a
+    chunk sent as one GSO message (``net/_pump.c``) then arrives as it left, instead of being
+    cut into datagrams by the receiving kernel. False where the kernel has no UDP_GRO."""
+    try:
+        sock.setsockopt(socket.SOL_UDP, UDP_GRO, 1)
+    except OSError:
+        return False
+    return True
+
+
+def receive_datagrams(sock: socket.socket, buffer: bytearray) -> tuple[list[slice], Address]:
+    """Read into ``buffer``; return the datagram slices of it (several when UDP_GRO joined
+    them: all of one size but the last) and their source."""
+    size, control, _, source = sock.recvmsg_into([buffer], _GRO_CONTROL)
+    segment = size
+    for level, kind, data in control:
+        if level == socket.SOL_UDP and kind == UDP_GRO and len(data) >= 4:
+            segment = int.from_bytes(data[:4], sys.byteorder) or size
+    if segment >= size:
+        return [slice(0, size)], source
+    return [slice(at, min(at + segment, size)) for at in range(0, size, segment)], source
