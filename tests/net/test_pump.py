@@ -1,6 +1,8 @@
 """The native datagram pump: what it places, what it lets go, and that a transport running on it
 gives the Python loop's results (real UDP on loopback, daemon and workers as threads)."""
 
+import socket
+import struct
 import threading
 
 import numpy as np
@@ -16,7 +18,7 @@ from gradsum.net import pump
 from gradsum.net.client import SwitchClient
 from gradsum.net.daemon import Daemon
 from gradsum.net.loopback import WorkerTask, worker_input
-from gradsum.net.udp import open_socket
+from gradsum.net.udp import enable_gro, open_socket
 
 pytestmark = pytest.mark.skipif(not pump.available(), reason="the _pump extension is not built")
 
@@ -183,3 +185,34 @@ def test_chunks_of_several_packets_need_the_pump(monkeypatch):
     job = JobHandle(("127.0.0.1", 5), 2, 0, 2, 8, 2, segments=3)
     with pytest.raises(RuntimeError, match="native pump"):
         pump.serves([(job, transfer)])
+
+
+def test_a_run_of_results_joined_by_gro_lands_in_place_and_a_mispredicted_one_is_not_placed():
+    transfer, _up, down = segmented_transfer()
+    with open_socket(("127.0.0.1", 0)) as worker, open_socket(("127.0.0.1", 0)) as switch:
+        if not enable_gro(worker):
+            pytest.skip("this kernel has no UDP_GRO")
+        job = JobHandle(switch.getsockname(), 2, 0, 2, 8, 2, segments=3)
+        routes = pump.Routes([(job, transfer)])
+        slots = 6
+
+        def result(packet, lanes=8, value=None):
+            header = Header(Kind.RESULT, 2, ANY_WORKER, packet % slots, (packet // slots) % 2,
+                            Op.SUM, 0, packet, lanes, 2)  # fmt: skip
+            return header.pack() + np.full(lanes, packet if value is None else value,
+                                           np.int32).tobytes()  # fmt: skip
+
+        def send_run(*datagrams):  # one GSO send: the worker's kernel keeps them joined
+            size = struct.pack("H", len(datagrams[0]))
+            switch.sendmsg([b"".join(datagrams)], [(socket.SOL_UDP, 103, size)], 0,
+                           worker.getsockname())  # fmt: skip
+
+        send_run(result(30), result(31), result(32))
+        assert drain(routes, worker) == [(0, 10, 2, 0, pump.PLACED)]
+        # after 33 the pump expects 34 (4 lanes); a repeat of 32 came instead: reported, and
+        # neither 34's place nor 32's (already placed) takes its payload
+        send_run(result(33), result(32, value=-1))
+        assert drain(routes, worker) == [(0, 10, 2, 0, pump.REPEAT)]
+        send_run(result(34, lanes=4))
+        assert drain(routes, worker) == [(0, 11, 2, 0, pump.PLACED)]
+        assert down.tolist() == [30] * 8 + [31] * 8 + [32] * 8 + [33] * 8 + [34] * 4

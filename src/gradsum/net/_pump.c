@@ -225,17 +225,17 @@ static int take_one(int fd, const struct route *routes, Py_ssize_t nroutes,
     int64_t reported = -1;
     for (int i = 0; i < count; i++) {
         struct gs_header h;
-        int64_t p = packet + i, chunk;
-        if (!gs_parse(heads[i], &h) || h.job != r->job) continue;
-        if (h.kind == GS_STALE && h.chunk >= (uint64_t)r->base &&
-            h.chunk < (uint64_t)(r->base + r->packets)) {
-            chunk = (int64_t)(h.chunk - (uint64_t)r->base) / r->segments;
-            add_event(events, nevents, which, r->first + chunk, &h, STALE);
-        } else if (places[i] != NULL && expected(r, &h, p)) {
+        int64_t p = packet + i; /* predicted; q: what the header says */
+        if (!gs_parse(heads[i], &h) || h.job != r->job || h.op != r->op ||
+            h.chunk < (uint64_t)r->base || h.chunk >= (uint64_t)(r->base + r->packets))
+            continue;
+        int64_t q = (int64_t)(h.chunk - (uint64_t)r->base), chunk = r->first + q / r->segments;
+        if (h.kind == GS_STALE)
+            add_event(events, nevents, which, chunk, &h, STALE);
+        else if (places[i] != NULL && q == p && expected(r, &h, p))
             placed[p] = 1;
-        } else if (p < r->packets && placed[p] && expected(r, &h, p)) {
-            add_event(events, nevents, which, r->first + p / r->segments, &h, REPEAT);
-        }
+        else if (h.kind == GS_RESULT && placed[q])
+            add_event(events, nevents, which, chunk, &h, REPEAT);
     }
     for (int i = 0; i < count; i++) { /* chunks completed by this read, once each */
         int64_t p = packet + i, chunk = p / r->segments;
