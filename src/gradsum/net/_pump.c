@@ -407,9 +407,12 @@ struct send_room {
     struct mmsghdr messages[MAX_BATCH];
 };
 
+#define MAX_GSO_BYTES 65507 /* one UDP send: 64 KiB less the IPv4 and UDP headers */
+
 /* Fill messages from `room->messages[*used]` on with chunk `index` of route `r`'s packets that
-   have no result yet (a resent chunk repeats only those): one GSO message when there are several
-   and GSO works, else one message per packet. Returns 0 when the batch has no room for them. */
+   have no result yet (a resent chunk repeats only those): GSO messages of as many packets as one
+   send holds when GSO works, else one message per packet. Returns 0 when the batch has no room
+   for them. */
 static int add_chunk(struct send_room *room, int *used, int *packed, const struct route *r,
                      int64_t index) {
     const uint8_t *placed = (const uint8_t *)(uintptr_t)r->placed;
@@ -418,10 +421,16 @@ static int add_chunk(struct send_room *room, int *used, int *packed, const struc
     packets_of(r, index, &from, &to);
     for (int64_t packet = from; packet < to; packet++)
         if (!placed[packet]) missing[count++] = packet;
-    int gso = count > 1 && gso_works, needed = gso ? 1 : count;
+    if (count == 0) return 1;
+    int64_t start, stop;
+    byte_range(r, from, r->in_bits, &start, &stop);
+    size_t full = HEADER_SIZE + (size_t)(stop - start); /* every packet but a stream's last */
+    int per_send = gso_works ? (int)(MAX_GSO_BYTES / full) : 1;
+    per_send = per_send < 1 ? 1 : per_send;
+    int needed = (count + per_send - 1) / per_send;
     if (*used + needed > MAX_BATCH || *packed + count > MAX_BATCH * MAX_SEGMENTS) return 0;
     for (int i = 0; i < count; i++) {
-        int64_t packet = missing[i], start, stop;
+        int64_t packet = missing[i];
         int at = *packed + i;
         byte_range(r, packet, r->in_bits, &start, &stop);
         pack(room->headers[at], r, r->base + packet, (uint32_t)lanes_of(r, packet));
@@ -430,15 +439,16 @@ static int add_chunk(struct send_room *room, int *used, int *packed, const struc
                                                  (size_t)(stop - start)};
     }
     for (int m = 0; m < needed; m++) {
-        int at = *used + m, first = *packed + (gso ? 0 : m);
+        int at = *used + m, first = *packed + m * per_send;
+        int segments = count - m * per_send < per_send ? count - m * per_send : per_send;
         room->addresses[at] = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = r->port,
                                                    .sin_addr.s_addr = r->ip};
         struct msghdr *h = &room->messages[at].msg_hdr;
         *h = (struct msghdr){.msg_name = room->addresses + at,
                              .msg_namelen = sizeof room->addresses[0],
                              .msg_iov = room->parts + 2 * first,
-                             .msg_iovlen = gso ? 2 * (size_t)count : 2};
-        if (gso) { /* full packets but the chunk's last, which only the stream's last can be */
+                             .msg_iovlen = 2 * (size_t)segments};
+        if (segments > 1) { /* full packets but the last, which only a stream's last can be */
             h->msg_control = room->controls[at].buf;
             h->msg_controllen = sizeof room->controls[at].buf;
             struct cmsghdr *c = CMSG_FIRSTHDR(h);
