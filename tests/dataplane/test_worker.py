@@ -126,3 +126,19 @@ def test_shards_are_contiguous_aligned_and_cover_everything():
     for (start, count), (following, _) in itertools.pairwise(shards):
         assert start % 64 == 0 and start + count == following
     assert shard_lanes(10, 4, 64) == [(0, 0), (0, 0), (0, 0), (0, 10)]
+
+
+def test_a_window_place_waits_for_its_chunks_payload_and_release_sends_it():
+    stream = ChunkStream(first=10, count=6, slots=2)
+    stream.ready = 11  # only chunk 10 has its payload
+    assert stream.start(0.0) == [10]
+    assert stream.on_result(10, 0.1) == []  # chunk 12's place is free, but 12 is not ready
+    assert stream.release(13, 0.2) == [11, 12]  # 11 waited since the start, 12 since 10's result
+    assert stream.release(14, 0.3) == []  # 13 is ready, but its place is not free yet
+    assert stream.on_result(11, 0.4) == [13]
+    assert stream.on_result(12, 0.5) == []  # 14 waits for its payload
+    assert stream.release(99, 0.6) == [14]  # bounded by the stream's end
+    assert stream.on_result(13, 0.7) == [15]
+    for chunk in (14, 15):
+        stream.on_result(chunk, 0.8)
+    assert stream.done

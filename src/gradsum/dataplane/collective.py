@@ -25,6 +25,7 @@ from . import payload_wire
 from .codec_wire import WireFormat, lanes_fitting
 from .jobspec import Address
 from .packet import MAX_PAYLOAD, Op
+from .pipeline import PartwiseRound
 from .transfer import LaneBuffers, PayloadBuffers, Transfer
 from .worker import ChunkLayout, RetryPolicy, RoundTrip, StreamStats, shard_lanes
 
@@ -70,6 +71,7 @@ class Collective:
         seed: int = 0,
         rank: int | None = None,
         policy: RetryPolicy | None = None,
+        pipelined: bool = False,
     ):
         if not jobs:
             raise ValueError("a collective needs at least one aggregator job")
@@ -77,6 +79,9 @@ class Collective:
             raise ValueError("this worker must have the same id in every job")
         self.codec, self.fmt, self.jobs, self.run = codec, fmt, list(jobs), run
         self.seed = seed
+        # ``run(pairs, work=...)`` accepted: blockwise codecs encode and decode part by part
+        # while their chunks stream (dataplane/pipeline.py)
+        self.pipelined = pipelined
         # decode-sum-encode jobs: one partition of `elements` coordinates per packet
         self.partition_size = min(j.elements for j in jobs)
         self.policy = policy or RetryPolicy()
@@ -108,6 +113,8 @@ class Collective:
         x = codec.precondition(flat, ctx)
         summary = codec.summarize(x, ctx)
         shared = None if summary is None else self.max_reduce(summary)
+        if self._partwise(shared):
+            return self._partwise_sum(x, shared, ctx)
         payload = codec.encode(x, ctx, shared)
         upstream = payload.fields[fmt.upstream].contiguous()
         lanes = upstream.numel() * upstream.element_size() * 8 // fmt.in_bits
@@ -115,6 +122,30 @@ class Collective:
         result = self._buffer("sum", packed_nbytes(lanes, fmt.out_bits), dtype)
         counts = self._sharded(Op.SUM, upstream, result, lanes, fmt.in_bits, fmt.out_bits)
         return self._decode(Payload({fmt.downstream: result}, payload.length), counts, ctx, shared)
+
+    def _partwise(self, shared) -> bool:
+        fmt = self.fmt
+        return (self.pipelined and shared is not None and hasattr(self.codec, "encode_into")
+                and len(self.jobs) == 1 and fmt.in_bits == fmt.out_bits == 32)  # fmt: skip
+
+    def _partwise_sum(self, x: torch.Tensor, shared: torch.Tensor, ctx) -> torch.Tensor:
+        """The SUM round of a blockwise codec, encoded and decoded part by part as it streams."""
+        job, lanes = self.jobs[0], x.numel()
+        per_chunk = job.lanes_per_chunk(32)
+        layout = ChunkLayout(lanes, per_chunk, 32, 32)
+        upstream = self._buffer("up", lanes * 4, torch.int32)
+        result = self._buffer("sum", lanes * 4, torch.int32)
+        out = self.codec.new_output(lanes)
+        buffers = LaneBuffers(layout, memoryview(upstream.numpy()).cast("B"),
+                              memoryview(result.numpy()).cast("B"))  # fmt: skip
+        packets = -(-lanes // job.packet_lanes(32))
+        transfer = self._transfer(0, job, Op.SUM, buffers, job.segments, packets)
+        round_ = PartwiseRound(self.codec, x, shared, upstream, result, out, per_chunk, transfer)
+        self.run([(job, transfer)], work=round_)
+        if round_.finish():
+            return out
+        summed = Payload({self.fmt.downstream: result}, lanes)  # a quorum mixed the counts
+        return self._decode(summed, [(0, layout, transfer.contributors)], ctx, shared)
 
     def max_reduce(self, summary: torch.Tensor) -> torch.Tensor:
         ordered = float_to_ordered_int(summary.reshape(-1)).contiguous()

@@ -118,7 +118,7 @@ class Transfer:
             first_chunk, buffers.chunks, slots, policy or RetryPolicy(), stats or StreamStats(),
             what, rtt or RoundTrip(),
         )  # fmt: skip
-        self.contributors = np.zeros(buffers.chunks, dtype=np.int32)
+        self.contributors = np.zeros(buffers.chunks, dtype=np.int32)  # 0 until a result
         self.partial = False
 
     @property
@@ -172,6 +172,10 @@ class Transfer:
     def on_stale(self, header: Header) -> None:
         if header.job == self.job:
             self.stream.on_stale(header.chunk)
+
+    def release(self, ready: int, now: float) -> list[int]:
+        """Chunks below ``ready`` now have their payload (see ``ChunkStream.release``)."""
+        return self.stream.release(ready, now)
 
     def expired(self, now: float) -> list[int]:
         return self.stream.expired(now)

@@ -121,6 +121,10 @@ class ChunkStream:
         if self.count < 0 or self.slots < 1 or self.first < 0:
             raise ValueError("a stream needs first >= 0, count >= 0 and slots >= 1")
         self._end = self.first + self.count
+        # chunks below `ready` have their payload; the window may hold later ones back until
+        # `release` (a payload encoded part by part while earlier parts are on the wire)
+        self.ready = self._end
+        self._held: list[int] = []  # window places waiting for their chunk's payload
         self._outstanding: dict[int, _Outstanding] = {}
         self._highest_sent = self.first - 1
         self._received = 0
@@ -139,9 +143,21 @@ class ChunkStream:
 
     def start(self, now: float) -> list[int]:
         window = range(self.first, min(self.first + self.slots, self._end))
-        for chunk in window:
+        self._held = [chunk for chunk in window if chunk >= self.ready]
+        sent = [chunk for chunk in window if chunk < self.ready]
+        for chunk in sent:
             self._send(chunk, now)
-        return list(window)
+        return sent
+
+    def release(self, ready: int, now: float) -> list[int]:
+        """Payloads are in place up to chunk ``ready`` (exclusive): send the window places that
+        were waiting for them."""
+        self.ready = max(self.ready, min(ready, self._end))
+        sent = [chunk for chunk in self._held if chunk < self.ready]
+        self._held = [chunk for chunk in self._held if chunk >= self.ready]
+        for chunk in sent:
+            self._send(chunk, now)
+        return sent
 
     def is_outstanding(self, chunk: int) -> bool:
         return chunk in self._outstanding
@@ -159,7 +175,9 @@ class ChunkStream:
         self.stats.results += 1
         resend = self._overtaken(chunk, state.last_sent, now)
         following = chunk + self.slots
-        if following < self._end:
+        if following < self._end and following >= self.ready:
+            self._held.append(following)
+        elif following < self._end:
             self._send(following, now)
             resend.append(following)
         return resend

@@ -129,9 +129,12 @@ class UdpTransport:
         for receiver in self._receivers:
             self._poll.register(receiver, select.POLLIN)
 
-    def run(self, pairs: Sequence[tuple[JobHandle, Transfer]]) -> None:
+    def run(self, pairs: Sequence[tuple[JobHandle, Transfer]], work=None) -> None:
+        """Run the transfers to completion; ``work`` (``dataplane.pipeline.PartwiseRound``),
+        if given, gets a step between batches of packets while it has any, and may release
+        chunks."""
         if pump.serves(pairs):
-            self._run_pumped(pairs)
+            self._run_pumped(pairs, work)
             return
         routes = {(job.address, t.job): t for job, t in pairs}
         peers = {id(t): job.address for job, t in pairs}
@@ -145,9 +148,12 @@ class UdpTransport:
         while pending:
             if any([self._receive_one(r, routes, peers) for r in self._receivers]):
                 last_progress = time.monotonic()
-            else:
+            elif work is None or not work.pending:
                 self._wait(pending, last_progress)
             now = time.monotonic()
+            if work is not None and work.pending:
+                for transfer, chunk in work.step(now):
+                    self._send(transfer, chunk, peers[id(transfer)])
             if now >= next_check:
                 for transfer in pending:
                     for chunk in transfer.expired(now):
@@ -156,7 +162,7 @@ class UdpTransport:
                 next_check = min(deadlines, default=now + 0.01)
             pending = [t for t in pending if not t.done]
 
-    def _run_pumped(self, pairs: Sequence[tuple[JobHandle, Transfer]]) -> None:
+    def _run_pumped(self, pairs: Sequence[tuple[JobHandle, Transfer]], work=None) -> None:
         """``run`` with the native pump (``net/pump.py``) moving the datagrams in batches: the
         same transfers make the same decisions, per batch of results instead of per datagram."""
         routes = pump.Routes(pairs)
@@ -167,10 +173,14 @@ class UdpTransport:
         routes.send(fd, [(r, c) for r, t in enumerate(transfers) for c in t.start(now)])
         pending = [r for r, t in enumerate(transfers) if not t.done]
         next_check = last_progress = now
+        route_of = {id(t): r for r, t in enumerate(transfers)}
         while pending:
-            events = routes.receive(fds, min(max(0.0, next_check - now), 0.05))
+            busy = work is not None and work.pending  # then only take what is queued
+            events = routes.receive(fds, 0.0 if busy else min(max(0.0, next_check - now), 0.05))
             now = time.monotonic()
             out = []
+            if busy:
+                out += [(route_of[id(t)], c) for t, c in work.step(now)]
             for r, chunk, contributors, flags, event in events:
                 transfer = transfers[r]
                 if event == pump.PLACED:
@@ -305,7 +315,8 @@ class SwitchClient:
             for a in self.aggregators
         ]
         self.collective = Collective(self.codec, self.format, handles, self.transport.run,
-                                     seed=seed, rank=rank, policy=policy)  # fmt: skip
+                                     seed=seed, rank=rank, policy=policy,
+                                     pipelined=True)  # fmt: skip
 
     def _default_elements(self) -> int:
         if self.format.lanes:
