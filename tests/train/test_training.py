@@ -32,9 +32,13 @@ def test_local_job_trains_digits_and_writes_a_summary(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("aggregator", "codec"), [("switch", "thc"), ("ps", "topk")])
-def test_local_job_through_gradsum_services_reaches_accuracy(aggregator, codec):
-    config = TrainConfig(aggregator=aggregator, codec=codec, workers=2, epochs=4, progress=False)
+@pytest.mark.parametrize(
+    ("aggregator", "codec", "mtu"),
+    [("switch", "thc", None), ("ps", "topk", None), ("switch", "bfp", 1500)],
+)
+def test_local_job_through_gradsum_services_reaches_accuracy(aggregator, codec, mtu):
+    config = TrainConfig(aggregator=aggregator, codec=codec, workers=2, epochs=4, progress=False,
+                         mtu=mtu)  # fmt: skip
     summary = run_local(config)
     assert summary["test_accuracy"] >= 0.9
     assert summary["aggregator"] == aggregator
@@ -64,6 +68,7 @@ def test_checkpoint_and_resume_continue_the_same_run(tmp_path):
         (["--codec", "zip"], "invalid choice: 'zip'"),
         (["--model", "resnet9"], "invalid choice: 'resnet9'"),
         (["--workers", "0"], "must be at least 1"),
+        (["--mtu", "100"], "--mtu 100: must be between 576 and 65535"),
         (["--aggregator", "switch", "--switch", "127.0.0.1:9"], "no gradsum aggregator answers"),
         (["--aggregator", "ps", "--servers", "127.0.0.1:9"], "no gradsum aggregator answers"),
     ],

@@ -31,6 +31,7 @@ class JobSettings:
     rank: int
     world: int
     seed: int = 0
+    mtu: int | None = None  # packets of one frame, sent a chunk at a time (net/client.py)
 
 
 def connect_jobs(
@@ -54,6 +55,7 @@ def connect_jobs(
             codec_options=settings.codec_options,
             seed=settings.seed,
             rank=settings.rank,
+            mtu=settings.mtu,
         )
         client.codec = client.collective.codec = settings.codec
         clients.append(client)

@@ -64,7 +64,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--timeout", type=float, default=defaults.timeout, help="seconds any wait may take"
     )
+    parser.add_argument(
+        "--mtu", type=int, default=None,
+        help="path MTU to the switch/servers, e.g. 9000 with jumbo frames: packets that fit one "
+        "frame, a chunk of them per UDP GSO send (default: datagrams of up to 64 KiB, which IP "
+        "fragments)",
+    )  # fmt: skip
     parser.set_defaults(run=run)
+
+
+MIN_MTU, MAX_MTU = 576, 65535  # IPv4's minimum datagram every host accepts; the largest
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,7 +104,10 @@ def run(args: argparse.Namespace) -> int:
         switch=args.switch,
         servers=[s.strip() for s in args.servers.split(",") if s.strip()],
         timeout=args.timeout,
+        mtu=args.mtu,
     )
+    if config.mtu is not None and not MIN_MTU <= config.mtu <= MAX_MTU:
+        raise UsageError(f"--mtu {config.mtu}: must be between {MIN_MTU} and {MAX_MTU}")
     try:
         check_compatible(config.aggregator, config.codec)
         _check_data(config)

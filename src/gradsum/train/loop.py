@@ -46,6 +46,7 @@ class TrainConfig:
     switch: str | None = None  # HOST:PORT of a running switch (else one is started locally)
     servers: list[str] = field(default_factory=list)  # HOST:PORT of running PS shards
     timeout: float = 120.0  # seconds any single wait may take
+    mtu: int | None = None  # path MTU to the aggregators: packets of one frame (net/client.py)
     progress: bool = True
 
 
