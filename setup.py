@@ -26,14 +26,18 @@ setup(
         Extension(
             "gradsum.dataplane._pool",
             sources=["src/gradsum/dataplane/_pool.c"],
-            depends=["src/gradsum/codecs/thc/lanes_api.h", "src/gradsum/dataplane/header.h"],
+            depends=[
+                "src/gradsum/codecs/thc/lanes_api.h",
+                "src/gradsum/dataplane/header.h",
+                "src/gradsum/net/udp_offload.h",
+            ],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall"],
             optional=True,
         ),
         Extension(
             "gradsum.net._pump",
             sources=["src/gradsum/net/_pump.c"],
-            depends=["src/gradsum/dataplane/header.h"],
+            depends=["src/gradsum/dataplane/header.h", "src/gradsum/net/udp_offload.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
             optional=True,
         ),

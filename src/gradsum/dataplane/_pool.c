@@ -33,6 +33,7 @@
 #include <sys/uio.h>
 
 #include "../codecs/thc/lanes_api.h"
+#include "../net/udp_offload.h"
 #include "header.h"
 
 #define HEADER_SIZE GS_HEADER_SIZE
@@ -488,12 +489,6 @@ static int lost(struct loss *l, double rate) {
  * chunk of MTU-sized packets (net/pump.py) completes as such a run. Payloads stay valid while
  * queued: they live in their round's slot memory, which no packet can reuse before the workers
  * have these results. */
-#ifndef SOL_UDP
-#define SOL_UDP 17
-#endif
-#ifndef UDP_SEGMENT
-#define UDP_SEGMENT 103 /* Linux 4.18 */
-#endif
 #define MAX_QUEUE 64
 
 struct queued {
@@ -537,24 +532,14 @@ static void send_run(struct send_queue *q, int first, int count) {
     struct msghdr message = {.msg_name = &q->items[first].to,
                              .msg_namelen = sizeof q->items[first].to, .msg_iov = q->parts,
                              .msg_iovlen = 2 * (size_t)count};
-    union {
-        char buf[CMSG_SPACE(sizeof(uint16_t))];
-        struct cmsghdr align;
-    } control;
-    if (count > 1) {
-        message.msg_control = control.buf, message.msg_controllen = sizeof control.buf;
-        struct cmsghdr *c = CMSG_FIRSTHDR(&message);
-        c->cmsg_level = SOL_UDP, c->cmsg_type = UDP_SEGMENT;
-        c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
-        uint16_t size = (uint16_t)(HEADER_SIZE + q->items[first].payload_size);
-        memcpy(CMSG_DATA(c), &size, sizeof size);
-    }
+    union gs_segment_control control;
+    if (count > 1)
+        gs_set_segments(&message, &control, (uint16_t)(HEADER_SIZE + q->items[first].payload_size));
     if (send_message(q->fd, &message)) {
         q->sent += count;
         return;
     }
-    if (count > 1 && (errno == EINVAL || errno == EIO || errno == EMSGSIZE ||
-                      errno == ENOPROTOOPT || errno == EOPNOTSUPP)) {
+    if (count > 1 && gs_gso_refused(errno)) {
         q->gso_works = 0; /* refused here (old kernel, a device without it): one by one */
         for (int i = 0; i < count; i++) send_run(q, first + i, 1);
         return;
@@ -569,7 +554,7 @@ static void flush(struct send_queue *q) {
         size_t packet = HEADER_SIZE + q->items[first].payload_size;
         /* a run: same address and size; the last item may be shorter (a stream's last packet) */
         while (q->gso_works && first + count < q->count &&
-               (size_t)(count + 1) * packet <= MAX_DATAGRAM) {
+               (size_t)(count + 1) * packet <= GS_MAX_GSO_BYTES) {
             const struct queued *next = q->items + first + count;
             if (!same_run(q->items + first, next)) {
                 int shorter = next->to.sin_addr.s_addr == q->items[first].to.sin_addr.s_addr &&
@@ -621,21 +606,6 @@ static Pool *pool_for(Pool **pools, Py_ssize_t count, uint16_t job) {
 
 static int gso_works = 1; /* cleared for good by the first refusal */
 
-#ifndef UDP_GRO
-#define UDP_GRO 104 /* Linux 5.0 */
-#endif
-
-/* The size of each datagram UDP_GRO joined into this read (its control message), or all of it. */
-static size_t gro_segment(struct msghdr *message, size_t total) {
-    for (struct cmsghdr *c = CMSG_FIRSTHDR(message); c != NULL; c = CMSG_NXTHDR(message, c)) {
-        if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) {
-            int size;
-            memcpy(&size, CMSG_DATA(c), sizeof size);
-            if (size > 0 && (size_t)size < total) return (size_t)size;
-        }
-    }
-    return total;
-}
 
 static PyObject *py_serve(PyObject *self, PyObject *args) {
     int fd, limit;
@@ -690,10 +660,7 @@ static PyObject *py_serve(PyObject *self, PyObject *args) {
     int error = 0;
     Py_BEGIN_ALLOW_THREADS
     while (handled < limit) {
-        union {
-            char buf[CMSG_SPACE(sizeof(int))];
-            struct cmsghdr align;
-        } control;
+        union gs_gro_control control;
         struct iovec whole = {data, MAX_DATAGRAM + 1};
         struct msghdr message = {.msg_name = &source, .msg_namelen = sizeof source,
                                  .msg_iov = &whole, .msg_iovlen = 1,
@@ -706,7 +673,7 @@ static PyObject *py_serve(PyObject *self, PyObject *args) {
         }
         /* several datagrams of one sender when UDP_GRO joined them: `segment` bytes each, the
            last maybe shorter */
-        size_t segment = gro_segment(&message, (size_t)total);
+        size_t segment = gs_gro_segment(&message, (size_t)total);
         size_t datagrams = total == 0 ? 1 : ((size_t)total + segment - 1) / segment;
         for (size_t i = 0, at = 0; i < datagrams; i++, at += segment) {
             size_t length = (size_t)total - at < segment ? (size_t)total - at : segment;

@@ -36,14 +36,9 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
-#ifndef SOL_UDP
-#define SOL_UDP 17
-#endif
-#ifndef UDP_SEGMENT
-#define UDP_SEGMENT 103 /* Linux 4.18 */
-#endif
 
 #include "../dataplane/header.h"
+#include "udp_offload.h"
 
 #define HEADER_SIZE GS_HEADER_SIZE
 #define MAX_FDS 16
@@ -118,21 +113,6 @@ struct found {
     uint8_t flags, event;
 };
 
-#ifndef UDP_GRO
-#define UDP_GRO 104 /* Linux 5.0 */
-#endif
-
-/* The size of each datagram UDP_GRO joined into this read (its control message), or all of it. */
-static size_t gro_segment(struct msghdr *message, size_t total) {
-    for (struct cmsghdr *c = CMSG_FIRSTHDR(message); c != NULL; c = CMSG_NXTHDR(message, c)) {
-        if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) {
-            int size;
-            memcpy(&size, CMSG_DATA(c), sizeof size);
-            if (size > 0 && (size_t)size < total) return (size_t)size;
-        }
-    }
-    return total;
-}
 
 static const struct route *route_of(const struct route *routes, Py_ssize_t nroutes,
                                     const struct sockaddr_in *source, uint16_t job,
@@ -181,17 +161,14 @@ static int take_one(int fd, const struct route *routes, Py_ssize_t nroutes,
                     struct found *events, int *nevents) {
     uint8_t heads[MAX_SEGMENTS][HEADER_SIZE];
     struct sockaddr_in source;
-    union {
-        char buf[CMSG_SPACE(sizeof(int))];
-        struct cmsghdr align;
-    } control;
+    union gs_gro_control control;
     struct iovec peek = {heads[0], HEADER_SIZE};
     struct msghdr message = {.msg_name = &source, .msg_namelen = sizeof source, .msg_iov = &peek,
                              .msg_iovlen = 1, .msg_control = control.buf,
                              .msg_controllen = sizeof control.buf};
     ssize_t size = recvmsg(fd, &message, MSG_PEEK | MSG_TRUNC | MSG_DONTWAIT);
     if (size < 0) return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
-    size_t segment = gro_segment(&message, (size_t)size);
+    size_t segment = gs_gro_segment(&message, (size_t)size);
     int count = size == 0 ? 1 : (int)(((size_t)size + segment - 1) / segment);
     struct gs_header first;
     const struct route *r = NULL;
@@ -350,10 +327,6 @@ static PyObject *py_receive(PyObject *self, PyObject *args) {
 /* Whether GSO sends work here; cleared for good by the first refusal. */
 static int gso_works = 1;
 
-static int gso_refused(int error) {
-    return error == EINVAL || error == EIO || error == ENOPROTOOPT || error == EOPNOTSUPP ||
-           error == EMSGSIZE;
-}
 
 /* The datagrams of one GSO message, one by one (after GSO was refused). */
 static void send_singly(int fd, const struct msghdr *gso) {
@@ -386,7 +359,7 @@ static int send_batch(int fd, struct mmsghdr *messages, int count) {
         }
         if (n < 0 && errno == EINTR) continue;
         struct msghdr *failed = &messages[sent].msg_hdr;
-        if (n < 0 && failed->msg_controllen && gso_refused(errno)) {
+        if (n < 0 && failed->msg_controllen && gs_gso_refused(errno)) {
             gso_works = 0;
             send_singly(fd, failed);
         }
@@ -400,14 +373,10 @@ struct send_room {
     uint8_t headers[MAX_BATCH * MAX_SEGMENTS][HEADER_SIZE];
     struct iovec parts[MAX_BATCH * MAX_SEGMENTS * 2];
     struct sockaddr_in addresses[MAX_BATCH];
-    union {
-        char buf[CMSG_SPACE(sizeof(uint16_t))];
-        struct cmsghdr align;
-    } controls[MAX_BATCH];
+    union gs_segment_control controls[MAX_BATCH];
     struct mmsghdr messages[MAX_BATCH];
 };
 
-#define MAX_GSO_BYTES 65507 /* one UDP send: 64 KiB less the IPv4 and UDP headers */
 
 /* Fill messages from `room->messages[*used]` on with chunk `index` of route `r`'s packets that
    have no result yet (a resent chunk repeats only those): GSO messages of as many packets as one
@@ -425,7 +394,7 @@ static int add_chunk(struct send_room *room, int *used, int *packed, const struc
     int64_t start, stop;
     byte_range(r, from, r->in_bits, &start, &stop);
     size_t full = HEADER_SIZE + (size_t)(stop - start); /* every packet but a stream's last */
-    int per_send = gso_works ? (int)(MAX_GSO_BYTES / full) : 1;
+    int per_send = gso_works ? (int)(GS_MAX_GSO_BYTES / full) : 1;
     per_send = per_send < 1 ? 1 : per_send;
     int needed = (count + per_send - 1) / per_send;
     if (*used + needed > MAX_BATCH || *packed + count > MAX_BATCH * MAX_SEGMENTS) return 0;
@@ -448,15 +417,9 @@ static int add_chunk(struct send_room *room, int *used, int *packed, const struc
                              .msg_namelen = sizeof room->addresses[0],
                              .msg_iov = room->parts + 2 * first,
                              .msg_iovlen = 2 * (size_t)segments};
-        if (segments > 1) { /* full packets but the last, which only a stream's last can be */
-            h->msg_control = room->controls[at].buf;
-            h->msg_controllen = sizeof room->controls[at].buf;
-            struct cmsghdr *c = CMSG_FIRSTHDR(h);
-            c->cmsg_level = SOL_UDP, c->cmsg_type = UDP_SEGMENT;
-            c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
-            uint16_t size = (uint16_t)(HEADER_SIZE + room->parts[2 * first + 1].iov_len);
-            memcpy(CMSG_DATA(c), &size, sizeof size);
-        }
+        if (segments > 1) /* full packets but the last, which only a stream's last can be */
+            gs_set_segments(h, &room->controls[at],
+                            (uint16_t)(HEADER_SIZE + room->parts[2 * first + 1].iov_len));
         room->messages[at].msg_len = 0;
     }
     *used += needed, *packed += count;
