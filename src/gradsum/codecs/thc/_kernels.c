@@ -907,12 +907,13 @@ static PyObject *py_lookup_sum(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     const int32_t *values = ADDRESS(const int32_t *, table);
     int32_t largest = 0;
-    for (int k = 0; k < 1 << op.bits; k++) {
+    int entries = 1 << op.bits;
+    for (int k = 0; k < entries; k++) {
         op.table[k] = (uint16_t)values[k];
         largest = values[k] > largest ? values[k] : largest;
-        if (k < 16)
-            op.nibble_table[k] = (uint8_t)values[k];
     }
+    int nibbles = entries < 16 ? entries : 16; /* the first 16 entries, for 4-bit lookups */
+    for (int k = 0; k < nibbles; k++) op.nibble_table[k] = (uint8_t)values[k];
     op.nibble = op.bits == 4 && largest < 256;
     op.payloads = payloads;
     op.n = (size_t)n;
