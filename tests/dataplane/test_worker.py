@@ -142,3 +142,15 @@ def test_a_window_place_waits_for_its_chunks_payload_and_release_sends_it():
     for chunk in (14, 15):
         stream.on_result(chunk, 0.8)
     assert stream.done
+
+
+def test_packets_of_later_chunks_count_against_an_earlier_one_as_results_do():
+    stream = ChunkStream(first=0, count=6, slots=4, policy=POLICY)
+    assert stream.start(0.0) == [0, 1, 2, 3]
+    assert stream.on_progress(1, 0.1) == []
+    assert stream.on_progress(0, 0.1) == []  # its own packets count against nothing
+    assert stream.on_progress(2, 0.1) == []
+    assert stream.on_progress(3, 0.1) == [0]  # three later packets in: 0 lost one
+    assert stream.stats.fast_retransmissions == 1
+    assert stream.on_progress(5, 0.2) == []  # not outstanding (not even sent): ignored
+    assert stream.expired(0.1 + POLICY.timeout / 2) == []  # results flow: no probe

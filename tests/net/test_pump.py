@@ -162,7 +162,10 @@ def test_a_chunk_of_several_packets_goes_in_one_send_and_is_placed_once_all_are_
 
         for packet in (30, 31, 33):  # chunk 10 lacks packet 32, chunk 11 packet 34
             switch.sendto(result(packet), worker.getsockname())
-        assert drain(routes, worker) == []  # no chunk is complete
+        # no chunk is complete; each placed packet is progress (loss detection counts it)
+        assert drain(routes, worker) == [(0, 10, 2, 0, pump.PROGRESS)] * 2 + [
+            (0, 11, 2, 0, pump.PROGRESS)
+        ]
         routes.send(worker.fileno(), [(0, 10), (0, 11)])  # resends repeat only missing packets
         resent = sorted(parse_header(switch.recvfrom(1 << 16)[0]).chunk for _ in range(2))
         assert resent == [32, 34]
@@ -187,7 +190,7 @@ def test_chunks_of_several_packets_need_the_pump(monkeypatch):
         pump.serves([(job, transfer)])
 
 
-def test_a_run_of_results_joined_by_gro_lands_in_place_and_a_mispredicted_one_is_not_placed():
+def test_a_run_of_results_joined_by_gro_lands_in_place_and_others_are_moved_to_theirs():
     transfer, _up, down = segmented_transfer()
     with open_socket(("127.0.0.1", 0)) as worker, open_socket(("127.0.0.1", 0)) as switch:
         if not enable_gro(worker):
@@ -207,12 +210,16 @@ def test_a_run_of_results_joined_by_gro_lands_in_place_and_a_mispredicted_one_is
             switch.sendmsg([b"".join(datagrams)], [(socket.SOL_UDP, 103, size)], 0,
                            worker.getsockname())  # fmt: skip
 
-        send_run(result(30), result(31), result(32))
+        # after 31 the pump expects 32; 33 came (answers to resends need not be consecutive):
+        # it landed in 32's place, still waiting, and is moved to its own
+        send_run(result(31), result(33))
+        assert drain(routes, worker) == [(0, 10, 2, 0, pump.PROGRESS), (0, 11, 2, 0, pump.PROGRESS)]
+        send_run(result(30), result(32))
         assert drain(routes, worker) == [(0, 10, 2, 0, pump.PLACED)]
         # after 33 the pump expects 34 (4 lanes); a repeat of 32 came instead: reported, and
         # neither 34's place nor 32's (already placed) takes its payload
-        send_run(result(33), result(32, value=-1))
-        assert drain(routes, worker) == [(0, 10, 2, 0, pump.REPEAT)]
+        send_run(result(33, value=-1), result(32, value=-1))
+        assert drain(routes, worker) == [(0, 11, 2, 0, pump.REPEAT), (0, 10, 2, 0, pump.REPEAT)]
         send_run(result(34, lanes=4))
         assert drain(routes, worker) == [(0, 11, 2, 0, pump.PLACED)]
         assert down.tolist() == [30] * 8 + [31] * 8 + [32] * 8 + [33] * 8 + [34] * 4

@@ -182,6 +182,17 @@ class ChunkStream:
             resend.append(following)
         return resend
 
+    def on_progress(self, chunk: int, now: float) -> list[int]:
+        """A packet of outstanding ``chunk`` (a chunk of several packets) has its result: results
+        still flow, and it counts against earlier chunks as a whole result would, so a packet
+        lost from one is resent within a few packets instead of after a timer. Returns the
+        chunks to resend."""
+        state = self._outstanding.get(chunk)
+        if state is None:
+            return []
+        self._last_result = now
+        return self._overtaken(chunk, state.last_sent, now)
+
     def _overtaken(self, chunk: int, sent: float, now: float) -> list[int]:
         """Earlier chunks that ``FAST_RETRANSMIT`` later results have now overtaken: resend them
         (their timers restart, their timeouts do not back off). A result counts against an

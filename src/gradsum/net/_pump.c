@@ -46,7 +46,8 @@
 #define MAX_SEGMENTS 64 /* packets per GSO send (the kernel's UDP_MAX_SEGMENTS is 64 or 128) */
 #define SEND_WAIT_MS 20 /* how long a full send buffer may stall one batch (client.py's too) */
 
-enum event { PLACED = 1, REPEAT = 2, STALE = 3 };
+/* PROGRESS: a packet of a chunk placed, the chunk still incomplete (loss detection counts it) */
+enum event { PLACED = 1, REPEAT = 2, STALE = 3, PROGRESS = 4 };
 
 struct route {             /* one transfer: an aggregator job streaming one buffer */
     uint32_t ip;           /* the aggregator, network order */
@@ -149,14 +150,17 @@ static void add_event(struct found *events, int *nevents, Py_ssize_t route, int6
                                           .event = (uint8_t)event};
 }
 
-static __thread uint8_t sink[1 << 16]; /* payloads that have no place go here */
+/* Where payloads without a predicted place land: datagram i of a read at i * its size. */
+static __thread uint8_t sink[1 << 16];
 
 /* Handle the read at the head of `fd`: one datagram, or up to MAX_SEGMENTS of one sender that
-   UDP_GRO joined (a chunk the switch sent in one GSO message). Results land straight in their
-   places: the first header names the packet, the rest are predicted to follow it and checked
-   after the read; a mispredicted payload only overwrote a place still waiting for its result
-   (or the sink), and its datagram counts as lost. Appends at most MAX_SEGMENTS events. Returns 1
-   if something was read, 0 when the socket is empty, -1 on an error (errno). */
+   UDP_GRO joined (a run of results the switch sent in one GSO message). Results land straight in
+   their places: the first header names the packet, the rest are predicted to follow it and
+   checked after the read. A run of other packets (answers to resends, say) lands elsewhere: a
+   result that is still expected is then copied to its place (staged through the sink first, as
+   its landing place may be another's target); what it overwrote was a place still waiting. At
+   most one event per datagram. Returns 1 if something was read, 0 when the socket is empty, -1
+   on an error (errno). */
 static int take_one(int fd, const struct route *routes, Py_ssize_t nroutes,
                     struct found *events, int *nevents) {
     uint8_t heads[MAX_SEGMENTS][HEADER_SIZE];
@@ -186,42 +190,61 @@ static int take_one(int fd, const struct route *routes, Py_ssize_t nroutes,
     int64_t packet = (int64_t)(first.chunk - (uint64_t)r->base);
     struct iovec parts[2 * MAX_SEGMENTS];
     uint8_t *places[MAX_SEGMENTS];
+    size_t payloads[MAX_SEGMENTS];
     for (int i = 0; i < count; i++) {
         size_t length = (size_t)size - (size_t)i * segment;
-        size_t payload = (length < segment ? length : segment) - HEADER_SIZE;
+        payloads[i] = (length < segment ? length : segment) - HEADER_SIZE;
         /* the first header is known before the read: a place only for what it promises */
         int wanted = i > 0 ? first.kind == GS_RESULT : expected(r, &first, packet);
-        places[i] = wanted ? place_of(r, packet + i, payload) : NULL;
+        places[i] = wanted ? place_of(r, packet + i, payloads[i]) : NULL;
+        uint8_t *landing = places[i] ? places[i] : sink + (size_t)i * segment;
         parts[2 * i] = (struct iovec){heads[i], HEADER_SIZE};
-        parts[2 * i + 1] = (struct iovec){places[i] ? places[i] : sink, payload};
+        parts[2 * i + 1] = (struct iovec){landing, payloads[i]};
     }
     struct msghdr whole = {.msg_iov = parts, .msg_iovlen = 2 * (size_t)count};
     ssize_t got = recvmsg(fd, &whole, MSG_DONTWAIT);
     if (got != size || (whole.msg_flags & MSG_TRUNC)) return 1; /* raced: the timer resends */
     uint8_t *placed = (uint8_t *)(uintptr_t)r->placed;
-    int64_t reported = -1;
+    struct gs_header h[MAX_SEGMENTS];
+    int64_t q[MAX_SEGMENTS]; /* the packet datagram i holds, -1 if none of this route's */
+    int moved[MAX_SEGMENTS] = {0};
     for (int i = 0; i < count; i++) {
-        struct gs_header h;
-        int64_t p = packet + i; /* predicted; q: what the header says */
-        if (!gs_parse(heads[i], &h) || h.job != r->job || h.op != r->op ||
-            h.chunk < (uint64_t)r->base || h.chunk >= (uint64_t)(r->base + r->packets))
-            continue;
-        int64_t q = (int64_t)(h.chunk - (uint64_t)r->base), chunk = r->first + q / r->segments;
-        if (h.kind == GS_STALE)
-            add_event(events, nevents, which, chunk, &h, STALE);
-        else if (places[i] != NULL && q == p && expected(r, &h, p))
-            placed[p] = 1;
-        else if (h.kind == GS_RESULT && placed[q])
-            add_event(events, nevents, which, chunk, &h, REPEAT);
+        q[i] = -1;
+        if (gs_parse(heads[i], &h[i]) && h[i].job == r->job && h[i].op == r->op &&
+            h[i].chunk >= (uint64_t)r->base && h[i].chunk < (uint64_t)(r->base + r->packets))
+            q[i] = (int64_t)(h[i].chunk - (uint64_t)r->base);
+        if (q[i] < 0 || h[i].kind != GS_RESULT || !expected(r, &h[i], q[i])) continue;
+        if (places[i] != NULL && q[i] == packet + i) continue; /* where it belongs */
+        if (place_of(r, q[i], payloads[i]) == NULL) continue; /* placed already, or misfit */
+        moved[i] = 1;
+        if (places[i] != NULL) /* stage it: its landing place may be another's target */
+            memcpy(sink + (size_t)i * segment, places[i], payloads[i]);
     }
-    for (int i = 0; i < count; i++) { /* chunks completed by this read, once each */
-        int64_t p = packet + i, chunk = p / r->segments;
-        struct gs_header h = {0};
-        if (places[i] == NULL || !placed[p] || chunk == reported || !chunk_placed(r, chunk))
-            continue;
-        gs_parse(heads[i], &h);
-        add_event(events, nevents, which, r->first + chunk, &h, PLACED);
-        reported = chunk;
+    int placed_by[MAX_SEGMENTS]; /* 1 where datagram i put packet q[i] in place */
+    for (int i = 0; i < count; i++) {
+        placed_by[i] = 0;
+        if (q[i] < 0) continue;
+        int64_t chunk = r->first + q[i] / r->segments;
+        if (h[i].kind == GS_STALE) {
+            add_event(events, nevents, which, chunk, &h[i], STALE);
+        } else if (moved[i] && !placed[q[i]]) {
+            memcpy(place_of(r, q[i], payloads[i]), sink + (size_t)i * segment, payloads[i]);
+            placed[q[i]] = placed_by[i] = 1;
+        } else if (!moved[i] && places[i] != NULL && q[i] == packet + i &&
+                   expected(r, &h[i], q[i]) && !placed[q[i]]) {
+            placed[q[i]] = placed_by[i] = 1;
+        } else if (h[i].kind == GS_RESULT && placed[q[i]]) {
+            add_event(events, nevents, which, chunk, &h[i], REPEAT);
+        }
+    }
+    int64_t reported = -1;
+    for (int i = 0; i < count; i++) { /* chunks completed by this read once each, or progress */
+        if (!placed_by[i]) continue;
+        int64_t chunk = q[i] / r->segments;
+        if (chunk == reported) continue;
+        int complete = chunk_placed(r, chunk);
+        add_event(events, nevents, which, r->first + chunk, &h[i], complete ? PLACED : PROGRESS);
+        if (complete) reported = chunk;
     }
     return 1;
 }

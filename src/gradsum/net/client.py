@@ -186,6 +186,9 @@ class UdpTransport:
                 if event == pump.PLACED:
                     last_progress = now
                     out += [(r, c) for c in transfer.accept(chunk, contributors, flags, 0, now)]
+                elif event == pump.PROGRESS:  # one packet of a chunk of several
+                    last_progress = now
+                    out += [(r, c) for c in transfer.stream.on_progress(chunk, now)]
                 elif event == pump.REPEAT:
                     transfer.stream.stats.duplicate_results += 1
                 else:
