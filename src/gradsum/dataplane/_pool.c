@@ -517,9 +517,8 @@ static int send_message(int fd, struct msghdr *message) {
     return 0;
 }
 
-static int same_run(const struct queued *a, const struct queued *b) {
-    return a->to.sin_addr.s_addr == b->to.sin_addr.s_addr && a->to.sin_port == b->to.sin_port &&
-           a->payload_size == b->payload_size;
+static int same_address(const struct queued *a, const struct queued *b) {
+    return a->to.sin_addr.s_addr == b->to.sin_addr.s_addr && a->to.sin_port == b->to.sin_port;
 }
 
 /* Items [first, first + count) as one GSO message (count > 1) or one datagram. */
@@ -555,15 +554,10 @@ static void flush(struct send_queue *q) {
         /* a run: same address and size; the last item may be shorter (a stream's last packet) */
         while (q->gso_works && first + count < q->count &&
                (size_t)(count + 1) * packet <= GS_MAX_GSO_BYTES) {
-            const struct queued *next = q->items + first + count;
-            if (!same_run(q->items + first, next)) {
-                int shorter = next->to.sin_addr.s_addr == q->items[first].to.sin_addr.s_addr &&
-                              next->to.sin_port == q->items[first].to.sin_port &&
-                              next->payload_size < q->items[first].payload_size;
-                count += shorter;
-                break;
-            }
+            const struct queued *head = q->items + first, *next = head + count;
+            if (!same_address(head, next) || next->payload_size > head->payload_size) break;
             count++;
+            if (next->payload_size < head->payload_size) break; /* a shorter one ends a run */
         }
         send_run(q, first, count);
         first += count;
@@ -571,19 +565,18 @@ static void flush(struct send_queue *q) {
     q->count = 0;
 }
 
-/* one copy to `to` unless the injected loss takes it: 1 if it was queued */
-static int emit(struct send_queue *q, const struct sockaddr_in *to, const struct outcome *o,
-                struct loss *l) {
+/* one copy to `to` unless the injected loss takes it */
+static void emit(struct send_queue *q, const struct sockaddr_in *to, const struct outcome *o,
+                 struct loss *l) {
     if (lost(l, l->out)) {
         l->dropped_out++;
-        return 0;
+        return;
     }
     if (q->count == MAX_QUEUE) flush(q);
     struct queued *item = q->items + q->count++;
     item->to = *to;
     memcpy(item->header, o->header, HEADER_SIZE);
     item->payload = o->payload, item->payload_size = o->payload_size;
-    return 1;
 }
 
 static void send_outcome(struct send_queue *q, Pool *p, const struct outcome *o, struct loss *l) {
@@ -605,7 +598,6 @@ static Pool *pool_for(Pool **pools, Py_ssize_t count, uint16_t job) {
 #define MAX_POOLS 256
 
 static int gso_works = 1; /* cleared for good by the first refusal */
-
 
 static PyObject *py_serve(PyObject *self, PyObject *args) {
     int fd, limit;
