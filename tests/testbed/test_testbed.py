@@ -76,8 +76,12 @@ def test_a_server_host_has_one_nic_so_its_incast_shares_it(make_testbed):
     end = max(f["end_at"] for f in flows)
     overlap = min(f["end_at"] for f in flows) - max(f["first_byte_at"] for f in flows)
     assert overlap > 0.5 * (end - start)  # the two workers really pushed at the same time
-    # each worker's own link could carry the full rate; through the server's one NIC they share it
-    assert 2 * nbytes * 8 / (end - start) == pytest.approx(rate * TCP_GOODPUT, rel=0.2)
+    # Each worker's own link could carry the full rate, so two unshared paths would deliver twice
+    # it; through the server's one NIC together they get at most one link's rate. (Less, too:
+    # two TCP slow starts at once overflow the 20 ms drop-tail queue and wait out a 200 ms
+    # retransmission timeout — 73 % of the rate in one run.)
+    aggregate = 2 * nbytes * 8 / (end - start)
+    assert 0.5 * rate * TCP_GOODPUT < aggregate < 1.2 * rate * TCP_GOODPUT
 
 
 def test_loss_is_applied_on_every_link_direction(make_testbed):
