@@ -4,6 +4,14 @@ For every size, in the same run: Gloo ``all_reduce`` (torch.distributed) and gra
 parameter server with codecs, each with n worker processes. ATE/s = elements / seconds of one
 allreduce, taking per step the slowest worker (the step is done when every worker has the
 average) and the median over steps. Ratios are to Gloo of the same size.
+
+On loopback every process shares this machine's cores, so the run is CPU-bound and a method's
+speed is mostly the CPU it spends: the table also gives CPU milliseconds per allreduce, all
+processes together (workers over the timed steps; a switch or server over the whole run, warmup
+included, divided by its steps), a far steadier figure than time on a shared, noisy machine.
+``--repeat N`` measures every method N times, in alternating order (drift on the machine then
+falls on every method alike), and reports medians over the rounds and the range of the per-round
+ratios to Gloo.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
 
 METHODS = {  # name -> (aggregator kind, codec); "gloo" is torch.distributed
     "gloo": (None, None),
@@ -41,6 +50,9 @@ def register(benches: argparse._SubParsersAction) -> None:
                         "server+thc server+topk")  # fmt: skip
     parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per method")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--repeat", type=positive_int, default=1,
+                        help="rounds of every method, in alternating order; medians over the "
+                        "rounds (default 1)")  # fmt: skip
     parser.add_argument("--drop-rate", type=float, default=0.0,
                         help="loss injected at the switch/server in each direction")  # fmt: skip
     parser.add_argument("--slots", type=positive_int, default=None,
@@ -90,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
     if args.link_rate or args.from_json:
         from . import ate_testbed
 
+        if args.repeat != 1:
+            raise UsageError("--repeat is for loopback runs; a testbed run measures once")
+
         args.testbed_id = args.testbed_id or ate_testbed.default_testbed_id()
         return ate_testbed.run(args)
     if args.plot:
@@ -101,11 +116,15 @@ def run(args: argparse.Namespace) -> int:
     args.slots = args.slots or 32
     rows = []
     for elements in args.sizes:
-        for method in args.methods:
-            print(f"measuring {method} with {args.workers} workers, {elements} elements ...",
-                  flush=True)  # fmt: skip
-            seconds = measure(method, args.workers, elements, args)
-            rows.append(_row(method, args, elements, seconds))
+        rounds: dict[str, list[Measurement]] = {method: [] for method in args.methods}
+        for index in range(args.repeat):
+            order = args.methods if index % 2 == 0 else args.methods[::-1]
+            for method in order:
+                of = f" (round {index + 1} of {args.repeat})" if args.repeat > 1 else ""
+                print(f"measuring {method} with {args.workers} workers, {elements} elements"
+                      f"{of} ...", flush=True)  # fmt: skip
+                rounds[method].append(measure(method, args.workers, elements, args))
+        rows += [_row(method, args, elements, rounds[method]) for method in args.methods]
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as out:
@@ -113,17 +132,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure(method: str, workers: int, elements: int, args) -> float:
-    """Seconds of one allreduce: median over steps of the slowest worker."""
+@dataclass(frozen=True)
+class Measurement:
+    seconds: float  # one allreduce: median over steps of the slowest worker
+    cpu_seconds: float | None  # CPU of all processes per allreduce (None: not measurable)
+
+
+def measure(method: str, workers: int, elements: int, args) -> Measurement:
     kind, codec = METHODS[method]
     if kind is None:
-        per_worker = _gloo(workers, elements, args.steps, args.warmup)
+        per_worker, cpu = _gloo(workers, elements, args.steps, args.warmup)
     else:
-        per_worker = _gradsum(kind, codec, workers, elements, args)
-    return statistics.median(max(step) for step in zip(*per_worker, strict=True))
+        per_worker, cpu = _gradsum(kind, codec, workers, elements, args)
+    seconds = statistics.median(max(step) for step in zip(*per_worker, strict=True))
+    return Measurement(seconds, cpu)
 
 
-def _gradsum(kind: str, codec: str, workers: int, elements: int, args) -> list[list[float]]:
+def _gradsum(kind: str, codec: str, workers: int, elements: int, args):
     from ..net.loopback import DaemonProcess, WorkerTask, run_workers
 
     flags = ("--drop-rate", str(args.drop_rate)) if args.drop_rate else ()
@@ -133,7 +158,14 @@ def _gradsum(kind: str, codec: str, workers: int, elements: int, args) -> list[l
                           elements=elements, steps=args.steps, warmup=args.warmup,
                           slots=args.slots, keep_output=False,
                           multicast=multicast(kind, args))  # fmt: skip
-        return [r.seconds for r in run_workers(task, timeout=600)]
+        before = daemon.cpu_seconds()
+        results = run_workers(task, timeout=600)
+        after = daemon.cpu_seconds()
+    cpu = None
+    if before is not None and after is not None:
+        cpu = (after - before) / (args.steps + args.warmup)
+        cpu += sum(r.cpu_seconds for r in results) / args.steps
+    return [r.seconds for r in results], cpu
 
 
 def multicast(kind: str, args) -> bool:
@@ -170,7 +202,9 @@ def _gloo(workers: int, elements: int, steps: int, warmup: int) -> list[list[flo
     errors = [r for r in results if isinstance(r, str)]
     if errors:
         raise RuntimeError(f"a Gloo worker failed: {errors[0]}")
-    return [seconds for _, seconds in sorted(results)]
+    results.sort()
+    cpu = sum(cpu for _, _, cpu in results) / steps
+    return [seconds for _, seconds, _ in results], cpu
 
 
 def _gloo_worker(rank, workers, port, elements, steps, warmup, queue) -> None:
@@ -184,41 +218,59 @@ def _gloo_worker(rank, workers, port, elements, steps, warmup, queue) -> None:
         tensor = torch.randn(elements, generator=torch.Generator().manual_seed(rank))
         for _ in range(warmup):
             dist.all_reduce(tensor.clone())
-        seconds = []
+        seconds, cpu = [], 0.0
         for _ in range(steps):
             work = tensor.clone()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             dist.all_reduce(work)
             work /= workers  # the average, as gradsum returns
             seconds.append(time.perf_counter() - start)
+            cpu += time.process_time() - start_cpu
         dist.destroy_process_group()
-        queue.put((rank, seconds))
+        queue.put((rank, seconds, cpu))
     except BaseException as error:  # reported by the parent
         queue.put(f"rank {rank}: {type(error).__name__}: {error}")
 
 
-def _row(method: str, args, elements: int, seconds: float) -> dict:
+def _row(method: str, args, elements: int, rounds: list[Measurement]) -> dict:
+    seconds = statistics.median(m.seconds for m in rounds)
+    cpu = [m.cpu_seconds for m in rounds if m.cpu_seconds is not None]
     return {
         "method": method,
         "workers": args.workers,
         "elements": elements,
         "seconds": seconds,
         "ate_per_s": elements / seconds,
+        "cpu_ms": 1000 * statistics.median(cpu) if cpu else None,
         "drop_rate": args.drop_rate if method != "gloo" else 0.0,
         "steps": args.steps,
         "pipelines": args.pipelines if method != "gloo" else 0,
+        "round_seconds": [m.seconds for m in rounds],
     }
 
 
 def format_table(rows: list[dict]) -> str:
-    gloo = {r["elements"]: r["ate_per_s"] for r in rows if r["method"] == "gloo"}
-    lines = [f"{'method':<13} {'workers':>7} {'elements':>10} {'ms':>9} {'ATE/s':>10} "
-             f"{'vs gloo':>8}"]  # fmt: skip
+    gloo = {r["elements"]: r for r in rows if r["method"] == "gloo"}
+    repeated = any(len(r.get("round_seconds", ())) > 1 for r in rows)
+    header = (f"{'method':<13} {'workers':>7} {'elements':>10} {'ms':>9} {'ATE/s':>10} "
+              f"{'vs gloo':>8} {'CPU ms':>8}")  # fmt: skip
+    lines = [header + (f" {'rounds vs gloo':>15}" if repeated else "")]
     for r in rows:
         base = gloo.get(r["elements"])
-        ratio = f"{r['ate_per_s'] / base:.2f}x" if base else "-"
-        lines.append(
-            f"{r['method']:<13} {r['workers']:>7} {r['elements']:>10} "
-            f"{1000 * r['seconds']:>9.1f} {r['ate_per_s'] / 1e6:>9.1f}M {ratio:>8}"
-        )
+        ratio = f"{r['ate_per_s'] / base['ate_per_s']:.2f}x" if base else "-"
+        cpu = f"{r['cpu_ms']:.1f}" if r.get("cpu_ms") is not None else "-"
+        line = (f"{r['method']:<13} {r['workers']:>7} {r['elements']:>10} "
+                f"{1000 * r['seconds']:>9.1f} {r['ate_per_s'] / 1e6:>9.1f}M {ratio:>8} "
+                f"{cpu:>8}")  # fmt: skip
+        if repeated:
+            line += f" {_round_ratios(r, base):>15}"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def _round_ratios(row: dict, gloo: dict | None) -> str:
+    """The lowest and highest of the per-round ratios to Gloo (rounds pair up in time)."""
+    if gloo is None or "round_seconds" not in row:
+        return "-"
+    ratios = [g / s for g, s in zip(gloo["round_seconds"], row["round_seconds"], strict=False)]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}x"

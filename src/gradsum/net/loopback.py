@@ -67,11 +67,34 @@ class DaemonProcess:
             raise TimeoutError(f"gradsum {self.kind} ignored SIGTERM for {timeout} s") from None
         return self.stderr
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time (user + system) the daemon and its pipelines have used so far; None where
+        /proc cannot tell."""
+        return tree_cpu_seconds(self.process.pid)
+
     def __enter__(self) -> DaemonProcess:
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def tree_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a live process and its live descendants (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            # fields after the parenthesised command: utime and stime are the 12th and 13th
+            fields = stat.read().rsplit(")", 1)[1].split()
+        total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        children = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as listed:
+                children += [int(c) for c in listed.read().split()]
+    except (OSError, ValueError, IndexError):
+        return None
+    for child in children:
+        total += tree_cpu_seconds(child) or 0.0  # a child that just exited: nothing to add
+    return total
 
 
 def _address(text: str) -> Address:
@@ -115,6 +138,7 @@ class WorkerResult:
     outputs: list  # float32 numpy arrays, one per step (if kept)
     seconds: list[float]  # per timed step
     stats: dict
+    cpu_seconds: float = 0.0  # this process's CPU time (user + system) over the timed steps
 
 
 def worker_input(task: WorkerTask, worker: int, step: int):
@@ -235,11 +259,12 @@ def _work(task: WorkerTask, worker: int, pipe) -> WorkerResult:
         inputs = worker_inputs(task, worker)
         for _ in range(task.warmup):
             client.allreduce(inputs[0], key="warmup")
-        outputs, seconds = [], []
+        outputs, seconds, cpu = [], [], 0.0
         for step in range(task.steps):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             out = client.allreduce(inputs[step])
             seconds.append(time.perf_counter() - start)
+            cpu += time.process_time() - start_cpu
             if task.keep_output:  # numpy: torch would pass shared memory that dies with us
                 outputs.append(out.numpy().copy())
-        return WorkerResult(worker, outputs, seconds, client.stats())
+        return WorkerResult(worker, outputs, seconds, client.stats(), cpu)
