@@ -123,4 +123,6 @@ def _exponents(shared: torch.Tensor | None, blocks: int) -> torch.Tensor | None:
     """The shared exponents as a contiguous float32 CPU vector, or None where they can't be."""
     if shared is None or shared.numel() != blocks or shared.device.type != "cpu":
         return None
+    if shared.dtype == torch.float32 and shared.dim() == 1 and shared.is_contiguous():
+        return shared  # as the exponent round delivers them (no per-part conversions)
     return shared.reshape(-1).to(torch.float32).contiguous()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import signal
@@ -189,9 +188,6 @@ def _serve(args, profile, aggregator, sock, Daemon, index: int) -> int:
     name = profile.name if args.pipelines == 1 else f"{profile.name} pipeline {index}"
     _install_signals(daemon)
     reporter = _start_reporter(daemon, args.stats_interval)
-    # What start-up made (torch's modules among it) lives as long as the daemon: keep it out of
-    # the collector's full passes, which otherwise scan it again and again while packets flow.
-    gc.freeze()
     try:
         daemon.serve()
     finally:
