@@ -14,7 +14,7 @@ def test_bench_ate_writes_rows_for_every_method(tmp_path, capsys):
     path = tmp_path / "ate.json"
     methods = ["gloo", "switch+bfp", "server+topk"]
     status = main(["bench", "ate", "--workers", "2", "--sizes", "8192", "--steps", "2",
-                   "--methods", *methods, "--drop-rate", "0.01", "--repeat", "2",
+                   "--methods", *methods, "--drop-rate", "0.01", "--rounds", "2",
                    "--json", str(path)])  # fmt: skip
     assert status == 0
     rows = json.loads(path.read_text())
@@ -52,11 +52,11 @@ def test_one_round_has_no_range_column():
     assert "rounds" not in lines[0] and lines[2].split()[-2:] == ["2.00x", "10.0"]
 
 
-def test_repeat_is_for_loopback_runs(capsys):
+def test_rounds_are_for_loopback_runs(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "ate", "--link-rate", "1gbit", "--repeat", "3"])
+        main(["bench", "ate", "--link-rate", "1gbit", "--rounds", "3"])
     assert exit_info.value.code == 2
-    assert "--repeat is for loopback runs" in capsys.readouterr().err
+    assert "--rounds is for loopback runs" in capsys.readouterr().err
 
 
 def test_bench_ate_rejects_a_bad_drop_rate(capsys):

@@ -9,7 +9,7 @@ On loopback every process shares this machine's cores, so the run is CPU-bound a
 speed is mostly the CPU it spends: the table also gives CPU milliseconds per allreduce, all
 processes together (workers over the timed steps; a switch or server over the whole run, warmup
 included, divided by its steps), a far steadier figure than time on a shared, noisy machine.
-``--repeat N`` measures every method N times, in alternating order (drift on the machine then
+``--rounds N`` measures every method N times, in alternating order (drift on the machine then
 falls on every method alike), and reports medians over the rounds and the range of the per-round
 ratios to Gloo.
 """
@@ -50,7 +50,7 @@ def register(benches: argparse._SubParsersAction) -> None:
                         "server+thc server+topk")  # fmt: skip
     parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per method")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    parser.add_argument("--repeat", type=positive_int, default=1,
+    parser.add_argument("--rounds", type=positive_int, default=1,
                         help="rounds of every method, in alternating order; medians over the "
                         "rounds (default 1)")  # fmt: skip
     parser.add_argument("--drop-rate", type=float, default=0.0,
@@ -102,8 +102,8 @@ def run(args: argparse.Namespace) -> int:
     if args.link_rate or args.from_json:
         from . import ate_testbed
 
-        if args.repeat != 1:
-            raise UsageError("--repeat is for loopback runs; a testbed run measures once")
+        if args.rounds != 1:
+            raise UsageError("--rounds is for loopback runs; a testbed run measures once")
 
         args.testbed_id = args.testbed_id or ate_testbed.default_testbed_id()
         return ate_testbed.run(args)
@@ -117,10 +117,10 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for elements in args.sizes:
         rounds: dict[str, list[Measurement]] = {method: [] for method in args.methods}
-        for index in range(args.repeat):
+        for index in range(args.rounds):
             order = args.methods if index % 2 == 0 else args.methods[::-1]
             for method in order:
-                of = f" (round {index + 1} of {args.repeat})" if args.repeat > 1 else ""
+                of = f" (round {index + 1} of {args.rounds})" if args.rounds > 1 else ""
                 print(f"measuring {method} with {args.workers} workers, {elements} elements"
                       f"{of} ...", flush=True)  # fmt: skip
                 rounds[method].append(measure(method, args.workers, elements, args))
