@@ -27,11 +27,13 @@ from .ate import METHODS, multicast
 TESTBED_METHODS = ("gloo", "switch+bfp", "switch+thc", "server+thc", "server+topk")
 DEFAULT_ELEMENTS = 1 << 22
 MAX_SLOTS = 32
-DATAGRAM_BYTES = 1 << 16  # a full gradsum packet (64 KiB payloads by default)
-# Kernel memory one reassembled 64 KiB datagram holds in a socket buffer: 45 fragment buffers of
-# 1500-byte frames took 102.6 kB (`ss -m`); 8 jumbo fragments (the testbed's MTU 9000) take
-# about 8 x 16 KiB. Windows are sized for half the aggregator's buffer: retransmitted duplicates
-# need room too (UdpRcvbufErrors at the switch with 4 workers x 19 slots in a 8 MiB buffer).
+DATAGRAM_BYTES = 1 << 16  # one window unit: a 64 KiB datagram, or a GSO chunk of that size
+# Kernel memory one window unit holds in a socket buffer. With --fragmented, a reassembled 64 KiB
+# datagram: 45 fragment buffers of 1500-byte frames took 102.6 kB (`ss -m`), 8 jumbo fragments
+# (the testbed's MTU 9000) about 8 x 16 KiB. By default a unit is 7 packets of one 9000-byte frame
+# each, about 7 x 16 KiB if each frame takes a 16 KiB buffer (not re-measured): the same bound
+# holds. Windows are sized for half the aggregator's buffer: retransmitted duplicates need room
+# too (UdpRcvbufErrors at the switch with 4 workers x 19 slots in a 8 MiB buffer).
 DATAGRAM_TRUESIZE = 128 << 10
 BUFFER_HEADROOM = 2
 HEADER_BYTES = 32  # gradsum's packet header (docs/protocol.md)
