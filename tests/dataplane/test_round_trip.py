@@ -40,3 +40,25 @@ def test_the_backoff_never_passes_the_policy_ceiling():
     rtt = RoundTrip()
     rtt.backed_off(100.0)
     assert rtt.timeout(POLICY) == POLICY.max_timeout
+
+
+def test_a_prompt_answer_to_a_resend_ends_the_backoff():
+    stream = ChunkStream(first=0, count=4, slots=2, policy=POLICY)
+    stream.start(0.0)
+    assert stream.on_result(0, 0.5) == [2]  # a clean sample: srtt 0.5, timeout 1.5
+    assert stream.expired(1.5) == [1]  # silent since 0.5: 1 resent, its timeout doubles to 2
+    assert stream.rtt.backoff == 2.0
+    # its result 0.4 s after the resend, within srtt + 4 rttvar: it had been lost, and the
+    # aggregator answers promptly, so new chunks go back to the round trips' timeout
+    assert stream.on_result(1, 1.9) == [3]
+    assert stream.rtt.backoff == 0.0
+    assert stream.timeout == pytest.approx(1.5)
+
+
+def test_a_late_answer_to_a_resend_keeps_the_backoff():
+    stream = ChunkStream(first=0, count=4, slots=2, policy=POLICY)
+    stream.start(0.0)
+    stream.on_result(0, 0.5)
+    stream.expired(1.5)
+    assert stream.on_result(1, 3.2) == [3]  # 1.7 s after the resend: as slow as a timeout
+    assert stream.rtt.backoff == 2.0

@@ -154,3 +154,34 @@ def test_packets_of_later_chunks_count_against_an_earlier_one_as_results_do():
     assert stream.stats.fast_retransmissions == 1
     assert stream.on_progress(5, 0.2) == []  # not outstanding (not even sent): ignored
     assert stream.expired(0.1 + POLICY.timeout / 2) == []  # results flow: no probe
+
+
+def test_a_chunks_last_packet_past_holes_resends_the_chunk_at_once_and_only_once():
+    stream = ChunkStream(first=0, count=1, slots=1, policy=POLICY)  # a stream's one chunk
+    assert stream.start(0.0) == [0]
+    assert stream.on_progress(0, 0.1) == []  # its first packet
+    assert stream.on_progress(0, 0.2, holes=True) == [0]  # its last, with one missing: lost
+    assert stream.stats.fast_retransmissions == 1
+    # more of its packets past the same holes (answers to its first sending) resend nothing
+    assert stream.on_progress(0, 0.25, holes=True) == []
+    assert stream.on_result(0, 0.3) == []
+    assert stream.stats.fast_retransmissions == 1
+
+
+def test_results_of_chunks_first_sent_before_a_resend_do_not_count_against_it():
+    stream = ChunkStream(first=0, count=5, slots=5, policy=POLICY)
+    stream.start(0.0)
+    assert stream.on_progress(0, 0.1, holes=True) == [0]  # resent at 0.1
+    assert stream.on_progress(1, 0.2, holes=True) == [1]  # resent at 0.2, first sent at 0
+    # chunk 1's packets may answer its first sending, from before 0's resend: no count
+    for now in (0.3, 0.4, 0.5):
+        assert stream.on_progress(1, now) == []
+    assert stream.stats.fast_retransmissions == 2
+
+
+def test_round_trips_are_sampled_at_a_chunks_first_packet():
+    stream = ChunkStream(first=0, count=1, slots=1, policy=POLICY)
+    stream.start(0.0)
+    stream.on_progress(0, 0.2)  # the path's round trip
+    stream.on_result(0, 0.9)  # the last packet waited for another worker's recovery
+    assert stream.rtt.srtt == pytest.approx(0.2)

@@ -22,7 +22,7 @@ def test_bench_ate_writes_rows_for_every_method(tmp_path, capsys):
     for row in rows:
         assert {"method", "workers", "elements", "ate_per_s", "drop_rate"} <= set(row)
         assert row["workers"] == 2 and row["elements"] == 8192 and row["ate_per_s"] > 0
-        assert len(row["round_seconds"]) == 2 and row["cpu_ms"] > 0
+        assert len(row["round_seconds"]) == 2 and row["cpu_ms"] > 0 and row["mtu"] is None
         assert row["seconds"] == statistics.median(row["round_seconds"])
     assert rows[1]["drop_rate"] == 0.01 and rows[0]["drop_rate"] == 0.0
     out = capsys.readouterr().out
@@ -64,3 +64,17 @@ def test_bench_ate_rejects_a_bad_drop_rate(capsys):
         main(["bench", "ate", "--drop-rate", "1.0"])
     assert exit_info.value.code == 2
     assert "--drop-rate must be in [0, 1)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--mtu", "500"], "--mtu 500: must be between 576 and 65535"),
+        (["--mtu", "1500", "--link-rate", "1gbit"], "--mtu is for loopback runs"),
+    ],
+)
+def test_mtu_is_checked(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "ate", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

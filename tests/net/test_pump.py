@@ -175,6 +175,35 @@ def test_a_chunk_of_several_packets_goes_in_one_send_and_is_placed_once_all_are_
         assert down.tolist() == [30] * 8 + [31] * 8 + [32] * 8 + [33] * 8 + [34] * 4
 
 
+def test_a_chunks_last_packet_with_packets_missing_before_it_reports_holes():
+    transfer, _up, down = segmented_transfer()
+    with open_socket(("127.0.0.1", 0)) as worker, open_socket(("127.0.0.1", 0)) as switch:
+        job = JobHandle(switch.getsockname(), 2, 0, 2, 8, 2, segments=3)
+        routes = pump.Routes([(job, transfer)])
+        slots = 6
+
+        def result(packet, lanes=8):
+            header = Header(Kind.RESULT, 2, ANY_WORKER, packet % slots, (packet // slots) % 2,
+                            Op.SUM, 0, packet, lanes, 2)  # fmt: skip
+            return header.pack() + np.full(lanes, packet, np.int32).tobytes()
+
+        # chunk 10 is packets 30-32, chunk 11 packets 33-34; 31 and 33 never came
+        for packet, lanes in ((30, 8), (32, 8), (34, 4)):
+            switch.sendto(result(packet, lanes), worker.getsockname())
+        assert drain(routes, worker) == [
+            (0, 10, 2, 0, pump.PROGRESS),
+            (0, 10, 2, 0, pump.HOLES),  # its last packet, one before it missing: lost
+            (0, 11, 2, 0, pump.HOLES),
+        ]
+        routes.send(worker.fileno(), [(0, 10), (0, 11)])  # the resends: only the holes
+        resent = sorted(parse_header(switch.recvfrom(1 << 16)[0]).chunk for _ in range(2))
+        assert resent == [31, 33]
+        switch.sendto(result(31), worker.getsockname())
+        switch.sendto(result(33), worker.getsockname())
+        assert drain(routes, worker) == [(0, 10, 2, 0, pump.PLACED), (0, 11, 2, 0, pump.PLACED)]
+        assert down.tolist() == [30] * 8 + [31] * 8 + [32] * 8 + [33] * 8 + [34] * 4
+
+
 def drain(routes, sock) -> list:
     events = []
     for _ in range(5):

@@ -60,6 +60,10 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.add_argument("--pipelines", type=positive_int, default=1,
                         help="processes of the switch/server (gradsum switch --pipelines): a "
                         "job's lanes are spread over them (default 1)")  # fmt: skip
+    parser.add_argument("--mtu", type=int, default=None,
+                        help="packets that fit this path MTU, a chunk of them per GSO send, as "
+                        "`gradsum train --mtu` (default: datagrams of up to 64 KiB; loopback "
+                        "never fragments them)")  # fmt: skip
     parser.add_argument("--unicast-results", action="store_true",
                         help="the switch sends each worker its own copy of every result "
                         "(default: one multicast, replicated by the network)")  # fmt: skip
@@ -99,6 +103,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--drop-rate must be in [0, 1), got {args.drop_rate}")
     if args.sizes and max(args.sizes) > 1 << 24:
         raise UsageError("--sizes: at most 2^24 elements")
+    if args.mtu is not None:
+        from ..net.client import MAX_MTU, MIN_MTU
+
+        if args.link_rate or args.from_json:
+            raise UsageError("--mtu is for loopback runs; a testbed sends MTU-sized packets")
+        if not MIN_MTU <= args.mtu <= MAX_MTU:
+            raise UsageError(f"--mtu {args.mtu}: must be between {MIN_MTU} and {MAX_MTU}")
     if args.link_rate or args.from_json:
         from . import ate_testbed
 
@@ -157,7 +168,7 @@ def _gradsum(kind: str, codec: str, workers: int, elements: int, args):
         task = WorkerTask(daemon.addresses, job=1, workers=workers, codec=codec,
                           elements=elements, steps=args.steps, warmup=args.warmup,
                           slots=args.slots, keep_output=False,
-                          multicast=multicast(kind, args))  # fmt: skip
+                          multicast=multicast(kind, args), mtu=args.mtu)  # fmt: skip
         before = daemon.cpu_seconds()
         results = run_workers(task, timeout=600)
         after = daemon.cpu_seconds()
@@ -245,6 +256,7 @@ def _row(method: str, args, elements: int, rounds: list[Measurement]) -> dict:
         "drop_rate": args.drop_rate if method != "gloo" else 0.0,
         "steps": args.steps,
         "pipelines": args.pipelines if method != "gloo" else 0,
+        "mtu": args.mtu if method != "gloo" else None,
         "round_seconds": [m.seconds for m in rounds],
     }
 

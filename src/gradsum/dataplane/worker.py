@@ -75,7 +75,12 @@ class RoundTrip:
     outlives one allreduce: Jacobson's smoothed round trip and variance from chunks never resent
     (Karn), and TCP's rule that after a timeout new chunks keep the backed-off timeout until a
     fresh sample arrives (otherwise a window whose every chunk was resent spuriously never yields
-    a sample and keeps resending at the floor)."""
+    a sample and keeps resending at the floor) — or until a resent chunk's result comes back
+    within the un-backed-off timeout of its resend: the aggregator answers promptly, the chunk
+    had been lost, not delayed. That matters here more than in TCP: a slot completes only with
+    every worker's packet, so each worker times out on the others' losses as well as its own,
+    and a backoff that stayed until the next clean sample (none in a one-chunk exponent round)
+    made every later loss wait up to ``max_timeout``."""
 
     srtt: float | None = None
     rttvar: float = 0.0
@@ -84,6 +89,13 @@ class RoundTrip:
     def timeout(self, policy: RetryPolicy) -> float:
         adaptive = policy.timeout if self.srtt is None else self.srtt + 4 * self.rttvar
         return min(max(policy.timeout, adaptive, self.backoff), policy.max_timeout)
+
+    def answered(self, waited: float) -> None:
+        """A resent chunk's result came ``waited`` seconds after its last sending. Only against
+        known round trips: before the first clean sample a prompt answer may be the first
+        sending's, late (a slow aggregator, which the backoff is there to spare)."""
+        if self.srtt is not None and waited <= self.srtt + 4 * self.rttvar:
+            self.backoff = 0.0
 
     def sample(self, rtt: float) -> None:
         self.backoff = 0.0
@@ -105,6 +117,7 @@ class _Outstanding:
     retries: int = 0
     later: int = 0  # results of later chunks since this chunk was last sent
     last_sent: float = 0.0
+    sampled: bool = False  # its round trip was sampled (at its first packet's result)
 
 
 @dataclass
@@ -168,12 +181,13 @@ class ChunkStream:
         if state is None:
             self.stats.duplicate_results += 1
             return []
-        if state.retries == 0:
-            self._sample(now - state.first_sent)
+        self._sample_once(state, now)
+        if state.retries:
+            self.rtt.answered(now - state.last_sent)
         self._received += 1
         self._last_result = now
         self.stats.results += 1
-        resend = self._overtaken(chunk, state.last_sent, now)
+        resend = self._overtaken(chunk, state.first_sent, now)
         following = chunk + self.slots
         if following < self._end and following >= self.ready:
             self._held.append(following)
@@ -182,21 +196,30 @@ class ChunkStream:
             resend.append(following)
         return resend
 
-    def on_progress(self, chunk: int, now: float) -> list[int]:
+    def on_progress(self, chunk: int, now: float, holes: bool = False) -> list[int]:
         """A packet of outstanding ``chunk`` (a chunk of several packets) has its result: results
         still flow, and it counts against earlier chunks as a whole result would, so a packet
-        lost from one is resent within a few packets instead of after a timer. Returns the
-        chunks to resend."""
+        lost from one is resent within a few packets instead of after a timer. ``holes``: it is
+        the chunk's last packet and earlier ones have no result; a chunk's results come back in
+        packet order, so those were lost, and the chunk is resent now (once: after that, later
+        chunks' results and the timer recover it) — a loss in a stream's last chunk then costs
+        a round trip, not a timeout. Returns the chunks to resend."""
         state = self._outstanding.get(chunk)
         if state is None:
             return []
         self._last_result = now
-        return self._overtaken(chunk, state.last_sent, now)
+        self._sample_once(state, now)
+        lost = self._overtaken(chunk, state.first_sent, now)
+        if holes and state.retries == 0:
+            lost.append(chunk)
+            self._fast_resent([chunk], now)
+        return lost
 
     def _overtaken(self, chunk: int, sent: float, now: float) -> list[int]:
         """Earlier chunks that ``FAST_RETRANSMIT`` later results have now overtaken: resend them
         (their timers restart, their timeouts do not back off). A result counts against an
-        earlier chunk only if its own chunk left after that one's last send. At the end of the
+        earlier chunk only if its own chunk first left after that one's last send (a resent
+        chunk's results may still answer its first sending). At the end of the
         stream fewer later chunks exist, and each may count (TCP's early retransmit): the tail
         of a stream recovers a loss in one round trip instead of one timeout per lost chunk."""
         lost = []
@@ -209,16 +232,20 @@ class ChunkStream:
                     threshold = min(threshold, self._highest_sent - earlier)
                 if state.later >= threshold:  # reset below: once per send
                     lost.append(earlier)
-        for earlier in lost:
-            state = self._outstanding[earlier]
+        self._fast_resent(lost, now)
+        return lost
+
+    def _fast_resent(self, chunks: list[int], now: float) -> None:
+        """Chunks resent now before their timers (their timeouts do not back off)."""
+        for chunk in chunks:
+            state = self._outstanding[chunk]
             state.retries += 1
             state.later = 0
             state.last_sent = now
             state.deadline = now + state.timeout
-        self.stats.fast_retransmissions += len(lost)
-        self.stats.retransmissions += len(lost)
-        self.stats.packets_sent += len(lost)
-        return lost
+        self.stats.fast_retransmissions += len(chunks)
+        self.stats.retransmissions += len(chunks)
+        self.stats.packets_sent += len(chunks)
 
     def on_stale(self, chunk: int) -> None:
         if chunk in self._outstanding:
@@ -264,8 +291,18 @@ class ChunkStream:
     def next_deadline(self) -> float | None:
         return min((o.deadline for o in self._outstanding.values()), default=None)
 
-    def _sample(self, rtt: float) -> None:
-        self.rtt.sample(rtt)
+    def _sample_once(self, state: _Outstanding, now: float) -> None:
+        """A round trip sample from a chunk's first result (Karn: never from a resent chunk).
+
+        For a chunk of several packets that is its first packet's result: the path's round trip.
+        Its last packet may also have waited for another worker's recovery of a lost packet
+        (no worker completes a slot alone), which says nothing about this path; with many
+        packets per chunk nearly every chunk holds such a wait, and sampled at its end they
+        would swell the timeout many times over (1 % loss, 44 packets: 80-250 ms timeouts
+        against ~5 ms round trips)."""
+        if state.retries == 0 and not state.sampled:
+            state.sampled = True
+            self.rtt.sample(now - state.first_sent)
 
     def _send(self, chunk: int, now: float) -> None:
         timeout = self.timeout

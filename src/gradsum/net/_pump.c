@@ -19,7 +19,8 @@
  *
  * Chunks are the transfer's (dataplane/transfer.py); the aggregator sees packets: chunk c of a
  * route is packets base + (c - first) * segments + i, i < segments, in slots * segments slots.
- * A result is placed per packet; the chunk is reported PLACED once all its packets are.
+ * A result is placed per packet; the chunk is reported PLACED once all its packets are, and
+ * each packet before that PROGRESS, or HOLES for its last packet (the missing ones were lost).
  *
  * ``routes`` is a contiguous array of struct route (its numpy twin is ROUTE in net/pump.py);
  * the buffers it points to belong to the caller, who keeps them alive across the calls.
@@ -46,8 +47,11 @@
 #define MAX_SEGMENTS 64 /* packets per GSO send (the kernel's UDP_MAX_SEGMENTS is 64 or 128) */
 #define SEND_WAIT_MS 20 /* how long a full send buffer may stall one batch (client.py's too) */
 
-/* PROGRESS: a packet of a chunk placed, the chunk still incomplete (loss detection counts it) */
-enum event { PLACED = 1, REPEAT = 2, STALE = 3, PROGRESS = 4 };
+/* PROGRESS: a packet of a chunk placed, the chunk still incomplete (loss detection counts it);
+   HOLES: the chunk's last packet placed while earlier ones are still missing. A chunk's results
+   come back in packet order (each worker sends its packets in order, a slot completes with the
+   last worker's), so those were lost: a packet or its result. */
+enum event { PLACED = 1, REPEAT = 2, STALE = 3, PROGRESS = 4, HOLES = 5 };
 
 struct route {             /* one transfer: an aggregator job streaming one buffer */
     uint32_t ip;           /* the aggregator, network order */
@@ -243,7 +247,10 @@ static int take_one(int fd, const struct route *routes, Py_ssize_t nroutes,
         int64_t chunk = q[i] / r->segments;
         if (chunk == reported) continue;
         int complete = chunk_placed(r, chunk);
-        add_event(events, nevents, which, r->first + chunk, &h[i], complete ? PLACED : PROGRESS);
+        int64_t from, to;
+        packets_of(r, chunk, &from, &to);
+        int event = complete ? PLACED : q[i] == to - 1 ? HOLES : PROGRESS;
+        add_event(events, nevents, which, r->first + chunk, &h[i], event);
         if (complete) reported = chunk;
     }
     return 1;

@@ -186,9 +186,10 @@ class UdpTransport:
                 if event == pump.PLACED:
                     last_progress = now
                     out += [(r, c) for c in transfer.accept(chunk, contributors, flags, 0, now)]
-                elif event == pump.PROGRESS:  # one packet of a chunk of several
+                elif event == pump.PROGRESS or event == pump.HOLES:  # a packet of several
                     last_progress = now
-                    out += [(r, c) for c in transfer.stream.on_progress(chunk, now)]
+                    holes = event == pump.HOLES
+                    out += [(r, c) for c in transfer.stream.on_progress(chunk, now, holes)]
                 elif event == pump.REPEAT:
                     transfer.stream.stats.duplicate_results += 1
                 else:
@@ -375,6 +376,7 @@ class SwitchClient:
 
 
 IPV4_UDP_HEADERS = 28
+MIN_MTU, MAX_MTU = 576, 65535  # IPv4's minimum datagram every host accepts; the largest
 MAX_GSO_BYTES = 65507  # one UDP send, GSO or not: 64 KiB less the IPv4 and UDP headers
 MAX_SEGMENTS = 64  # packets per GSO send (_pump.c)
 

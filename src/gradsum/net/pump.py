@@ -32,7 +32,7 @@ try:
 except ImportError:  # built without a C compiler
     _pump = None
 
-PLACED, REPEAT, STALE, PROGRESS = 1, 2, 3, 4  # the events of _pump.receive
+PLACED, REPEAT, STALE, PROGRESS, HOLES = 1, 2, 3, 4, 5  # the events of _pump.receive
 BATCH = 32  # results handled per call: fewer delays the next sends of a self-clocked window
 
 # struct route of _pump.c, field by field (network byte order for the address, as in sockaddr)

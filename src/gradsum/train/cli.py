@@ -73,9 +73,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-MIN_MTU, MAX_MTU = 576, 65535  # IPv4's minimum datagram every host accepts; the largest
-
-
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
     from .aggregators import IncompatibleChoice, check_compatible
@@ -106,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         mtu=args.mtu,
     )
+    from ..net.client import MAX_MTU, MIN_MTU
+
     if config.mtu is not None and not MIN_MTU <= config.mtu <= MAX_MTU:
         raise UsageError(f"--mtu {config.mtu}: must be between {MIN_MTU} and {MAX_MTU}")
     try:
