@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from gradsum.dataplane import AggregationTimeout, ChunkStream, RetryPolicy, StaleChunkError
-from gradsum.dataplane.worker import ChunkLayout, shard_lanes
+from gradsum.dataplane.worker import ChunkLayout, RoundTrip, shard_lanes
 
 POLICY = RetryPolicy(timeout=1.0, backoff=2.0, max_timeout=3.0, give_up_after=10.0)
 
@@ -24,7 +24,7 @@ def test_window_holds_one_chunk_per_slot_and_each_result_releases_the_next():
 
 
 def test_timeouts_resend_with_backoff_up_to_the_ceiling():
-    stream = ChunkStream(first=0, count=2, slots=2, policy=POLICY)
+    stream = ChunkStream(first=0, count=3, slots=2, policy=POLICY)  # 2 unsent: no tail probe
     stream.start(0.0)
     assert stream.expired(0.5) == []
     assert stream.expired(1.0) == [0]  # nothing came back yet: probe with the oldest only
@@ -168,15 +168,24 @@ def test_a_chunks_last_packet_past_holes_resends_the_chunk_at_once_and_only_once
     assert stream.stats.fast_retransmissions == 1
 
 
-def test_results_of_chunks_first_sent_before_a_resend_do_not_count_against_it():
-    stream = ChunkStream(first=0, count=5, slots=5, policy=POLICY)
+def test_a_silent_tail_is_probed_two_round_trips_after_the_last_result_once():
+    rtt = RoundTrip(srtt=0.2, rttvar=0.05, backoff=3.0)  # an earlier stream's loss backed off
+    stream = ChunkStream(first=0, count=1, slots=1, policy=POLICY, rtt=rtt)  # one chunk
+    stream.start(0.0)  # it gets the backed-off 3 s
+    assert stream.on_progress(0, 0.3) == []  # a first packet's result, then silence
+    assert stream.next_deadline() == pytest.approx(1.3)  # the probe: floor 1 s > 2 srtt
+    assert stream.expired(1.3) == [0]  # its missing packets, before the 3 s timer
+    assert stream.stats.fast_retransmissions == 1 and stream.stats.timeouts == 0
+    assert stream.expired(2.0) == []  # once per silence
+    assert stream.next_deadline() == pytest.approx(4.3)  # then the timer, from the probe
+
+
+def test_no_tail_probe_while_chunks_wait_to_be_sent():
+    stream = ChunkStream(first=0, count=3, slots=2, policy=POLICY, rtt=RoundTrip(0.2, 0.05))
     stream.start(0.0)
-    assert stream.on_progress(0, 0.1, holes=True) == [0]  # resent at 0.1
-    assert stream.on_progress(1, 0.2, holes=True) == [1]  # resent at 0.2, first sent at 0
-    # chunk 1's packets may answer its first sending, from before 0's resend: no count
-    for now in (0.3, 0.4, 0.5):
-        assert stream.on_progress(1, now) == []
-    assert stream.stats.fast_retransmissions == 2
+    stream.on_result(1, 0.3)  # chunk 2 waits for 0's slot: later results will reveal a loss
+    assert stream.next_deadline() == pytest.approx(1.0)  # only chunk 0's timer
+    assert stream.expired(1.3) == [0] and stream.stats.timeouts == 1
 
 
 def test_round_trips_are_sampled_at_a_chunks_first_packet():

@@ -142,6 +142,8 @@ class ChunkStream:
         self._highest_sent = self.first - 1
         self._received = 0
         self._last_result = float("-inf")
+        self._last_send = float("-inf")  # of a chunk's first sending
+        self._probed = False  # a tail probe went out since the last result
 
     @property
     def timeout(self) -> float:
@@ -186,8 +188,9 @@ class ChunkStream:
             self.rtt.answered(now - state.last_sent)
         self._received += 1
         self._last_result = now
+        self._probed = False
         self.stats.results += 1
-        resend = self._overtaken(chunk, state.first_sent, now)
+        resend = self._overtaken(chunk, state.last_sent, now)
         following = chunk + self.slots
         if following < self._end and following >= self.ready:
             self._held.append(following)
@@ -208,8 +211,9 @@ class ChunkStream:
         if state is None:
             return []
         self._last_result = now
+        self._probed = False
         self._sample_once(state, now)
-        lost = self._overtaken(chunk, state.first_sent, now)
+        lost = self._overtaken(chunk, state.last_sent, now)
         if holes and state.retries == 0:
             lost.append(chunk)
             self._fast_resent([chunk], now)
@@ -218,8 +222,7 @@ class ChunkStream:
     def _overtaken(self, chunk: int, sent: float, now: float) -> list[int]:
         """Earlier chunks that ``FAST_RETRANSMIT`` later results have now overtaken: resend them
         (their timers restart, their timeouts do not back off). A result counts against an
-        earlier chunk only if its own chunk first left after that one's last send (a resent
-        chunk's results may still answer its first sending). At the end of the
+        earlier chunk only if its own chunk left after that one's last send. At the end of the
         stream fewer later chunks exist, and each may count (TCP's early retransmit): the tail
         of a stream recovers a loss in one round trip instead of one timeout per lost chunk."""
         lost = []
@@ -257,7 +260,8 @@ class ChunkStream:
 
     def expired(self, now: float) -> list[int]:
         """Chunks to resend now: the oldest late chunk when no result came back within its
-        timeout, none while results still flow; all late chunks' timeouts back off."""
+        timeout, none while results still flow; all late chunks' timeouts back off. Or, at a
+        stream's tail, a probe (below)."""
         late = sorted(c for c, o in self._outstanding.items() if o.deadline <= now)
         for chunk in late:
             self._check_patience(chunk, now)
@@ -268,7 +272,26 @@ class ChunkStream:
         self.stats.timeouts += len(resend)
         self.stats.retransmissions += len(resend)
         self.stats.packets_sent += len(resend)
+        probe = self._probe_due()
+        if not resend and probe is not None and now >= probe:
+            resend = [min(self._outstanding)]
+            self._probed = True
+            self._fast_resent(resend, now)
         return resend
+
+    def _probe_due(self) -> float | None:
+        """When a tail probe is due (TCP's tail loss probe): every chunk sent, some still out,
+        and no result for 2 round trips since the last result or sending. No later chunk is left
+        to reveal a loss there, and the timeouts, sized on round trips that include waiting for
+        the other workers and backed off by earlier losses, are many round trips long; the
+        probe resends the oldest chunk's missing packets once per silence, without backing off.
+        """
+        if self._probed or not self._outstanding or self._highest_sent != self._end - 1:
+            return None
+        if self.rtt.srtt is None:  # no round trip known: the timers are all there is
+            return None
+        pto = max(self.policy.timeout, 2 * self.rtt.srtt)
+        return max(self._last_result, self._last_send) + pto
 
     def _check_patience(self, chunk: int, now: float) -> None:
         state = self._outstanding[chunk]
@@ -289,7 +312,9 @@ class ChunkStream:
         self.rtt.backed_off(state.timeout)
 
     def next_deadline(self) -> float | None:
-        return min((o.deadline for o in self._outstanding.values()), default=None)
+        deadlines = [o.deadline for o in self._outstanding.values()]
+        probe = self._probe_due()
+        return min(deadlines + ([] if probe is None else [probe]), default=None)
 
     def _sample_once(self, state: _Outstanding, now: float) -> None:
         """A round trip sample from a chunk's first result (Karn: never from a resent chunk).
@@ -308,6 +333,7 @@ class ChunkStream:
         timeout = self.timeout
         self._outstanding[chunk] = _Outstanding(now + timeout, timeout, now, last_sent=now)
         self._highest_sent = max(self._highest_sent, chunk)
+        self._last_send = now
         self.stats.packets_sent += 1
         self.stats.chunks += 1
 
