@@ -99,6 +99,9 @@ def test_plotting_earlier_rows_writes_the_png_and_the_table(tmp_path, capsys):
         (["--plot", "x.png"], "--plot needs --link-rate or --from-json"),
         (["--from-json", "rows.json"], "--from-json needs --plot"),
         (["--link-rate", "1gbit", "--drop-rate", "0.01"], "gradsum testbed --loss"),
+        (["--link-rate", "1gbit", "--rounds", "3"], "--rounds is for loopback runs"),
+        (["--mtu", "500"], "--mtu 500: must be between 576 and 65535"),
+        (["--mtu", "1500", "--link-rate", "1gbit"], "--mtu is for loopback runs"),
     ],
 )
 def test_bad_arguments_are_named(argv, message, capsys):

@@ -50,31 +50,3 @@ def test_table_gives_cpu_and_the_range_of_per_round_ratios():
 def test_one_round_has_no_range_column():
     lines = format_table([_row("gloo", [1.0]), _row("switch+bfp", [0.5])]).splitlines()
     assert "rounds" not in lines[0] and lines[2].split()[-2:] == ["2.00x", "10.0"]
-
-
-def test_rounds_are_for_loopback_runs(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "ate", "--link-rate", "1gbit", "--rounds", "3"])
-    assert exit_info.value.code == 2
-    assert "--rounds is for loopback runs" in capsys.readouterr().err
-
-
-def test_bench_ate_rejects_a_bad_drop_rate(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "ate", "--drop-rate", "1.0"])
-    assert exit_info.value.code == 2
-    assert "--drop-rate must be in [0, 1)" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--mtu", "500"], "--mtu 500: must be between 576 and 65535"),
-        (["--mtu", "1500", "--link-rate", "1gbit"], "--mtu is for loopback runs"),
-    ],
-)
-def test_mtu_is_checked(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "ate", *argv])
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
