@@ -128,6 +128,17 @@ def test_shards_are_contiguous_aligned_and_cover_everything():
     assert shard_lanes(10, 4, 64) == [(0, 0), (0, 0), (0, 0), (0, 10)]
 
 
+def test_held_places_go_out_in_chunk_order_whatever_order_results_came_in():
+    stream = ChunkStream(first=0, count=6, slots=3)
+    stream.ready = 3
+    assert stream.start(0.0) == [0, 1, 2]
+    for chunk in (2, 0, 1):  # the places of 5, 3 and 4 free up, their payloads not ready
+        assert stream.on_result(chunk, 0.1) == []
+    # sent in chunk order: results come back in sending order, and one of 4 before 3 would
+    # read as 3 lost
+    assert stream.release(6, 0.2) == [3, 4, 5]
+
+
 def test_a_window_place_waits_for_its_chunks_payload_and_release_sends_it():
     stream = ChunkStream(first=10, count=6, slots=2)
     stream.ready = 11  # only chunk 10 has its payload

@@ -166,9 +166,10 @@ class ChunkStream:
 
     def release(self, ready: int, now: float) -> list[int]:
         """Payloads are in place up to chunk ``ready`` (exclusive): send the window places that
-        were waiting for them."""
+        were waiting for them, in chunk order (they were held in the order results came, and
+        loss detection reads results out of chunk order as losses)."""
         self.ready = max(self.ready, min(ready, self._end))
-        sent = [chunk for chunk in self._held if chunk < self.ready]
+        sent = sorted(chunk for chunk in self._held if chunk < self.ready)
         self._held = [chunk for chunk in self._held if chunk >= self.ready]
         for chunk in sent:
             self._send(chunk, now)
