@@ -143,10 +143,10 @@ def _leave_without_teardown() -> None:
     """End a torchrun worker whose work is done and written, skipping the interpreter's teardown.
 
     Torch's gloo threads may still hold objects whose destruction during finalization aborts the
-    process (SIGABRT with no Python frame on any thread; pytorch/pytorch#179291 describes the
-    mechanism): a CI run of the testbed training test lost a worker so after its Python code had
-    ended (no frame on any thread). The process
-    group is destroyed and every log line closed by now; only buffered output is left to flush.
+    process (pytorch/pytorch#179291 describes the mechanism): a CI run of the testbed training
+    test lost a worker so, with SIGABRT and no Python frame on any thread (its code had ended).
+    The process group is destroyed and every log line closed by now; only buffered output is
+    left to flush.
     """
     sys.stdout.flush()
     sys.stderr.flush()
