@@ -159,7 +159,10 @@ def measure(method: str, workers: int, elements: int, args) -> Measurement:
     return Measurement(seconds, cpu)
 
 
-def _gradsum(kind: str, codec: str, workers: int, elements: int, args):
+def _gradsum(
+    kind: str, codec: str, workers: int, elements: int, args
+) -> tuple[list[list[float]], float | None]:
+    """Per worker its step seconds, and the CPU seconds of all processes per allreduce."""
     from ..net.loopback import DaemonProcess, WorkerTask, run_workers
 
     flags = ("--drop-rate", str(args.drop_rate)) if args.drop_rate else ()
@@ -185,7 +188,9 @@ def multicast(kind: str, args) -> bool:
     return kind == "switch" and not args.unicast_results
 
 
-def _gloo(workers: int, elements: int, steps: int, warmup: int) -> list[list[float]]:
+def _gloo(
+    workers: int, elements: int, steps: int, warmup: int
+) -> tuple[list[list[float]], float]:
     import multiprocessing
     import socket
 
