@@ -188,9 +188,7 @@ def multicast(kind: str, args) -> bool:
     return kind == "switch" and not args.unicast_results
 
 
-def _gloo(
-    workers: int, elements: int, steps: int, warmup: int
-) -> tuple[list[list[float]], float]:
+def _gloo(workers: int, elements: int, steps: int, warmup: int) -> tuple[list[list[float]], float]:
     import multiprocessing
     import socket
 
