@@ -293,19 +293,25 @@ static int routes_of(Py_buffer *view, const struct route **routes, Py_ssize_t *c
     return 1;
 }
 
-/* Drain up to `limit` datagrams from the sockets, in turns; 0 = empty, -1 = error (errno). */
+/* Drain up to `limit` datagrams from the sockets, in turns; 0 = empty, -1 = error (errno). A
+   socket found empty is not asked again in this call: results mostly arrive on one (the
+   multicast group's), and asking the other between every two of them cost a system call each. */
 static int drain(const int *fds, Py_ssize_t nfds, const struct route *routes, Py_ssize_t nroutes,
                  struct found *events, int limit, int *nevents) {
     /* at most 4 * limit reads, so a flood of strangers' datagrams cannot hold off the timers */
-    int idle = 0;
-    for (int turn = 0; *nevents < limit && idle < nfds && turn < 4 * limit; turn++) {
-        int fd = fds[turn % nfds];
-        int taken = take_one(fd, routes, nroutes, events, nevents);
+    int empty[MAX_FDS] = {0};
+    Py_ssize_t emptied = 0;
+    for (int turn = 0, reads = 0; *nevents < limit && emptied < nfds && reads < 4 * limit;
+         turn++) {
+        Py_ssize_t at = turn % nfds;
+        if (empty[at]) continue;
+        reads++;
+        int taken = take_one(fds[at], routes, nroutes, events, nevents);
         if (taken < 0) {
             if (errno == ECONNREFUSED || errno == EINTR) continue; /* ICMP of an earlier send */
             return -1;
         }
-        idle = taken ? 0 : idle + 1;
+        if (!taken) empty[at] = 1, emptied++;
     }
     return 0;
 }
