@@ -17,10 +17,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .cli import parse_size, positive_int
+
+if TYPE_CHECKING:  # torch loads when a benchmark runs, not when `gradsum --help` parses
+    import torch
 
 
 @dataclass
@@ -95,6 +97,8 @@ def register(benches: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from ..codecs import CODEC_NAMES
     from .inputs import INPUT_KINDS
 
@@ -205,6 +209,8 @@ def measure_codec(
     # The copy is timed in every round, on a tensor the codec never touches (so its cache state
     # is like the inputs', each touched once a round): load on a shared machine then moves the
     # copy and the codec alike, and their ratio is what the table reports.
+    import torch
+
     probe, destination = torch.randn_like(inputs[0]), torch.empty_like(inputs[0])
     first = None
     for step in range(repeats + 1):
@@ -264,6 +270,8 @@ def measure_codec(
 
 def cached_copy_ms(x: torch.Tensor, repeats: int, clock: Callable[[], float]) -> float:
     """Median ms of copying x into a reused buffer, back to back (both stay in cache)."""
+    import torch
+
     buffer = torch.empty_like(x)
     return _time(lambda: buffer.copy_(x), repeats + 1, clock)
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the functions load it: the command line lists INPUT_KINDS without torch
+    import torch
 
 INPUT_KINDS = ("gaussian", "lognormal", "real")
 
 
 def make_inputs(kind: str, workers: int, size: int, seed: int = 0) -> list[torch.Tensor]:
+    import torch
+
     if kind == "gaussian":
         generator = torch.Generator().manual_seed(seed)
         return [torch.randn(size, generator=generator) for _ in range(workers)]
@@ -20,6 +25,8 @@ def make_inputs(kind: str, workers: int, size: int, seed: int = 0) -> list[torch
 
 def _lognormal(workers: int, size: int, seed: int) -> list[torch.Tensor]:
     """Heavy-tailed magnitudes exp(N(0, 1)) with random signs."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     vectors = []
     for _ in range(workers):
@@ -37,6 +44,7 @@ def digits_gradients(
     The MLP (64-1024-1024-10, 1.13M parameters) is wide enough to fill a 2**20 partition; its
     flattened gradient is cut to ``size`` (or tiled, for larger sizes).
     """
+    import torch
     from sklearn.datasets import load_digits
 
     digits = load_digits()

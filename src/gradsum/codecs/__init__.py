@@ -1,34 +1,43 @@
-"""Gradient codecs: worker encode -> aggregator op -> worker decode (see ``base``)."""
+"""Gradient codecs: worker encode -> aggregator op -> worker decode (see ``base``).
 
-from .base import (
-    AGGREGATOR,
-    Aggregation,
-    Codec,
-    CodecContext,
-    IntegerOp,
-    NonFiniteGradientError,
-    Payload,
-    WidthOverflowError,
-)
-from .feedback import ErrorFeedback
-from .registry import CODEC_NAMES, codec_options, make_codec, parse_options
-from .round import RoundResult, nmse, run_round
+The names below load on first use (PEP 562), so that ``gradsum --help`` and command-line
+parsing, which need only ``CODEC_NAMES``, do not import torch.
+"""
 
-__all__ = [
-    "AGGREGATOR",
-    "CODEC_NAMES",
-    "Aggregation",
-    "Codec",
-    "CodecContext",
-    "ErrorFeedback",
-    "IntegerOp",
-    "NonFiniteGradientError",
-    "Payload",
-    "RoundResult",
-    "WidthOverflowError",
-    "codec_options",
-    "make_codec",
-    "nmse",
-    "parse_options",
-    "run_round",
-]
+from __future__ import annotations
+
+import importlib
+
+_HOMES = {
+    "AGGREGATOR": "base",
+    "Aggregation": "base",
+    "Codec": "base",
+    "CodecContext": "base",
+    "IntegerOp": "base",
+    "NonFiniteGradientError": "base",
+    "Payload": "base",
+    "WidthOverflowError": "base",
+    "ErrorFeedback": "feedback",
+    "CODEC_NAMES": "names",
+    "codec_options": "registry",
+    "make_codec": "registry",
+    "parse_options": "registry",
+    "RoundResult": "round",
+    "nmse": "round",
+    "run_round": "round",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from .base import Codec
 from .bfp import BlockFloatingPoint
 from .feedback import feedback_for
+from .names import CODEC_NAMES
 from .plain import FP16, NoCompression
 from .qsgd import QSGD
 from .sparse import DGC, TopK
@@ -27,7 +28,8 @@ _CODECS: dict[str, tuple[type[Codec], bool]] = {
     "qsgd": (QSGD, False),
 }
 
-CODEC_NAMES = tuple(_CODECS)
+if tuple(_CODECS) != CODEC_NAMES:  # names.py lists them for command lines without torch
+    raise ImportError(f"codecs/names.py lists {CODEC_NAMES}, the registry has {tuple(_CODECS)}")
 
 
 def make_codec(name: str, workers: int = 1, error_feedback: bool | None = None, **options) -> Codec:

@@ -66,7 +66,7 @@ def _worker_counts(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
     from ..schedule.planners import PLANNER_NAMES
-    from ..train.models import MODEL_NAMES
+    from ..train.config import MODEL_NAMES
     from .presets import PRESET_NAMES, get_preset
 
     models = _names(args.model, "--model", MODEL_NAMES)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from ..codecs import Codec, make_codec, parse_options
 from ..sync.aggregator import Aggregator
-
-AGGREGATOR_NAMES = ("allreduce", "switch", "ps")
+from .config import AGGREGATOR_NAMES
 
 
 class IncompatibleChoice(ValueError):

@@ -11,10 +11,7 @@ from ..bench.cli import positive_int
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from ..codecs import CODEC_NAMES
-    from .aggregators import AGGREGATOR_NAMES
-    from .data import DATASET_NAMES
-    from .loop import TrainConfig
-    from .models import MODEL_NAMES
+    from .config import AGGREGATOR_NAMES, DATASET_NAMES, MODEL_NAMES, TrainConfig
 
     defaults = TrainConfig()
     parser = subparsers.add_parser(

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-DATASET_NAMES = ("digits", "cifar10", "synthetic")
+from .config import DATASET_NAMES
+
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -19,35 +19,9 @@ from ..codecs import make_codec, parse_options
 from ..sync.gradient_sync import GradientSync
 from ..sync.scheduling import agree_on_plan
 from .aggregators import make_aggregator
+from .config import TrainConfig
 from .data import augment_images, load_dataset, shard_batches, steps_per_epoch
 from .models import build_model, input_shape
-
-
-@dataclass
-class TrainConfig:
-    aggregator: str = "switch"
-    codec: str = "thc"
-    codec_options: str = ""
-    scheduler: str = "wfbp"
-    fusion_elements: int = 500_000
-    model: str = "digits-mlp"
-    dataset: str = "digits"
-    data_dir: str | None = None
-    workers: int = 4
-    epochs: int = 5
-    batch_size: int = 16  # per worker
-    lr: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    seed: int = 0
-    log: str | None = None
-    checkpoint: str | None = None
-    resume: str | None = None
-    switch: str | None = None  # HOST:PORT of a running switch (else one is started locally)
-    servers: list[str] = field(default_factory=list)  # HOST:PORT of running PS shards
-    timeout: float = 120.0  # seconds any single wait may take
-    mtu: int | None = None  # path MTU to the aggregators: packets of one frame (net/client.py)
-    progress: bool = True
 
 
 @dataclass

@@ -24,6 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .config import MODEL_NAMES
+
 
 class BasicBlock(nn.Module):
     expansion = 1
@@ -225,7 +227,8 @@ _BUILDERS: dict[str, Callable[[int], nn.Module]] = {
     "digits-wide": DigitsWide,
 }
 
-MODEL_NAMES: tuple[str, ...] = tuple(_BUILDERS)
+if tuple(_BUILDERS) != MODEL_NAMES:  # config.py lists them for the command line without torch
+    raise ImportError(f"train/config.py lists {MODEL_NAMES}, the models are {tuple(_BUILDERS)}")
 
 # Input shape of one sample, so profilers and benchmarks can make a batch without a data set.
 INPUT_SHAPES: dict[str, tuple[int, ...]] = {
