@@ -18,21 +18,25 @@ _UDP_RCVBUF = 4 << 20  # so that a slow receiver loses nothing: only the link ma
 
 def tcp_receive(port: int, nbytes: int, timeout: float = 30.0, skip: float = 0.1) -> dict:
     """Accept one connection on ``port`` and read ``nbytes``. The rate is measured after the
-    first ``skip`` fraction of the bytes (past slow start and the shaper's initial burst)."""
+    first ``skip`` fraction of the bytes (past slow start and the shaper's initial burst);
+    ``timeline`` holds (``time.monotonic()``, bytes so far) after every read, so flows measured
+    in different processes can be compared over the same interval."""
     with socket.create_server(("0.0.0.0", port)) as server:
         server.settimeout(timeout)
         connection, _ = server.accept()
     with connection:
         connection.settimeout(timeout)
         buffer = bytearray(1 << 20)
-        received, mark, first_byte_at = 0, None, 0.0
+        received, mark, first_byte_at, timeline = 0, None, 0.0, []
         while received < nbytes:
             count = connection.recv_into(buffer)
             if count == 0:
                 break
             if received == 0:
                 first_byte_at = time.monotonic()
+                timeline.append((first_byte_at, 0))
             received += count
+            timeline.append((time.monotonic(), received))
             if mark is None and received >= skip * nbytes:
                 mark = (time.perf_counter(), received)
         end = time.perf_counter()
@@ -46,6 +50,7 @@ def tcp_receive(port: int, nbytes: int, timeout: float = 30.0, skip: float = 0.1
         # system-wide clock, comparable across processes: for aggregates over several flows
         "first_byte_at": first_byte_at,
         "end_at": time.monotonic(),
+        "timeline": timeline,
     }
 
 
