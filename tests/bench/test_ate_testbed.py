@@ -67,6 +67,14 @@ def test_rows_carry_the_loopback_fields_the_link_rate_and_the_breakdown():
     assert gloo["codec_cpu_seconds"] == 0.0
 
 
+def test_loss_at_the_aggregator_is_in_the_gradsum_rows_only():
+    setup = at.Setup(4, (1 << 22,), ("gloo", "switch+bfp"), 5, 1, None, drop_rate=0.01)
+    gloo = at.make_row("gloo", setup, 1 << 22, 10**9, 0.2, None)
+    bfp = at.make_row("switch+bfp", setup, 1 << 22, 10**9, 0.15, PROFILE)
+    assert (gloo["drop_rate"], bfp["drop_rate"]) == (0.0, 0.01)
+    assert "1.00%" in at.loss_note(0.01) and at.loss_note(0.0) == ""
+
+
 def test_the_table_gives_ratios_to_gloo_at_the_same_rate():
     table = at.format_table(_rows())
     lines = table.splitlines()
@@ -98,7 +106,7 @@ def test_plotting_earlier_rows_writes_the_png_and_the_table(tmp_path, capsys):
         (["--link-rate", "1gbps"], "'1gbps'"),
         (["--plot", "x.png"], "--plot needs --link-rate or --from-json"),
         (["--from-json", "rows.json"], "--from-json needs --plot"),
-        (["--link-rate", "1gbit", "--drop-rate", "0.01"], "gradsum testbed --loss"),
+        (["--link-rate", "1gbit", "--drop-rate", "1.5"], "--drop-rate must be in [0, 1)"),
         (["--link-rate", "1gbit", "--rounds", "3"], "--rounds is for loopback runs"),
         (["--mtu", "500"], "--mtu 500: must be between 576 and 65535"),
         (["--mtu", "1500", "--link-rate", "1gbit"], "--mtu is for loopback runs"),

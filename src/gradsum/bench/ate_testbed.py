@@ -56,6 +56,7 @@ class Setup:
     pipelines: int = 1  # processes of the switch/server daemon
     unicast_results: bool = False  # the switch sends n copies instead of one multicast
     fragmented: bool = False  # 64 KiB datagrams that IP fragments, not MTU-sized packets (GSO)
+    drop_rate: float = 0.0  # loss the switch/server injects in each direction (not Gloo's)
 
     def slots_at(self, rate: int, method: str | None = None) -> int:
         shared = method is not None and METHODS[method][0] == "server"
@@ -131,7 +132,7 @@ def make_row(method: str, setup: Setup, elements: int, rate: int, seconds: float
         "elements": elements,
         "seconds": seconds,
         "ate_per_s": elements / seconds,
-        "drop_rate": 0.0,
+        "drop_rate": setup.drop_rate if METHODS[method][0] else 0.0,
         "steps": setup.steps,
         "link_rate": rate,
         "slots": setup.slots_at(rate, method) if METHODS[method][0] else None,
@@ -342,7 +343,8 @@ def measure_method(tb, method: str, elements: int, setup: Setup, rate: int):
                       steps=setup.warmup + setup.steps, slots=setup.slots_at(rate, method),
                       keep_output=False, multicast=multicast(kind, setup),
                       mtu=None if setup.fragmented else MTU)  # fmt: skip
-    with Daemon(tb, host, kind, pipelines=setup.pipelines) as daemon:
+    flags = ("--drop-rate", str(setup.drop_rate)) if setup.drop_rate else ()
+    with Daemon(tb, host, kind, *flags, pipelines=setup.pipelines) as daemon:
         results = aggregate(tb, daemon, task, timeout=600)
     # the testbed's workers time every step; the first `warmup` ones (job start-up) are dropped
     seconds = step_seconds([r.seconds[setup.warmup :] for r in results])
@@ -383,24 +385,28 @@ def run(args) -> int:
         rates = parse_rates(args.link_rate)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    if args.drop_rate:
-        raise UsageError("--drop-rate is for loopback; across a testbed use gradsum testbed --loss")
     setup = Setup(args.workers, tuple(args.sizes or [DEFAULT_ELEMENTS]),
                   tuple(args.methods or TESTBED_METHODS), args.steps, args.warmup,
                   args.slots, args.testbed_id, receive_buffer(), args.pipelines,
-                  args.unicast_results, args.fragmented)  # fmt: skip
+                  args.unicast_results, args.fragmented, args.drop_rate)  # fmt: skip
     rows: list[dict] = []
     profiles: dict = {}
     with sigterm_as_exit():
         for rate in rates:
             print(f"testbed at {format_rate(rate)}: {setup.workers} workers, "
                   f"{', '.join(setup.methods)}; window {setup.slots_at(rate)} slots "
-                  f"({setup.slots_at(rate, 'server+thc')} through a server's one NIC)",
-                  flush=True)  # fmt: skip
+                  f"({setup.slots_at(rate, 'server+thc')} through a server's one NIC)"
+                  f"{loss_note(setup.drop_rate)}", flush=True)  # fmt: skip
             rows += measure_rate(setup, rate, profiles, progress=_progress)
     print(format_table(rows))
     _write(rows, args)
     return 0
+
+
+def loss_note(drop_rate: float) -> str:
+    if not drop_rate:
+        return ""
+    return f"; the switch/server drops {drop_rate:.2%} of packets each way (Gloo runs loss-free)"
 
 
 def receive_buffer() -> int:
