@@ -223,3 +223,39 @@ def test_losses_among_many_packets_per_chunk_are_found_by_later_packets_not_time
     resent = sum(s["retransmissions"] for s in stats)
     assert resent > 0
     assert sum(s["timeouts"] for s in stats) < 0.25 * resent
+
+
+def torch_blocked_env(tmp_path) -> dict:
+    """An environment whose `import torch` fails: what a host without torch gives a daemon."""
+    import os
+
+    fake = tmp_path / "no_torch" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("torch is not installed on this host")\n')
+    path = os.pathsep.join(filter(None, [str(fake.parent), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def test_switches_run_without_torch(tmp_path):
+    """A switch needs packets, slot pools and integer ops only (numpy and C): bfp across two
+    pipelines, and THC's table lookups, packing and presummed unpacking in a hierarchy, on
+    switches that cannot import torch."""
+    env = torch_blocked_env(tmp_path)
+    with DaemonProcess("switch", "--pipelines", "2", env=env) as switch:
+        task = WorkerTask(switch.addresses, job=1, workers=3, codec="bfp", elements=LENGTH,
+                          **small({}))  # fmt: skip
+        assert_all_equal(run_workers(task, timeout=120), task)
+    with DaemonProcess("switch", env=env) as root, DaemonProcess("switch", env=env) as left, \
+            DaemonProcess("switch", env=env) as right:  # fmt: skip
+        leaves = (left.address, right.address)
+        task = WorkerTask(leaves, job=4, workers=4, codec="thc", elements=LENGTH, groups=2,
+                          **small({}))  # fmt: skip
+
+        def register(addresses):
+            register_job(root.address, job_spec(task, leaves, max_contributors=4))
+            for leaf, address in enumerate(leaves):
+                group = addresses[2 * leaf : 2 * leaf + 2]
+                link = ParentLink(root.address, 4, leaf)
+                register_job(address, job_spec(task, group, max_contributors=4, parent=link))
+
+        assert_all_equal(run_workers(task, timeout=120, register=register), task)

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .lanes import IntegerOp
+
 
 class NonFiniteGradientError(ValueError):
     """A gradient holds NaN or Inf; compressing it would produce a garbage aggregate."""
@@ -141,21 +143,6 @@ class Payload:
 
     def bits_per_coordinate(self) -> float:
         return 8.0 * self.nbytes / max(self.length, 1)
-
-
-@dataclass(frozen=True)
-class IntegerOp:
-    """The exact integer operation an aggregator runs for a homomorphic codec.
-
-    ``table`` maps each upstream value (an index of ``in_bits`` bits) to the integer that is
-    summed; ``None`` sums the values themselves. Sums of up to ``workers`` contributions fit in
-    ``out_bits`` (unsigned when ``signed`` is false).
-    """
-
-    in_bits: int
-    out_bits: int
-    signed: bool
-    table: tuple[int, ...] | None = None
 
 
 class Codec(ABC):

@@ -12,12 +12,9 @@ import math
 import torch
 
 from .base import WidthOverflowError
+from .lanes import packed_nbytes
 
 _BYTE_ALIGNED = {8: torch.uint8, 16: torch.int16, 32: torch.int32}
-
-
-def packed_nbytes(count: int, width: int) -> int:
-    return (count * width + 7) // 8
 
 
 def bits_for(max_value: int) -> int:

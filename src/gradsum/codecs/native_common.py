@@ -1,18 +1,23 @@
-"""What the native kernel wrappers (``bfp_native``, ``thc/native``) share: the ``GRADSUM_NATIVE``
-switch, the check that tensors are what the C code can take, and the allocator type of outputs.
+"""What the native kernel wrappers (``bfp_native``, ``thc/native``, ``thc/switch_kernels``)
+share: the ``GRADSUM_NATIVE`` switch, the check that tensors are what the C code can take, and
+the allocator type of outputs. Importing it loads no torch (the switch's kernels use it).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads with the codecs that use it, not with the switch's kernels
+    import torch
 
-Empty = Callable[[int, torch.dtype], torch.Tensor]  # where outputs come from (buffers.Recycler)
+Empty = Callable[[int, "torch.dtype"], "torch.Tensor"]  # where outputs come from (Recycler)
 
 
 def fresh(count: int, dtype: torch.dtype) -> torch.Tensor:
+    import torch
+
     return torch.empty(count, dtype=dtype)
 
 

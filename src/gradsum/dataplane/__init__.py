@@ -2,42 +2,56 @@
 
 Nothing in this package opens a socket or reads a clock; ``gradsum.net`` wraps it in UDP daemons
 and a worker client, and tests drive it directly or through an in-memory network.
+
+The names below load on first use (PEP 562): a switch needs the packets, slot pools and integer
+ops, not the worker's collective, which loads torch.
 """
 
-from .actions import Drop, Send, Store
-from .aggregator import Aggregator, Profile, server_profile, switch_profile
-from .collective import Collective, JobHandle
-from .jobspec import DecodeSumEncode, FloatSum, IntegerSum, JobSpec, ParentLink, SpecError
-from .packet import HEADER_SIZE, Flag, Header, Kind, MalformedPacket, Op, parse_header
-from .transfer import Transfer
-from .worker import AggregationTimeout, ChunkStream, RetryPolicy, StaleChunkError
+from __future__ import annotations
 
-__all__ = [
-    "HEADER_SIZE",
-    "AggregationTimeout",
-    "Aggregator",
-    "ChunkStream",
-    "Collective",
-    "DecodeSumEncode",
-    "Drop",
-    "Flag",
-    "FloatSum",
-    "Header",
-    "IntegerSum",
-    "JobHandle",
-    "JobSpec",
-    "Kind",
-    "MalformedPacket",
-    "Op",
-    "ParentLink",
-    "Profile",
-    "RetryPolicy",
-    "Send",
-    "SpecError",
-    "StaleChunkError",
-    "Store",
-    "Transfer",
-    "parse_header",
-    "server_profile",
-    "switch_profile",
-]
+import importlib
+
+_HOMES = {
+    "Drop": "actions",
+    "Send": "actions",
+    "Store": "actions",
+    "Aggregator": "aggregator",
+    "Profile": "aggregator",
+    "server_profile": "aggregator",
+    "switch_profile": "aggregator",
+    "Collective": "collective",
+    "JobHandle": "collective",
+    "DecodeSumEncode": "jobspec",
+    "FloatSum": "jobspec",
+    "IntegerSum": "jobspec",
+    "JobSpec": "jobspec",
+    "ParentLink": "jobspec",
+    "SpecError": "jobspec",
+    "HEADER_SIZE": "packet",
+    "Flag": "packet",
+    "Header": "packet",
+    "Kind": "packet",
+    "MalformedPacket": "packet",
+    "Op": "packet",
+    "parse_header": "packet",
+    "Transfer": "transfer",
+    "AggregationTimeout": "worker",
+    "ChunkStream": "worker",
+    "RetryPolicy": "worker",
+    "StaleChunkError": "worker",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

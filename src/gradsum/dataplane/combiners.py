@@ -13,15 +13,20 @@ Every ``check_payload`` runs before a slot is touched, so a malformed payload ne
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
-from ..codecs.base import AGGREGATOR, CodecContext, Payload
-from ..codecs.bits import pack_bits, packed_nbytes, unpack_bits
-from ..codecs.thc import native
-from . import payload_wire
+import numpy as np
+
+from ..codecs.lanes import packed_nbytes
+from ..codecs.thc import switch_kernels
 from .jobspec import DecodeSumEncode, IntegerSum
 from .packet import MAX_PAYLOAD, MalformedPacket
+
+if TYPE_CHECKING:
+    from ..codecs.base import Payload
+
+# torch loads only where a server decodes or a rare width needs the torch packer: the integer
+# ops a switch runs are numpy and C, and `gradsum switch` starts without torch.
 
 
 class IntegerSumOp:
@@ -54,7 +59,7 @@ class IntegerSumOp:
     def result(self, acc: np.ndarray, elements: int) -> memoryview:
         if self.out_bits == 32:
             return memoryview(acc[:elements]).cast("B")
-        packed = native.pack_int32(acc[:elements], self.out_bits)
+        packed = switch_kernels.pack_int32(acc[:elements], self.out_bits)
         if packed is None:
             packed = pack_lanes(acc[:elements], self.out_bits)
         return memoryview(packed).cast("B")
@@ -63,7 +68,7 @@ class IntegerSumOp:
         """Table lookup and add of packed indices in THC's native kernel, where it runs."""
         if presummed or self.in_bits == 32:
             return False
-        return native.lookup_accumulate(
+        return switch_kernels.lookup_accumulate(
             acc, payload, elements, self.in_bits, self._index_table, first
         )
 
@@ -136,9 +141,14 @@ class DecodeSumEncodeOp:
             raise MalformedPacket("bad_flags", "decode-sum-encode takes no presummed payloads")
 
     def keep(self, payload: memoryview, elements: int) -> Payload:
+        from . import payload_wire
+
         return payload_wire.deserialize(bytes(payload), elements, 1)
 
     def combine(self, kept: list, elements: int, contributors: int, chunk: int) -> memoryview:
+        from ..codecs.base import AGGREGATOR, CodecContext
+        from . import payload_wire
+
         ctx = CodecContext(seed=self.spec.seed, worker=AGGREGATOR, partition=chunk)
         summed = self.codec.aggregate(kept, ctx)
         data = payload_wire.serialize(summed)
@@ -159,6 +169,10 @@ def pack_lanes(values: np.ndarray, width: int) -> np.ndarray:
     packer on 64 Ki lanes. Widths whose group does not fit a word use the torch packer."""
     group = 8 // np.gcd(width, 8)
     if group * width > 64:
+        import torch
+
+        from ..codecs.bits import pack_bits
+
         packed = pack_bits(torch.from_numpy(values), width, check=False)
         return np.ascontiguousarray(packed.numpy())
     count = values.size
@@ -177,8 +191,31 @@ def pack_lanes(values: np.ndarray, width: int) -> np.ndarray:
 def _unpack(payload: memoryview, width: int, elements: int) -> np.ndarray:
     if width == 32:
         return np.frombuffer(payload, dtype="<i4", count=elements)
-    packed = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy())  # small: packed
-    return unpack_bits(packed, width, elements).to(torch.int32).numpy()
+    return unpack_lanes(np.frombuffer(payload, dtype=np.uint8), width, elements)
+
+
+def unpack_lanes(packed: np.ndarray, width: int, count: int) -> np.ndarray:
+    """``codecs.bits.unpack_bits`` in numpy, as int32: the inverse of :func:`pack_lanes` (a
+    group of lanes that fills whole bytes read as one little-endian uint64 word)."""
+    group = 8 // np.gcd(width, 8)
+    if group * width > 64:
+        import torch
+
+        from ..codecs.bits import unpack_bits
+
+        lanes = unpack_bits(torch.from_numpy(packed.copy()), width, count)
+        return lanes.to(torch.int32).numpy()
+    nbytes = group * width // 8
+    rows = -(-count // group)
+    padded = np.zeros(rows * nbytes, dtype=np.uint8)
+    body = packed[: rows * nbytes]
+    padded[: body.size] = body
+    words = np.zeros((rows, 8), dtype=np.uint8)
+    words[:, :nbytes] = padded.reshape(rows, nbytes)
+    word = words.view("<u8").reshape(rows)
+    shifts = np.arange(group, dtype=np.uint64) * np.uint64(width)
+    lanes = (word[:, None] >> shifts[None, :]) & np.uint64((1 << width) - 1)
+    return lanes.reshape(-1)[:count].astype(np.int32)
 
 
 def _byte_lookup(spec: IntegerSum) -> np.ndarray:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
-from ..codecs.base import IntegerOp
+from ..codecs.lanes import IntegerOp
 from .packet import MAX_WORKERS
 
 Address = tuple[str, int]

@@ -25,11 +25,13 @@ class DaemonProcess:
     """`gradsum switch|server` in a subprocess on 127.0.0.1 with a free port (one per pipeline
     with ``--pipelines N``: ``addresses``; ``address`` is the first)."""
 
-    def __init__(self, kind: str, *flags: str, startup_timeout: float = 30.0):
+    def __init__(
+        self, kind: str, *flags: str, startup_timeout: float = 30.0, env: dict | None = None
+    ):
         command = [sys.executable, "-c", _CLI, kind, "--bind", "127.0.0.1:0", *flags]
         self.kind = kind
         self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
         )
         self.address = self._await_listening(startup_timeout)
         self.stderr = ""

@@ -44,7 +44,7 @@ from .topology import Topology
 class SimResult:
     iteration_s: float
     throughput: float  # samples per second, all workers together
-    iteration_ends: tuple[float, ...]
+    iteration_ends: tuple[float, ...]  # per iteration, when its last group was back everywhere
     messages: int
     events: int
     rate_updates: int
@@ -107,6 +107,7 @@ class Simulation:
         self._worker_cpu_free = np.zeros(n)
         self.comm_iteration = [0] * n
         self.iteration_ends: list[list[float]] = [[] for _ in range(n)]
+        self.backward_starts: list[list[float]] = [[] for _ in range(n)]
         self._queue_seq = 0
 
     # ----------------------------------------------------------------- main loop
@@ -124,11 +125,16 @@ class Simulation:
         return self._result()
 
     def _result(self) -> SimResult:
-        ends = [
-            max(self.iteration_ends[w][k] for w in range(self.cluster.workers))
-            for k in range(self.iterations)
-        ]
-        per_iteration = (ends[-1] - ends[0]) / (self.iterations - 1)
+        """The period is measured between the slowest worker's backward starts: every wait an
+        iteration's forward spends on the previous iteration's groups lies between two of them,
+        so the period is never below the compute time. (Between iteration ends it could be:
+        with per-layer forward gates the next iteration starts before the last group is back,
+        and a first iteration whose tail lasted longer than the second's gave a period shorter
+        than one forward and backward.)"""
+        workers = range(self.cluster.workers)
+        ends = [max(self.iteration_ends[w][k] for w in workers) for k in range(self.iterations)]
+        starts = [max(self.backward_starts[w][k] for w in workers) for k in range(self.iterations)]
+        per_iteration = (starts[-1] - starts[0]) / (self.iterations - 1)
         samples = self.cluster.workers * self.profile.batch_size
         return SimResult(
             per_iteration,
@@ -171,6 +177,7 @@ class Simulation:
         self._next_op(w)
 
     def _start_backward(self, w: int) -> None:
+        self.backward_starts[w].append(self.clock.now)
         self.group_done[w] = False
         self.done_count[w] = 0
         self.layers_pending[w] = self.layer_count

@@ -16,12 +16,16 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from ..base import check_finite
-from ..bits import packed_nbytes
-from ..native_common import Empty, cpu_ready, enabled, fresh
+from ..native_common import Empty, cpu_ready, fresh
+from .switch_kernels import (  # noqa: F401  (the switch's kernels, exported here too)
+    MAX_SUM_BITS,
+    available,
+    lookup_accumulate,
+    pack_int32,
+)
 
 if TYPE_CHECKING:
     from .hadamard import Rotation
@@ -32,18 +36,12 @@ except ImportError:  # built without a C compiler, or on a platform the C code d
     _kernels = None
 
 LANES = 8  # the kernels' vector width: FWHT blocks must be at least this long
-MAX_SUM_BITS = 16  # widest downstream sum the aggregator kernel packs
 MAX_GRANULARITY = 4095  # the encode kernel's per-cell table packs grid values in 12 bits
 
 
 def built() -> bool:
     """Whether the C extension was compiled and imports."""
     return _kernels is not None
-
-
-def available() -> bool:
-    """Whether the native path is in use: built and not disabled by GRADSUM_NATIVE=0."""
-    return _kernels is not None and enabled()
 
 
 def _ready(*tensors: tuple[torch.Tensor, torch.dtype]) -> bool:
@@ -195,37 +193,3 @@ def decode(
 
 def _rotation_ready(rotation: Rotation) -> bool:
     return rotation.block >= LANES and _ready((rotation.scratch, torch.float32))
-
-
-# -- a switch's slot (numpy: the data plane's arrays) ---------------------------------------------
-def lookup_accumulate(
-    acc: np.ndarray, payload, count: int, bits: int, table: np.ndarray, first: bool
-) -> bool:
-    """acc[:count] = (first) or += table[index] of ``count`` packed ``bits``-bit indices in
-    ``payload`` (bytes-like); int32 acc and table. False where the kernel cannot run."""
-    if not (
-        available()
-        and bits in (1, 2, 4, 8)
-        and _int32_array(acc)
-        and acc.size >= count
-        and _int32_array(table)
-        and table.size == 1 << bits
-    ):
-        return False
-    raw = np.frombuffer(payload, dtype=np.uint8)
-    addresses = (acc.ctypes.data, raw.ctypes.data, raw.size)
-    _kernels.lookup_accumulate(*addresses, count, bits, table.ctypes.data, first)
-    return True
-
-
-def pack_int32(values: np.ndarray, width: int) -> np.ndarray | None:
-    """The low ``width`` (<= 16) bits of int32 ``values``, packed as ``bits.pack_bits`` does."""
-    if not (available() and 1 <= width <= MAX_SUM_BITS and _int32_array(values)):
-        return None
-    out = np.empty(packed_nbytes(values.size, width), dtype=np.uint8)
-    _kernels.pack_int32(values.ctypes.data, values.size, width, out.ctypes.data, out.size)
-    return out
-
-
-def _int32_array(a: np.ndarray) -> bool:
-    return a.dtype == np.int32 and a.flags.c_contiguous
