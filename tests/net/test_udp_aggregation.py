@@ -145,9 +145,10 @@ def test_two_jobs_on_one_switch_at_the_same_time():
         assert_all_equal(results[task.job], task)
 
 
-def test_two_level_hierarchy_of_switches():
-    with DaemonProcess("switch") as root, DaemonProcess("switch") as left, \
-            DaemonProcess("switch") as right:  # fmt: skip
+def run_two_level_hierarchy(env: dict | None = None):
+    """Four THC workers under two leaf switches under a root; (task, results)."""
+    with DaemonProcess("switch", env=env) as root, DaemonProcess("switch", env=env) as left, \
+            DaemonProcess("switch", env=env) as right:  # fmt: skip
         leaves = (left.address, right.address)
         task = WorkerTask(leaves, job=4, workers=4, codec="thc", elements=LENGTH, groups=2,
                           **small({}))  # fmt: skip
@@ -159,7 +160,11 @@ def test_two_level_hierarchy_of_switches():
                 link = ParentLink(root.address, 4, leaf)
                 register_job(address, job_spec(task, group, max_contributors=4, parent=link))
 
-        results = run_workers(task, timeout=120, register=register)
+        return task, run_workers(task, timeout=120, register=register)
+
+
+def test_two_level_hierarchy_of_switches():
+    task, results = run_two_level_hierarchy()
     assert_all_equal(results, task)
 
 
@@ -245,17 +250,5 @@ def test_switches_run_without_torch(tmp_path):
         task = WorkerTask(switch.addresses, job=1, workers=3, codec="bfp", elements=LENGTH,
                           **small({}))  # fmt: skip
         assert_all_equal(run_workers(task, timeout=120), task)
-    with DaemonProcess("switch", env=env) as root, DaemonProcess("switch", env=env) as left, \
-            DaemonProcess("switch", env=env) as right:  # fmt: skip
-        leaves = (left.address, right.address)
-        task = WorkerTask(leaves, job=4, workers=4, codec="thc", elements=LENGTH, groups=2,
-                          **small({}))  # fmt: skip
-
-        def register(addresses):
-            register_job(root.address, job_spec(task, leaves, max_contributors=4))
-            for leaf, address in enumerate(leaves):
-                group = addresses[2 * leaf : 2 * leaf + 2]
-                link = ParentLink(root.address, 4, leaf)
-                register_job(address, job_spec(task, group, max_contributors=4, parent=link))
-
-        assert_all_equal(run_workers(task, timeout=120, register=register), task)
+    task, results = run_two_level_hierarchy(env)
+    assert_all_equal(results, task)

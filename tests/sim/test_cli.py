@@ -41,6 +41,7 @@ def test_simulate_prints_tables_and_writes_json_and_png(tmp_path, capsys):
         (["--model", "lenet"], "--model"),
         (["--preset", "tofino"], "--preset"),
         (["--plot", "out.pdf"], "--plot"),
+        (["--iterations", "2"], "--iterations"),
     ],
 )
 def test_bad_flags_are_usage_errors_naming_the_flag(flags, named, capsys):

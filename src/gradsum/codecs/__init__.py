@@ -6,7 +6,7 @@ parsing, which need only ``CODEC_NAMES``, do not import torch.
 
 from __future__ import annotations
 
-import importlib
+from .._lazy import lazy_exports
 
 _HOMES = {
     "AGGREGATOR": "base",
@@ -29,15 +29,4 @@ _HOMES = {
 
 __all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str):
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOMES))
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -9,7 +9,7 @@ ops, not the worker's collective, which loads torch.
 
 from __future__ import annotations
 
-import importlib
+from .._lazy import lazy_exports
 
 _HOMES = {
     "Drop": "actions",
@@ -43,15 +43,4 @@ _HOMES = {
 
 __all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str):
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOMES))
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -32,8 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--iterations",
         type=int,
-        default=2,
-        help="iterations simulated; time is measured after the first (default 2)",
+        default=3,
+        help="iterations simulated; the period is measured from the second on (default 3)",
     )
     parser.add_argument("--json", metavar="PATH", help="write one JSON row per simulation")
     parser.add_argument("--plot", metavar="PATH.png", help="write speedup plots")
@@ -76,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--preset: unknown {args.preset!r}; choose from {', '.join(PRESET_NAMES)}"
         )
-    if args.iterations < 2:
-        raise UsageError("--iterations: at least 2 (the first iteration is warm-up)")
+    if args.iterations < 3:
+        raise UsageError("--iterations: at least 3 (the first iteration is warm-up)")
     if args.plot and not args.plot.lower().endswith(".png"):
         raise UsageError(f"--plot: expected a .png path, got {args.plot!r}")
     rows = _run_sweep(get_preset(args.preset), models, workers, policies, args)

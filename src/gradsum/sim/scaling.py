@@ -20,7 +20,7 @@ def sweep(
     workers: Iterable[int],
     policies: Iterable[str],
     *,
-    iterations: int = 2,
+    iterations: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict]:
     rows = []
