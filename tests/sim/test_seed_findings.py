@@ -66,7 +66,7 @@ def test_priority_slicing_collapses_on_alexnet(table):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="at 150 us per message the backward hides the per-slice costs (ResNet18 +36%, "
+    reason="at 150 us per message the backward hides the per-slice costs (ResNet18 +34%, "
     "ResNet50 +21% over default) and VGG16 priority stays 8% above default; the per-message "
     "and per-core costs that put them below default break other findings (docs/scheduling.md)",
 )
