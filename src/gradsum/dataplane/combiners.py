@@ -25,8 +25,8 @@ from .packet import MAX_PAYLOAD, MalformedPacket
 if TYPE_CHECKING:
     from ..codecs.base import Payload
 
-# torch loads only where a server decodes or a rare width needs the torch packer: the integer
-# ops a switch runs are numpy and C, and `gradsum switch` starts without torch.
+# torch loads only where a server decodes: the integer ops a switch runs are numpy and C, and
+# `gradsum switch` starts without torch.
 
 
 class IntegerSumOp:
@@ -166,15 +166,10 @@ def pack_lanes(values: np.ndarray, width: int) -> np.ndarray:
     """``codecs.bits.pack_bits`` of non-negative int32 lanes below 2**width, in numpy: lanes
     are gathered in groups that fill whole bytes of one little-endian uint64 word (8 lanes of 7
     bits in 7 bytes). A switch packs every result it sends; this is ~50x faster than the torch
-    packer on 64 Ki lanes. Widths whose group does not fit a word use the torch packer."""
+    packer on 64 Ki lanes. Widths whose group does not fit a word go bit by bit."""
     group = 8 // np.gcd(width, 8)
     if group * width > 64:
-        import torch
-
-        from ..codecs.bits import pack_bits
-
-        packed = pack_bits(torch.from_numpy(values), width, check=False)
-        return np.ascontiguousarray(packed.numpy())
+        return _pack_by_bits(values, width)
     count = values.size
     rows = -(-count // group)
     lanes = np.zeros(rows * group, dtype="<u8")
@@ -199,12 +194,7 @@ def unpack_lanes(packed: np.ndarray, width: int, count: int) -> np.ndarray:
     group of lanes that fills whole bytes read as one little-endian uint64 word)."""
     group = 8 // np.gcd(width, 8)
     if group * width > 64:
-        import torch
-
-        from ..codecs.bits import unpack_bits
-
-        lanes = unpack_bits(torch.from_numpy(packed.copy()), width, count)
-        return lanes.to(torch.int32).numpy()
+        return _unpack_by_bits(packed, width, count)
     nbytes = group * width // 8
     rows = -(-count // group)
     padded = np.zeros(rows * nbytes, dtype=np.uint8)
@@ -216,6 +206,18 @@ def unpack_lanes(packed: np.ndarray, width: int, count: int) -> np.ndarray:
     shifts = np.arange(group, dtype=np.uint64) * np.uint64(width)
     lanes = (word[:, None] >> shifts[None, :]) & np.uint64((1 << width) - 1)
     return lanes.reshape(-1)[:count].astype(np.int32)
+
+
+def _pack_by_bits(values: np.ndarray, width: int) -> np.ndarray:
+    """Any width, one bit at a time (lane i at bits i·width.. of a little-endian stream)."""
+    bits = (values.astype(np.int64)[:, None] >> np.arange(width)) & 1
+    return np.packbits(bits.astype(np.uint8).reshape(-1), bitorder="little")
+
+
+def _unpack_by_bits(packed: np.ndarray, width: int, count: int) -> np.ndarray:
+    bits = np.unpackbits(packed, count=count * width, bitorder="little")
+    weights = np.left_shift(1, np.arange(width, dtype=np.int64))
+    return (bits.reshape(count, width).astype(np.int64) @ weights).astype(np.int32)
 
 
 def _byte_lookup(spec: IntegerSum) -> np.ndarray:
