@@ -125,3 +125,14 @@ def test_packet_counters_sum_every_worker_and_job():
         {"a/1": {"packets_sent": 9, "retransmissions": 1}, "b/1": {"packets_sent": 1}},
     ]
     assert at.packet_counters(stats) == {"packets_sent": 20, "retransmissions": 3}
+
+
+def test_injected_drops_are_summed_over_directions_and_pipelines():
+    def line(pipeline, dropped_in, dropped_out):
+        stats = {"daemon": {"injected_dropped_in": dropped_in, "injected_dropped_out": dropped_out,
+                            "received": 10}, "jobs": {}}  # fmt: skip
+        return f"gradsum switch pipeline {pipeline}: stopped; statistics {json.dumps(stats)}"
+
+    stderr = "\n".join(["gradsum switch: listening", line(0, 3, 1), line(1, 0, 2)])
+    assert at.injected_drops(stderr) == 6
+    assert at.injected_drops("") == 0

@@ -39,6 +39,7 @@ def test_rows_for_gloo_and_the_switch_at_the_link_rate_and_nothing_left(clean_ho
         # 2^16 float32 cannot cross a 100 Mbit/s link faster than its wire time
         assert row["seconds"] > 0.5 * row["wire_seconds"]
     assert rows[1]["codec_cpu_seconds"] > 0 and rows[1]["up_bytes"] >= 4 << 16
+    assert rows[1]["injected_drops"] == 0
     table = capsys.readouterr().out
     assert "1.00x" in table and "100mbit" in table
 
@@ -53,3 +54,15 @@ def test_a_failure_midway_still_removes_the_testbed(clean_host, monkeypatch):
     with pytest.raises(RuntimeError, match="a worker died"):
         main(["bench", "ate", "--link-rate", "1gbit", "--workers", "2", "--methods", "gloo",
               "--testbed-id", "benchate"])  # fmt: skip
+
+
+@pytest.mark.slow
+def test_loss_at_the_testbed_switch_is_injected_and_recorded(clean_host, tmp_path):
+    path = tmp_path / "rows.json"
+    status = main(["bench", "ate", "--link-rate", "1gbit", "--workers", "2", "--sizes", "2^16",
+                   "--methods", "switch+bfp", "--steps", "2", "--drop-rate", "0.05",
+                   "--testbed-id", "benchate", "--json", str(path)])  # fmt: skip
+    assert status == 0
+    (row,) = json.loads(path.read_text())
+    assert row["drop_rate"] == 0.05
+    assert row["injected_drops"] > 0  # the switch dropped packets, and the run still finished

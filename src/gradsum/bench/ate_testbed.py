@@ -348,7 +348,8 @@ def measure_method(tb, method: str, elements: int, setup: Setup, rate: int):
         results = aggregate(tb, daemon, task, timeout=600)
     # the testbed's workers time every step; the first `warmup` ones (job start-up) are dropped
     seconds = step_seconds([r.seconds[setup.warmup :] for r in results])
-    return seconds, packet_counters(r.stats for r in results)
+    counters = packet_counters(r.stats for r in results)
+    return seconds, {**counters, "injected_drops": injected_drops(daemon.stderr or "")}
 
 
 def packet_counters(worker_stats) -> dict:
@@ -359,6 +360,18 @@ def packet_counters(worker_stats) -> dict:
             for key in totals:
                 totals[key] += job.get(key, 0)
     return totals
+
+
+def injected_drops(daemon_stderr: str) -> int:
+    """Packets the daemon's loss injection dropped, both ways, all pipelines: from the final
+    statistics each pipeline prints on exit (``...: stopped; statistics {json}``)."""
+    total = 0
+    for line in daemon_stderr.splitlines():
+        _, found, stats = line.partition(": stopped; statistics ")
+        if found:
+            daemon = json.loads(stats).get("daemon", {})
+            total += daemon.get("injected_dropped_in", 0) + daemon.get("injected_dropped_out", 0)
+    return total
 
 
 @contextlib.contextmanager
