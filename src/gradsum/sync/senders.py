@@ -15,11 +15,12 @@ identical on every worker) and return a future with the group's average.
   shard 0 for worker 1, which waits on shard 1 for worker 0). Interleaved parts are therefore all
   put in flight at once, starting with part ``worker mod len(parts)``, each on its shard's stream;
   every shard then receives from all workers at a fraction of their rate instead of all of them at
-  once. A group over *every* shard goes as one transfer on a job spanning all shards, whose
-  single event loop streams all parts at once (chunk-aligned near-equal parts instead of the
-  plan's exact cut; measured faster than a thread per part, which contend for the GIL).
-  Non-interleaved parts go one after another — every worker pushing to the same shard at the
-  same moment, the synchronised incast that interleaving removes.
+  once. Non-interleaved parts go in the plan's part order on every worker, so each is a
+  synchronised incast at its shard; with a credit window they are all in flight at once (BytePS
+  pushes a tensor's partitions asynchronously; the simulator's window does the same), without one
+  they go one after another (one push at a time). A thread per shard stream is no GIL fight: the
+  transfers' system calls run in the native pump with the GIL released (one event loop driving
+  a job spread over all shards instead measured half the samples/s in the testbed).
 """
 
 from __future__ import annotations
@@ -71,7 +72,6 @@ class ShardSender:
         self.shards, self.plan, self.worker, self.timeout = shards, plan, worker, timeout
         self.window = plan.credit_bytes or 0  # 0: one group in flight at a time
         self._streams = [CommunicationThread(f"gradsum-shard{s}") for s in range(needed)]
-        self._spread_stream = CommunicationThread("gradsum-spread")
         self._dispatcher = CommunicationThread("gradsum-dispatch")
         self._credit = threading.Condition()
         self._in_flight = 0
@@ -92,36 +92,17 @@ class ShardSender:
         group = self.plan.groups[index]
         nbytes = 4 * flat.numel()
         self._acquire(nbytes, index)
-        if self.plan.interleave and len(group.parts) == self.shards.num_shards > 1:
-            self._send_spread(index, flat, nbytes, result)
-            return
         out = torch.empty(flat.numel(), dtype=torch.float32)
         parts = self.plan.part_order(group, self.worker)
         finished = _Countdown(len(parts), lambda error: self._finish(nbytes, out, result, error))
         previous: threading.Event | None = None
         for k, part in enumerate(parts):
             done = threading.Event()
-            gate = None if self.plan.interleave else previous
+            gate = None if self.plan.interleave or self.window else previous
             run = self._part_job(index, k, part, flat, out, group.start, gate)
             future = self._streams[part.shard].submit(run)
             future.add_done_callback(_signal(done, finished))
             previous = done
-
-    def _send_spread(self, index, flat, nbytes, result) -> None:
-        """A group over every shard: one event loop drives all its parts at once (one thread per
-        part would fight over the GIL), on the job that spans every shard."""
-        job = self._spread_stream.submit(
-            lambda: self.shards.synchronize_spread(flat, ("spread", index))
-        )
-
-        def finish(future: torch.futures.Future) -> None:
-            try:
-                out, error = future.wait(), None
-            except BaseException as caught:
-                out, error = None, caught
-            self._finish(nbytes, out, result, error)
-
-        job.add_done_callback(finish)
 
     def _part_job(self, index, k, part, flat, out, base, gate) -> Callable[[], None]:
         a, b = part.start - base, part.stop - base
@@ -159,7 +140,6 @@ class ShardSender:
 
     def close(self) -> None:
         self._dispatcher.close()
-        self._spread_stream.close()
         for stream in self._streams:
             stream.close()
 

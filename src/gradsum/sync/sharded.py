@@ -30,9 +30,8 @@ class ShardedServiceAggregator(Aggregator):
         if not addresses:
             raise ValueError("a sharded parameter server needs at least one shard address")
         parsed = [parse_bind(address, "--servers") for address in addresses]
-        # One job per shard, plus one spread over all of them: a group over every shard runs as
-        # that job, through one socket and one event loop -- every part in flight at once
-        # without a thread per shard.
+        # One job per shard (a plan's parts), plus one spread over all of them for a whole
+        # tensor outside any plan (`synchronize`, the Aggregator interface).
         *self.clients, self.spread = connect_jobs([[a] for a in parsed] + [parsed], settings)
 
     @property
@@ -49,15 +48,11 @@ class ShardedServiceAggregator(Aggregator):
             raise ValueError(f"shard {shard} does not exist: this job has {len(self.clients)}")
         return self.clients[shard].allreduce(flat, key=key)
 
-    def synchronize_spread(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
-        """The average of ``flat``, cut into near-equal chunk-aligned parts, one per shard, all
-        in flight at once."""
-        return self.spread.allreduce(flat, key=key)
-
     def synchronize(
         self, flat, codec, *, key: Hashable, step: int, seed: int = 0, partition_elements=None
     ):
-        return self.synchronize_spread(flat, key)
+        """The average of ``flat``, cut into near-equal chunk-aligned parts, one per shard."""
+        return self.spread.allreduce(flat, key=key)
 
     def close(self) -> None:
         disconnect_jobs(self._all_clients, self.rank)

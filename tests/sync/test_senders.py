@@ -1,0 +1,77 @@
+"""ShardSender against in-process fake shards: which parts of a group are in flight together."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from gradsum.schedule.plan import Group, Part, Plan
+from gradsum.sync.senders import ShardSender
+
+PART_SECONDS = 0.05
+
+
+class RecordingShards:
+    """Echoes each part back after a pause and records how many parts were in flight at once."""
+
+    def __init__(self, num_shards: int):
+        self.num_shards = num_shards
+        self.calls: list[tuple[int, tuple]] = []
+        self._lock = threading.Lock()
+        self._active = 0
+        self.most_active = 0
+
+    def synchronize_part(self, shard: int, flat: torch.Tensor, key) -> torch.Tensor:
+        with self._lock:
+            self._active += 1
+            self.most_active = max(self.most_active, self._active)
+            self.calls.append((shard, key))
+        time.sleep(PART_SECONDS)
+        with self._lock:
+            self._active -= 1
+        return flat * 2
+
+
+def three_part_plan(*, interleave: bool, credit_bytes: int | None) -> Plan:
+    parts = (Part(0, 0, 4), Part(1, 4, 8), Part(2, 8, 12))
+    return Plan(
+        "test",
+        (Group(0, 12, parts),),
+        layer_offsets=(0, 12),
+        interleave=interleave,
+        credit_bytes=credit_bytes,
+    )
+
+
+def send_one_group(plan: Plan, worker: int = 0) -> tuple[RecordingShards, torch.Tensor]:
+    shards = RecordingShards(3)
+    sender = ShardSender(shards, plan, worker, timeout=10)
+    try:
+        flat = torch.arange(12, dtype=torch.float32)
+        result = sender.submit(0, flat, step=0).wait()
+    finally:
+        sender.close()
+    return shards, result
+
+
+@pytest.mark.parametrize(
+    ("interleave", "credit_bytes", "together"),
+    [
+        (False, None, 1),  # one push at a time: parts one after another
+        (False, 48, 3),  # a window the size of the group: all parts at once, as in the simulator
+        (True, None, 3),  # interleaved parts always go at once (a rotated sequence would deadlock)
+    ],
+)
+def test_parts_in_flight_follow_the_plan(interleave, credit_bytes, together):
+    shards, result = send_one_group(
+        three_part_plan(interleave=interleave, credit_bytes=credit_bytes)
+    )
+    assert shards.most_active == together
+    assert torch.equal(result, 2 * torch.arange(12, dtype=torch.float32))
+
+
+def test_non_interleaved_parts_start_in_plan_order_on_every_worker():
+    for worker in range(3):
+        shards, _ = send_one_group(three_part_plan(interleave=False, credit_bytes=None), worker)
+        assert [shard for shard, _ in shards.calls] == [0, 1, 2]
