@@ -1,5 +1,9 @@
 """The executor's checks and messages, state files and the CLI's flag handling (no root needed)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from gradsum.cli import build_parser, main
@@ -67,6 +71,33 @@ def test_state_files_round_trip_and_list_valid_ids(state_dir):
     assert shell.read_state("abc") == spec
     assert shell.read_state("missing") is None
     assert shell.saved_ids() == ["abc"]
+
+
+def test_a_testbed_in_use_by_another_process_is_refused_not_rebuilt(state_dir):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_CLAIM, "busy"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, shell.STATE_DIR_ENV: str(state_dir)},
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(TestbedError, match=rf"'busy' is in use by pid {holder.pid}"):
+            shell.claim("busy")
+        shell.claim("other").close()  # other ids are free
+    finally:
+        holder.kill()
+        holder.wait()
+    shell.claim("busy").close()  # released when its holder exits, however it exits
+
+
+HOLD_CLAIM = """
+import sys, time
+from gradsum.testbed import shell
+handle = shell.claim(sys.argv[1])
+print("held", flush=True)
+time.sleep(60)
+"""
 
 
 def test_corrupt_state_file_is_named(state_dir):

@@ -8,6 +8,7 @@ process (``gradsum testbed status``/``down``/``exec``) knows what is up.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -160,6 +161,33 @@ def state_dir() -> Path:
 
 def state_path(testbed_id: str) -> Path:
     return state_dir() / f"{testbed_id}.json"
+
+
+def claim(testbed_id: str):
+    """Hold testbed ``testbed_id`` for this process until the returned file is closed.
+
+    ``apply`` rebuilds a testbed whose id is taken, which is right for one a crashed run left
+    behind but would tear down one that another process is still using (two benchmarks with
+    the same id). An advisory lock on ``<id>.lock``, released when its holder exits however it
+    exits, tells the two apart."""
+    path = state_dir() / f"{testbed_id}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+")  # noqa: SIM115 -- held open for the testbed's lifetime
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise TestbedError(
+            f"testbed {testbed_id!r} is in use by {holder}; wait for it to finish "
+            "or use another testbed id"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    return handle
 
 
 def write_state(spec: TestbedSpec) -> None:

@@ -67,6 +67,7 @@ class Testbed:
         self.spec = options.pop("spec", None) or make_spec(workers, **options)
         self.plan: Plan = plan(self.spec)
         self._processes: list[subprocess.Popen] = []
+        self._claim = None  # the lock that marks this testbed as in use (shell.claim)
 
     @classmethod
     def attach(cls, testbed_id: str) -> Testbed:
@@ -81,12 +82,25 @@ class Testbed:
     # --- lifecycle ---
 
     def up(self) -> Testbed:
-        shell.apply(self.plan)
+        self._claim = shell.claim(self.spec.id)
+        try:
+            shell.apply(self.plan)
+        except BaseException:
+            self._release()
+            raise
         return self
 
     def down(self) -> None:
-        self.stop_processes()
-        shell.remove(self.spec.id)
+        try:
+            self.stop_processes()
+            shell.remove(self.spec.id)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._claim is not None:
+            self._claim.close()
+            self._claim = None
 
     def __enter__(self) -> Testbed:
         return self.up()
