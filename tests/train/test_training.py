@@ -29,6 +29,7 @@ def test_local_job_trains_digits_and_writes_a_summary(tmp_path):
     assert [r["event"] for r in records] == ["config", "plan", "epoch", "epoch", "epoch", "summary"]
     assert records[-1]["test_accuracy"] == summary["test_accuracy"]
     assert records[-1]["samples_per_s"] > 0
+    assert summary["plan"] == records[1]["describe"]  # what the scheduler chose, for bench rows
 
 
 @pytest.mark.slow

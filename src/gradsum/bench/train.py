@@ -39,6 +39,7 @@ class TrainRow:
     test_accuracy: float
     train_seconds: float
     link_rate: str = "loopback"
+    plan: str = ""  # what the scheduler chose at start-up (groups, fitted α and β)
 
 
 def register(benches: argparse._SubParsersAction) -> None:
@@ -130,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
                     test_accuracy=summary["test_accuracy"],
                     train_seconds=summary["train_seconds"],
                     link_rate=args.link_rate or "loopback",
+                    plan=summary.get("plan", ""),
                 )
             )
     print(format_table(rows))
@@ -183,4 +185,7 @@ def format_table(rows: list[TrainRow]) -> str:
             f"{row.method:<24} {row.samples_per_s:>10,.0f} {row.samples_per_s / base:>27.2f}x "
             f"{row.test_accuracy:>9.4f}"
         )
+    plans = [f"  {row.method}: {row.plan}" for row in rows if row.plan]
+    if plans:
+        lines += ["plans:", *plans]
     return "\n".join(lines)

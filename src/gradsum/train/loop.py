@@ -88,7 +88,7 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
         digest = check_replicas(model)
     finally:
         sync.close()
-    summary = _summary(config, world, history, digest)
+    summary = _summary(config, world, history, digest, chosen.describe())
     log.write({"event": "summary", **summary})
     return summary
 
@@ -164,7 +164,9 @@ def check_replicas(model: torch.nn.Module) -> str:
     return digest
 
 
-def _summary(config: TrainConfig, world: int, history: list[EpochMetrics], digest: str) -> dict:
+def _summary(
+    config: TrainConfig, world: int, history: list[EpochMetrics], digest: str, plan: str
+) -> dict:
     last = history[-1] if history else None
     seconds = sum(m.seconds for m in history)
     samples = sum(m.samples_per_s * m.seconds for m in history)
@@ -181,6 +183,7 @@ def _summary(config: TrainConfig, world: int, history: list[EpochMetrics], diges
         "samples_per_s": samples / seconds if seconds > 0 else 0.0,
         "train_seconds": seconds,
         "parameter_digest": digest,
+        "plan": plan,
     }
 
 
