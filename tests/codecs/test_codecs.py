@@ -17,7 +17,28 @@ from gradsum.codecs import (
 
 from .conftest import gaussian_inputs
 
-LOSSLESS = {"none": 1e-12, "fp16": 1e-6, "bfp": 1e-12}
+# Mean NMSE over 8 seeded rounds of 4 workers' N(0, 1) gradients of 4096 coordinates, with
+# headroom for the draws: exact codecs at float rounding; THC at the paper's 0.0203 per worker
+# (Table 2: b=4, g=30, p=1/32) over 4 workers; uniform THC below its rounding variance
+# step**2 / 4 (step = range / 15, range ~8 sigma for 4 workers) over 4 workers; the rest 1.15x
+# what the reference measures (TopK and DGC drop the same 90 % twice, at the workers and at the
+# server; QSGD and TernGrad quantize twice, the server's sum with a coarser scale).
+ERROR_BOUNDS = {"none": 1e-12, "fp16": 1e-6, "bfp": 1e-12, "thc": 0.0203 / 4 * 1.15,
+                "thc-uniform": (8 / 15) ** 2 / 4 / 4, "topk": 0.23, "dgc": 0.23, "qsgd": 1.45,
+                "terngrad": 2.3}  # fmt: skip
+# The same over 2 workers whose coordinates span 40 decades (|x| from 1e-20 to 1e20).
+WIDE_RANGE_BOUNDS = {**ERROR_BOUNDS, "thc": 0.0203 / 2 * 1.15, "thc-uniform": 0.2,
+                     "topk": 1e-6, "dgc": 1e-6, "qsgd": 0.1, "terngrad": 2.8}  # fmt: skip
+
+
+def mean_error(codec_name, inputs, rounds=8) -> float:
+    """Over independent first rounds: a fresh codec each, so no error feedback carries over."""
+    errors = [
+        nmse(run_round(make_codec(codec_name, workers=len(inputs)), inputs, step=s).average,
+             inputs)
+        for s in range(rounds)
+    ]  # fmt: skip
+    return sum(errors) / rounds
 
 
 def test_round_decodes_an_estimate_of_the_average(codec_name):
@@ -25,8 +46,7 @@ def test_round_decodes_an_estimate_of_the_average(codec_name):
     result = run_round(make_codec(codec_name, workers=4), inputs)
     assert result.average.shape == (4096,)
     assert result.average.dtype == torch.float32
-    error = nmse(result.average, inputs)
-    assert error <= LOSSLESS.get(codec_name, 2.0)
+    assert mean_error(codec_name, inputs) <= ERROR_BOUNDS[codec_name]
 
 
 def test_rounds_are_reproducible_from_the_seed(codec_name):
@@ -46,10 +66,13 @@ def test_workers_draw_independent_randomness(name):
 
 @pytest.mark.parametrize("length", [1, 3, 1000, 4097])
 def test_lengths_that_are_not_powers_of_two(codec_name, length):
-    inputs = gaussian_inputs(3, length, seed=length)
-    result = run_round(make_codec(codec_name, workers=3), inputs)
+    inputs = gaussian_inputs(4, length, seed=length)
+    result = run_round(make_codec(codec_name, workers=4), inputs)
     assert result.average.shape == (length,)
     assert bool(torch.isfinite(result.average).all())
+    if length >= 1000 or ERROR_BOUNDS[codec_name] < 1e-3:  # a few coordinates: no statistics
+        # THC pads 1000 and 4097 to 1024 and 8192; the padding must cost no accuracy
+        assert mean_error(codec_name, inputs) <= ERROR_BOUNDS[codec_name] * 1.1
 
 
 def test_zero_vector_decodes_to_exact_zero(codec_name):
@@ -76,7 +99,7 @@ def test_huge_dynamic_range_stays_finite_and_close(codec_name):
         return
     result = run_round(make_codec(codec_name, workers=2), inputs)
     assert bool(torch.isfinite(result.average).all())
-    assert nmse(result.average, inputs) <= LOSSLESS.get(codec_name, 2.0) + 1e-9
+    assert mean_error(codec_name, inputs) <= WIDE_RANGE_BOUNDS[codec_name]
 
 
 def test_thc_wire_widths_follow_the_worker_count():

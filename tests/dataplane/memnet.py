@@ -29,6 +29,7 @@ class Faults:
 class _Worker:
     address: tuple
     transfers: list = field(default_factory=list)
+    work: object = None  # a streaming round's work (dataplane.collective.StreamedSum)
     waiting: bool = False
     finished: bool = False
     error: BaseException | None = None
@@ -54,10 +55,12 @@ class MemoryNetwork:
     def transport(self, address: tuple):
         worker = self.workers.setdefault(address, _Worker(address))
 
-        def run(pairs):
+        def run(pairs, work=None):
             with self._lock:
                 worker.transfers = [t for _, t in pairs]
+                worker.work = work
                 for job, transfer in pairs:
+                    transfer.peer = job.address
                     for chunk in transfer.start(self.now):
                         self._send_data(worker, job.address, transfer, chunk)
                 worker.wake.clear()
@@ -120,6 +123,8 @@ class MemoryNetwork:
         for worker in self._active():
             times += [d for t in worker.transfers if (d := t.next_deadline()) is not None]
         times += [d for a in self.aggregators.values() if (d := a.next_deadline()) is not None]
+        if any(w.work is not None and w.work.pending for w in self._active()):
+            times.append(self.now)  # a streaming worker has codec work to do now
         if not times:
             raise RuntimeError("memory network: deadlock, nothing in flight and no timer")
         self.now = max(self.now, min(times))
@@ -130,6 +135,7 @@ class MemoryNetwork:
             self._perform(address, aggregator.on_tick(self.now))
         for worker in self._active():
             self._expire(worker)
+            self._work(worker)
 
     def _active(self):
         return [w for w in self.workers.values() if w.waiting]
@@ -168,6 +174,16 @@ class MemoryNetwork:
             for transfer, address in zip(worker.transfers, self._peers(worker), strict=True):
                 for chunk in transfer.expired(self.now):
                     self._send_data(worker, address, transfer, chunk)
+        except Exception as error:
+            self._finish(worker, error)
+
+    def _work(self, worker: _Worker) -> None:
+        """One step of a streaming round's codec work, between batches of packets."""
+        if worker.work is None or not worker.work.pending or not worker.waiting:
+            return
+        try:
+            for transfer, chunk in worker.work.step(self.now):
+                self._send_data(worker, transfer.peer, transfer, chunk)
         except Exception as error:
             self._finish(worker, error)
 

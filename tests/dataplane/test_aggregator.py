@@ -8,7 +8,7 @@ import torch
 
 from gradsum.codecs import make_codec, run_round
 from gradsum.codecs.base import AGGREGATOR, CodecContext
-from gradsum.codecs.round import prepare, worker_contexts
+from gradsum.codecs.round import worker_contexts
 from gradsum.dataplane import (
     Aggregator,
     FloatSum,
@@ -48,15 +48,15 @@ def test_switch_sums_integer_codecs_exactly_like_codec_aggregate(name):
     inputs = [torch.randn(length, generator=torch.Generator().manual_seed(w)) for w in range(3)]
     expected = run_round(codec, inputs, seed=4)
     fmt = wire_format(codec)
-    field = expected.payloads[0].fields[fmt.upstream]
-    lanes = field.numel() * field.element_size() * 8 // fmt.in_bits
+    upstream, downstream = codec.lane_fields
+    lanes = codec.lanes(length)
     spec = JobSpec(1, tuple(worker_address(w) for w in range(workers)), 1, lanes + 8, fmt.op)
     switch = switch_with(spec)
     for w, payload in enumerate(expected.payloads):
-        data = payload.fields[fmt.upstream].contiguous().numpy().tobytes()
+        data = payload.fields[upstream].contiguous().numpy().tobytes()
         actions = deliver(switch, spec, w, lane_packet(spec, w, 0, data, lanes))
     (multicast,) = sends(actions)
-    want = expected.aggregate.fields[fmt.downstream].contiguous().numpy().tobytes()
+    want = expected.aggregate.fields[downstream].contiguous().numpy().tobytes()
     assert bytes(multicast.payload) == want
 
 
@@ -83,7 +83,7 @@ def test_server_decodes_sums_and_reencodes_like_codec_aggregate(name):
     codec = make_codec(name, workers=workers)
     inputs = [torch.randn(length, generator=torch.Generator().manual_seed(w)) for w in range(2)]
     contexts = worker_contexts(workers, seed=1)
-    prepared, _ = prepare(codec, inputs, contexts)
+    prepared = [codec.precondition(x, ctx) for x, ctx in zip(inputs, contexts, strict=True)]
     payloads = [codec.encode(x, ctx) for x, ctx in zip(prepared, contexts, strict=True)]
     fmt = wire_format(codec, seed=1)
     spec = JobSpec(1, tuple(worker_address(w) for w in range(workers)), 1, length, fmt.op)

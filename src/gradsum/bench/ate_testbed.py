@@ -231,70 +231,82 @@ def codec_profile(codec_name: str, workers: int, elements: int, repeats: int = 3
     codec = make_codec(codec_name, workers=workers)
     fmt = wire_format(codec)
     x = torch.randn(elements, generator=torch.Generator().manual_seed(0))
-    measure = _lane_profile if fmt.lanes else _payload_profile
-    runs = [measure(codec, fmt, x, workers, step) for step in range(repeats)]
+    runs = [_profile_round(codec, fmt, x, workers, step) for step in range(repeats)]
     keys = ("encode_seconds", "decode_seconds", "server_seconds")
     profile = {k: statistics.median(r[k] for r in runs) for k in keys}
     return {**runs[-1], **profile}
 
 
-def _lane_profile(codec, fmt, x, workers: int, step: int) -> dict:
-    """bfp/thc: encode (with the preliminary round's summary), decode of n workers' sum."""
-    from ..codecs.base import CodecContext, Payload
-    from ..codecs.bits import packed_nbytes
-    from ..dataplane.collective import JobHandle
+class _ProfiledReducer:
+    """One worker's real codec round against n - 1 peers that sent the same payload: times
+    the codec's own work (encode, decode, and a server's decode-sum-encode, which a switch's
+    integer sum is not) and counts the bytes one worker sends and receives, headers included.
+    It is a ``codecs.round.Reducer``, so the profile runs the round every aggregator runs."""
 
-    ctx = CodecContext(0, 0, step, 0, None)
+    def __init__(self, fmt, workers: int, partition: int):
+        from ..dataplane.collective import JobHandle
+
+        self.fmt, self.workers = fmt, workers
+        bits = max(fmt.in_bits, fmt.out_bits)
+        self.per_chunk = JobHandle(("", 0), 0, 0, 1, 1 << 24, workers).lanes_per_chunk(bits) \
+            if fmt.lanes else 1
+        self.partition = partition
+        self.seconds = {"encode_seconds": 0.0, "decode_seconds": 0.0, "server_seconds": 0.0}
+        self.up = self.down = 0
+
+    def max(self, summaries):
+        self.up += sum(4 * s.numel() for s in summaries) + HEADER_BYTES
+        self.down += sum(4 * s.numel() for s in summaries) + HEADER_BYTES
+        return list(summaries)  # the max of n equal summaries
+
+    def sum(self, phase) -> None:
+        from ..codecs.bits import packed_nbytes
+        from ..dataplane import payload_wire
+
+        codec, lanes = phase.codec, self.fmt.lanes
+        for i in range(len(phase)):
+            t0 = time.perf_counter()
+            payload = phase.encode(i)
+            blob = None if lanes else payload_wire.serialize(payload)
+            t1 = time.perf_counter()
+            if lanes:  # the switch's work, not the codec's: not timed
+                summed = codec.aggregate([payload] * self.workers, phase.aggregator_context(i))
+                t2 = time.perf_counter()
+                count = phase.lanes(i)
+                headers = -(-count // self.per_chunk) * HEADER_BYTES
+                self.up += packed_nbytes(count, self.fmt.in_bits) + headers
+                self.down += packed_nbytes(count, self.fmt.out_bits) + headers
+            else:
+                kept = [payload_wire.deserialize(blob, payload.length, 1)] * self.workers
+                data = payload_wire.serialize(codec.aggregate(kept, phase.aggregator_context(i)))
+                t2 = time.perf_counter()
+                self.seconds["server_seconds"] += t2 - t1
+                summed = payload_wire.deserialize(data, payload.length, self.workers)
+                self.up, self.down = self.up + len(blob) + HEADER_BYTES, \
+                    self.down + len(data) + HEADER_BYTES
+            t3 = time.perf_counter()
+            phase.deliver(i, summed)
+            self.seconds["encode_seconds"] += t1 - t0
+            self.seconds["decode_seconds"] += time.perf_counter() - t3
+
+
+def _profile_round(codec, fmt, x, workers: int, step: int) -> dict:
+    """One profiled round (see ``_ProfiledReducer``); the preliminary round counts as encode.
+    Decode-sum-encode codecs run in partitions of the UDP client's default (one per packet)."""
+    from ..codecs.round import PARTITION_ELEMENTS, CodecRound
+
+    partition = PARTITION_ELEMENTS if fmt.lanes else 1 << 13
+    reducer = _ProfiledReducer(fmt, workers, partition)
+    round_ = CodecRound(codec, 0, partition)
     start = time.perf_counter()
-    y = codec.precondition(x, ctx)
-    summary = codec.summarize(y, ctx)
-    payload = codec.encode(y, ctx, summary)
-    encoded = time.perf_counter()
-    summed = codec.aggregate([payload] * workers, ctx)  # the switch's work, not timed
-    result = Payload(summed.fields, summed.length, workers)
-    decode_start = time.perf_counter()
-    codec.decode(result, ctx, summary)
-    decoded = time.perf_counter()
-    upstream = payload.fields[fmt.upstream]
-    lanes = upstream.numel() * upstream.element_size() * 8 // fmt.in_bits
-    per_chunk = JobHandle(("", 0), 0, 0, 1, 1 << 24, workers).lanes_per_chunk(
-        max(fmt.in_bits, fmt.out_bits)
-    )
-    chunks = -(-lanes // per_chunk)
-    summary_bytes = 0 if summary is None else 4 * summary.numel() + HEADER_BYTES
-    headers = chunks * HEADER_BYTES + summary_bytes
-    return {
-        "encode_seconds": encoded - start,
-        "decode_seconds": decoded - decode_start,
-        "server_seconds": 0.0,
-        "up_bytes": packed_nbytes(lanes, fmt.in_bits) + headers,
-        "down_bytes": packed_nbytes(lanes, fmt.out_bits) + headers,
-    }
-
-
-def _payload_profile(codec, fmt, x, workers: int, step: int, partition: int = 1 << 13) -> dict:
-    """topk & co: per partition of the client's default size, encode + serialize, the server's
-    decode-sum-encode of n payloads, and deserialize + decode."""
-    from ..codecs.base import AGGREGATOR, CodecContext
-    from ..dataplane import payload_wire
-
-    encode = server = decode = 0.0
-    up = down = 0
-    for p, begin in enumerate(range(0, x.numel(), partition)):
-        part = x[begin : begin + partition]
-        ctx = CodecContext(0, 0, step, p, None)
-        t0 = time.perf_counter()
-        blob = payload_wire.serialize(codec.encode(codec.precondition(part, ctx), ctx))
-        t1 = time.perf_counter()
-        kept = [payload_wire.deserialize(blob, part.numel(), 1) for _ in range(workers)]
-        summed = payload_wire.serialize(codec.aggregate(kept, CodecContext(0, AGGREGATOR, step, p)))
-        t2 = time.perf_counter()
-        codec.decode(payload_wire.deserialize(summed, part.numel(), workers), ctx)
-        t3 = time.perf_counter()
-        encode, server, decode = encode + t1 - t0, server + t2 - t1, decode + t3 - t2
-        up, down = up + len(blob) + HEADER_BYTES, down + len(summed) + HEADER_BYTES
-    return {"encode_seconds": encode, "decode_seconds": decode, "server_seconds": server,
-            "up_bytes": up, "down_bytes": down}  # fmt: skip
+    prepared = round_.prepare(x, worker=0, key=None, step=step)
+    if codec.needs_summary:
+        prepared.share(reducer.max(prepared.summaries))
+    reducer.seconds["encode_seconds"] += time.perf_counter() - start
+    phase = prepared.sum_phase()
+    reducer.sum(phase)
+    phase.check_complete()
+    return {**reducer.seconds, "up_bytes": reducer.up, "down_bytes": reducer.down}
 
 
 # --- shell: testbeds, daemons, workers ----------------------------------------------------------

@@ -128,13 +128,16 @@ class Payload:
     """What crosses the wire for one partition: named, packed tensors.
 
     ``length`` is the number of gradient coordinates represented, ``contributors`` how many
-    workers' payloads were summed into it (1 upstream; up to n downstream).
+    workers' payloads were summed into it (1 upstream; up to n downstream). ``counts``, only
+    downstream after partial aggregation, holds the contributors of every coordinate when they
+    differ (chunks completed by different quorums); ``contributors`` is then 1.
     """
 
     fields: dict[str, torch.Tensor]
     length: int
     contributors: int = 1
     meta: dict[str, float] = field(default_factory=dict)
+    counts: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -146,10 +149,28 @@ class Payload:
 
 
 class Codec(ABC):
-    """Base class of all codecs; see the module docstring for the round structure."""
+    """Base class of all codecs; see the module docstring for the round structure.
+
+    Besides ``aggregation``, a codec declares the facts a transport needs to carry it, so no
+    transport keeps tables of codec names:
+
+    * ``lane_fields``: for homomorphic codecs, the payload field sent upstream as lanes (one
+      per coordinate of ``lanes(length)``, ``lane_widths()[0]`` bits each) and the field the
+      downstream sum fills (``lane_widths()[1]`` bits each). ``None``: whole payloads, which an
+      aggregator decodes, sums and re-encodes.
+    * ``linear_decode``: decoding a sum is linear coordinate by coordinate (the sum times a
+      factor, divided by the contributors), so chunks summed by different quorums decode lane
+      by lane (``Payload.counts``).
+    * ``blockwise``: coordinates per block that summarizes, encodes and decodes independently
+      of every other block (one summary entry per block); a round may then cut a partition into
+      pieces of whole blocks and stream them, with the whole partition's values bit for bit.
+    """
 
     name: str = ""
     aggregation: Aggregation = Aggregation.DECODE_SUM_ENCODE
+    lane_fields: tuple[str, str] | None = None
+    linear_decode: bool = False
+    blockwise: int | None = None
 
     def __init__(self, workers: int = 1):
         if workers < 1:
@@ -200,6 +221,15 @@ class Codec(ABC):
 
     def integer_op(self) -> IntegerOp:
         raise TypeError(f"codec {self.name!r} is not integer-homomorphic; a switch cannot sum it")
+
+    def lanes(self, length: int) -> int:
+        """How many lanes carry ``length`` coordinates (THC sends its padded rotation)."""
+        return length
+
+    def lane_widths(self) -> tuple[int, int]:
+        """Bits of one lane upstream and of one summed lane downstream."""
+        op = self.integer_op()
+        return op.in_bits, op.out_bits
 
     def state_dict(self) -> dict:
         return {}

@@ -34,19 +34,21 @@ from .base import (
 )
 
 EXPONENT_FLOOR = -126
-_NO_CONTEXT = CodecContext(0, 0, 0, 0, None)  # bfp's encode and decode use none of it
 INT32_MAX = (1 << 31) - 1
 
 
 class BlockFloatingPoint(Codec):
     name = "bfp"
     aggregation = Aggregation.INTEGER_SUM
+    lane_fields = ("values", "values")
+    linear_decode = True
 
     def __init__(self, workers: int = 1, block_size: int = 256):
         super().__init__(workers)
         if block_size < 1:
             raise ValueError(f"bfp block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.blockwise = block_size
         self.headroom = math.ceil(math.log2(workers)) if workers > 1 else 0
         self.limit = saturation_limit(workers)
         self._recycler = bfp_native.Recycler()  # the native path's outputs
@@ -115,31 +117,6 @@ class BlockFloatingPoint(Codec):
         inverse = torch.exp2(-self._shifts(shared, payload.length)).div_(payload.contributors)
         sums = self._blocks(payload.fields["values"].to(torch.float32))
         return sums.mul_(inverse.unsqueeze(1)).view(-1)[: payload.length]
-
-    def new_output(self, count: int) -> torch.Tensor:
-        """A float32 buffer for ``decode_into`` results, recycled like decode's own."""
-        return self._recycler.empty(count, torch.float32)
-
-    # -- part by part, into the caller's buffers (dataplane.collective pipelines with these) ---
-    def encode_into(self, x: torch.Tensor, shared: torch.Tensor, out: torch.Tensor) -> None:
-        """``encode(x, ...)`` of coordinates that start at a block boundary, with their blocks'
-        exponents, written into ``out`` (int32, x's length): blocks are independent, so the
-        parts of a tensor encode to the whole's values."""
-        self._check_shared(shared, x.numel())
-        into = lambda count, dtype: out  # noqa: E731 (the kernel's output: the caller's buffer)
-        if bfp_native.encode(x, self.block_size, shared, self.headroom, self.limit, into) is None:
-            out.copy_(self.encode(x, _NO_CONTEXT, shared).fields["values"])
-
-    def decode_into(self, sums: torch.Tensor, contributors: int, shared: torch.Tensor,
-                    out: torch.Tensor) -> None:  # fmt: skip
-        """``decode`` of a part's sums (starting at a block boundary) into ``out``."""
-        self._check_shared(shared, sums.numel())
-        into = lambda count, dtype: out  # noqa: E731
-        fast = bfp_native.decode(sums, sums.numel(), self.block_size, shared, self.headroom,
-                                 contributors, into)  # fmt: skip
-        if fast is None:
-            out.copy_(self.decode(Payload({"values": sums}, sums.numel(), contributors),
-                                  _NO_CONTEXT, shared))  # fmt: skip
 
     def _check_shared(self, shared: torch.Tensor | None, length: int) -> None:
         blocks = -(-length // self.block_size)

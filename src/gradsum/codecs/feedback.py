@@ -23,6 +23,10 @@ class ErrorFeedback(Codec):
         self.inner = inner
         self.name = inner.name
         self.aggregation = inner.aggregation
+        # The wire facts are the inner codec's, except ``blockwise``: the memory is kept per
+        # partition, so its pieces cannot be encoded one by one.
+        self.lane_fields = inner.lane_fields
+        self.linear_decode = inner.linear_decode
         self.memory: dict[Hashable, torch.Tensor] = {}
 
     def precondition(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
@@ -70,6 +74,12 @@ class ErrorFeedback(Codec):
 
     def integer_op(self) -> IntegerOp:
         return self.inner.integer_op()
+
+    def lanes(self, length: int) -> int:
+        return self.inner.lanes(length)
+
+    def lane_widths(self) -> tuple[int, int]:
+        return self.inner.lane_widths()
 
     def reset(self, key: Hashable | None = None) -> None:
         if key is None:

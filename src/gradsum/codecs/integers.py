@@ -4,30 +4,18 @@ An all-reduce (or any summing transport) needs the exact integers an aggregator 
 ``to_integers`` gives them for one upstream payload (THC: table values of the indices; uniform
 THC: the values; bfp: the int32 values), and ``from_integers`` wraps a sum of them back into the
 downstream payload the codec decodes. ``sum_dtype`` is the narrowest dtype that holds the sum.
+All of it is read from the codec's declared wire facts (``lane_fields``, ``lane_widths``,
+``integer_op``), so a new integer codec needs nothing here.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .base import Codec, Payload
-from .bfp import BlockFloatingPoint
 from .bits import pack_bits, unpack_bits
-from .feedback import ErrorFeedback
-from .thc.codec import DOWNSTREAM, THC, UPSTREAM, GridCodec
-from .thc.hadamard import padded_length
-
-
-def _unwrap(codec: Codec) -> Codec:
-    return codec.inner if isinstance(codec, ErrorFeedback) else codec
-
-
-def integer_count(codec: Codec, length: int) -> int:
-    """How many integers stand for ``length`` coordinates (THC pads to its rotation length)."""
-    inner = _unwrap(codec)
-    if isinstance(inner, THC):
-        return padded_length(length, inner.rotation_block)
-    return length
 
 
 def sum_dtype(codec: Codec) -> torch.dtype:
@@ -36,24 +24,29 @@ def sum_dtype(codec: Codec) -> torch.dtype:
 
 
 def to_integers(codec: Codec, payload: Payload) -> torch.Tensor:
-    inner = _unwrap(codec)
-    if isinstance(inner, BlockFloatingPoint):
-        return payload.fields["values"]
-    if isinstance(inner, GridCodec):
-        op = inner.integer_op()
-        count = integer_count(inner, payload.length)
-        values = unpack_bits(payload.fields[UPSTREAM], op.in_bits, count)
-        if op.table is not None:
-            values = torch.tensor(op.table, dtype=torch.int32, device=values.device)[values.long()]
-        return values.to(sum_dtype(inner))
-    raise TypeError(f"codec {codec.name!r} has no integer form; it is not integer-homomorphic")
+    field = payload.fields[_fields(codec)[0]]
+    in_bits, _ = codec.lane_widths()
+    if in_bits == 32:  # whole int32 lanes, summed as they are
+        return field
+    op = codec.integer_op()
+    values = unpack_bits(field, in_bits, codec.lanes(payload.length))
+    if op.table is not None:
+        values = _table(op.table, values.device)[values.long()]
+    return values.to(sum_dtype(codec))
 
 
 def from_integers(codec: Codec, sums: torch.Tensor, length: int, contributors: int) -> Payload:
-    inner = _unwrap(codec)
-    if isinstance(inner, BlockFloatingPoint):
-        return Payload({"values": sums.to(torch.int32)}, length, contributors)
-    if isinstance(inner, GridCodec):
-        packed = pack_bits(sums, inner.integer_op().out_bits)  # checks the width
-        return Payload({DOWNSTREAM: packed}, length, contributors)
-    raise TypeError(f"codec {codec.name!r} has no integer form; it is not integer-homomorphic")
+    _, out_bits = codec.lane_widths()
+    packed = sums if out_bits == 32 else pack_bits(sums, out_bits)  # packing checks the width
+    return Payload({_fields(codec)[1]: packed}, length, contributors)
+
+
+def _fields(codec: Codec) -> tuple[str, str]:
+    if codec.lane_fields is None or not codec.aggregation.integer_only:
+        raise TypeError(f"codec {codec.name!r} has no integer form; it is not integer-homomorphic")
+    return codec.lane_fields
+
+
+@functools.lru_cache(maxsize=64)
+def _table(table: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(table, dtype=torch.int32, device=device)

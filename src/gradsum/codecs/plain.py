@@ -23,6 +23,12 @@ class NoCompression(Codec):
 
     name = "none"
     aggregation = Aggregation.FLOAT_SUM
+    lane_fields = ("values", "values")
+    linear_decode = True
+    blockwise = 1
+
+    def lane_widths(self) -> tuple[int, int]:
+        return 32, 32
 
     def encode(
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None

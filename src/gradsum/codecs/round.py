@@ -1,40 +1,276 @@
-"""One aggregation round of a codec, run in-process (no transport): tests, benchmarks, examples.
+"""The codec round: the one path a gradient takes through any aggregator.
 
-Each phase is a separate function so callers can time or interpose on it; ``run_round`` chains
-them in the order a real system does.
+A worker's round over one flat gradient::
+
+    partitions -> contexts -> precondition -> summarize -> MAX -> encode -> SUM -> decode
+
+``CodecRound`` owns every step that is the codec's: partitioning (2**20 coordinates by
+default), the contexts that seed each partition's randomness, error feedback and decoding. An
+aggregator contributes only a ``Reducer`` with two operations, so every aggregator runs the same
+estimator with the same random streams:
+
+* ``max(summaries)``: the elementwise MAX over workers of every partition's summary (the
+  preliminary round; one call for all partitions, so a transport batches them);
+* ``sum(phase)``: the SUM over workers of wire payloads. ``phase`` (a ``SumPhase``) hands out
+  the payloads to send, ``encode(i)``, and takes each summed payload back, ``deliver(i, sum)``,
+  in any order; a transport that streams encodes the next piece while earlier ones are in
+  flight and decodes a piece as soon as its sum is in.
+
+What the SUM of payloads is follows from ``codec.aggregation``: an integer or float sum of the
+lanes for homomorphic codecs, ``codec.aggregate`` (decode, sum, re-encode) otherwise. Whatever
+the transport, it is the value ``codec.aggregate`` defines; ``run_round`` runs the round
+in-process for any number of workers and is the reference every aggregator is tested against.
+
+Thread safety: a ``CodecRound`` holds no state between calls; its codec may be driven from
+several threads at once (see ``Codec``), each call with its own key.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import zlib
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
 from .base import Codec, CodecContext, Payload, aggregator_context, combine_summaries
 
+PARTITION_ELEMENTS = 1 << 20
+"""THC's authors partition gradients into 2**20 coordinates (4 MiB of fp32): large enough to
+amortise the preliminary round and keep the rotation's padding small, small enough to pipeline."""
+
+PIECE_ELEMENTS = 1 << 18
+"""The least a piece of a blockwise codec holds: streamed pieces overlap encode, transfer and
+decode, and below this the per-piece overheads outweigh the overlap."""
+
+
+def partition_bounds(total: int, size: int = PARTITION_ELEMENTS) -> list[tuple[int, int]]:
+    """[start, end) ranges covering ``total`` elements; the last one may be shorter."""
+    if size < 1:
+        raise ValueError(f"partition size must be >= 1, got {size}")
+    return [(start, min(start + size, total)) for start in range(0, total, size)]
+
+
+def partition_id(key: Hashable, index: int) -> int:
+    """A stable integer for (tensor key, partition index), the same in every process, so each
+    partition draws its own rounding randomness."""
+    return zlib.crc32(repr((key, index)).encode())
+
+
+class Reducer(Protocol):
+    """What an aggregator implements for a round (see the module docstring)."""
+
+    def max(self, summaries: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The elementwise max over workers of every summary, in order."""
+
+    def sum(self, phase: SumPhase) -> None:
+        """Sum every piece's payload over workers and ``phase.deliver`` each sum."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one payload carries: coordinates [start, stop) of the flat gradient, which lie in
+    partition ``partition``; ``offset`` is where they start within the partition's prepared
+    input (a blockwise codec's pieces are whole blocks of it, with their summary entries)."""
+
+    start: int
+    stop: int
+    partition: int
+    offset: int
+    context: CodecContext
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+class SumPhase:
+    """The SUM half of one worker's round: payloads to send, sums to decode.
+
+    ``encode(i)`` gives piece i's upstream payload (encoding it on first use), ``deliver(i, P)``
+    decodes the downstream payload P into the round's output. Every piece must be delivered
+    once. ``lanes(i)`` is what piece i's lanes number before it is encoded, so a transport can
+    lay its buffers out up front.
+    """
+
+    def __init__(self, codec: Codec, pieces: list[Piece], prepared: list[torch.Tensor],
+                 shared: list[torch.Tensor | None], out: torch.Tensor):  # fmt: skip
+        self.codec, self.pieces, self.out = codec, pieces, out
+        self._prepared, self._shared = prepared, shared
+        self._payloads: list[Payload | None] = [None] * len(pieces)
+        self._delivered = [False] * len(pieces)
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def lanes(self, index: int) -> int:
+        return self.codec.lanes(self.pieces[index].length)
+
+    def context(self, index: int) -> CodecContext:
+        return self.pieces[index].context
+
+    def aggregator_context(self, index: int) -> CodecContext:
+        """The context of the aggregator's side of piece ``index`` (re-encoding randomness)."""
+        return aggregator_context(self.pieces[index].context)
+
+    def encode(self, index: int) -> Payload:
+        payload = self._payloads[index]
+        if payload is None:
+            piece = self.pieces[index]
+            x, shared = self._inputs(piece)
+            payload = self.codec.encode(x, piece.context, shared)
+            self._payloads[index] = payload
+        return payload
+
+    def payloads(self) -> list[Payload]:
+        """Every piece's payload, in order (for transports that send them all at once)."""
+        return [self.encode(i) for i in range(len(self.pieces))]
+
+    def deliver(self, index: int, summed: Payload) -> None:
+        if self._delivered[index]:
+            raise RuntimeError(f"piece {index} of the round was delivered twice")
+        piece = self.pieces[index]
+        shared = self.shared_of(index)
+        self.out[piece.start : piece.stop] = decode(self.codec, summed, piece.context, shared)
+        self._delivered[index] = True
+        self._payloads[index] = None  # its buffers may be reused
+
+    def deliver_all(self, sums: Sequence[Payload]) -> None:
+        for index, summed in enumerate(sums):
+            self.deliver(index, summed)
+
+    def check_complete(self) -> None:
+        missing = [i for i, done in enumerate(self._delivered) if not done]
+        if missing:
+            raise RuntimeError(f"the reducer never delivered pieces {missing} of the round")
+
+    def shared_of(self, index: int) -> torch.Tensor | None:
+        """The preliminary round's result for piece ``index``."""
+        return self._inputs(self.pieces[index])[1]
+
+    def _inputs(self, piece: Piece) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x, shared = self._prepared[piece.partition], self._shared[piece.partition]
+        block = self.codec.blockwise
+        if block is None or piece.length == x.numel():
+            return x, shared
+        x = x[piece.offset : piece.offset + piece.length]
+        if shared is not None:
+            shared = shared[piece.offset // block : -(-(piece.offset + piece.length) // block)]
+        return x, shared
+
+
+def decode(codec: Codec, summed: Payload, ctx: CodecContext, shared) -> torch.Tensor:
+    """The average a summed payload stands for; per-coordinate contributor counts (partial
+    aggregation by different quorums) divide lane by lane where the codec's decode is linear."""
+    if summed.counts is None:
+        return codec.decode(summed, ctx, shared)
+    if not codec.linear_decode:
+        low, high = int(summed.counts.min()), int(summed.counts.max())
+        raise NotImplementedError(
+            f"chunks of this {codec.name} round were summed over {low}..{high} workers (partial "
+            "aggregation); its decode is not linear, so it needs one count for the whole piece"
+        )
+    sums = codec.decode(replace(summed, contributors=1, counts=None), ctx, shared)
+    return sums / summed.counts.to(sums.device, torch.float32)
+
+
+@dataclass(frozen=True)
+class CodecRound:
+    """One worker's round over a flat gradient (see the module docstring)."""
+
+    codec: Codec
+    seed: int = 0
+    partition_elements: int = PARTITION_ELEMENTS
+
+    def run(self, flat: torch.Tensor, reducer: Reducer, *, worker: int, key: Hashable,
+            step: int) -> torch.Tensor:  # fmt: skip
+        """The average over workers of ``flat`` (1-D float32), as the codec estimates it."""
+        prepared = self.prepare(flat, worker=worker, key=key, step=step)
+        if self.codec.needs_summary:
+            prepared.share(reducer.max(prepared.summaries))
+        phase = prepared.sum_phase()
+        reducer.sum(phase)
+        phase.check_complete()
+        return phase.out
+
+    def prepare(self, flat: torch.Tensor, *, worker: int, key: Hashable, step: int) -> Prepared:
+        """Partition, precondition and summarize: everything before the MAX."""
+        if flat.dim() != 1:
+            raise ValueError(f"a round takes a flat gradient, got shape {tuple(flat.shape)}")
+        bounds = partition_bounds(flat.numel(), self.partition_elements)
+        contexts = [
+            CodecContext(self.seed, worker, step, partition_id(key, i), key=(key, i))
+            for i in range(len(bounds))
+        ]
+        codec = self.codec
+        prepared = [
+            codec.precondition(flat[a:b], ctx) for (a, b), ctx in zip(bounds, contexts, strict=True)
+        ]
+        summaries = [codec.summarize(x, ctx) for x, ctx in zip(prepared, contexts, strict=True)]
+        return Prepared(self, flat, bounds, contexts, prepared, summaries)
+
+
+@dataclass
+class Prepared:
+    """A round between its preliminary round and its SUM."""
+
+    round: CodecRound
+    flat: torch.Tensor
+    bounds: list[tuple[int, int]]
+    contexts: list[CodecContext]
+    inputs: list[torch.Tensor]
+    summaries: list[torch.Tensor | None]
+
+    def __post_init__(self) -> None:
+        self.shared: list[torch.Tensor | None] = [None] * len(self.bounds)
+
+    def share(self, shared: Sequence[torch.Tensor]) -> None:
+        """The MAX round's result, one tensor per partition."""
+        if len(shared) != len(self.bounds):
+            raise ValueError(f"{len(shared)} summaries back for {len(self.bounds)} partitions")
+        self.shared = list(shared)
+
+    def sum_phase(self) -> SumPhase:
+        out = torch.empty(self.flat.numel(), dtype=torch.float32, device=self.flat.device)
+        return SumPhase(self.round.codec, self._pieces(), self.inputs, self.shared, out)
+
+    def _pieces(self) -> list[Piece]:
+        block = self.round.codec.blockwise
+        pieces = []
+        for p, ((start, stop), ctx) in enumerate(zip(self.bounds, self.contexts, strict=True)):
+            size = stop - start
+            step = size if block is None else block * max(1, -(-PIECE_ELEMENTS // block))
+            for offset in range(0, size, step):
+                end = min(size, offset + step)
+                pieces.append(Piece(start + offset, start + end, p, offset, ctx))
+        return pieces
+
 
 @dataclass
 class RoundResult:
-    average: torch.Tensor  # what every worker decodes
-    payloads: list[Payload]  # upstream, one per contributing worker
-    aggregate: Payload  # downstream
-    shared: torch.Tensor | None  # result of the preliminary round
+    """An in-process round of every worker: what each worker decodes, and, for a round of one
+    piece, its payloads, their aggregate and the preliminary round's result."""
 
+    average: torch.Tensor
+    pieces: list[tuple[list[Payload], Payload, torch.Tensor | None]]
 
-def worker_contexts(
-    workers: int, seed: int = 0, step: int = 0, partition: int = 0
-) -> list[CodecContext]:
-    return [
-        CodecContext(seed=seed, worker=w, step=step, partition=partition) for w in range(workers)
-    ]
+    def _single(self):
+        if len(self.pieces) != 1:
+            raise ValueError(f"this round has {len(self.pieces)} pieces; read .pieces instead")
+        return self.pieces[0]
 
+    @property
+    def payloads(self) -> list[Payload]:
+        return self._single()[0]
 
-def prepare(codec: Codec, inputs: Sequence[torch.Tensor], contexts: Sequence[CodecContext]):
-    """Precondition every worker's input and run the preliminary round."""
-    prepared = [codec.precondition(x, ctx) for x, ctx in zip(inputs, contexts, strict=True)]
-    summaries = [codec.summarize(x, ctx) for x, ctx in zip(prepared, contexts, strict=True)]
-    return prepared, combine_summaries(summaries)
+    @property
+    def aggregate(self) -> Payload:
+        return self._single()[1]
+
+    @property
+    def shared(self) -> torch.Tensor | None:
+        return self._single()[2]
 
 
 def run_round(
@@ -43,18 +279,42 @@ def run_round(
     *,
     seed: int = 0,
     step: int = 0,
-    partition: int = 0,
+    key: Hashable = None,
     contributors: Sequence[int] | None = None,
+    partition_elements: int = PARTITION_ELEMENTS,
 ) -> RoundResult:
-    """Aggregate ``inputs`` (one per worker). ``contributors`` limits which workers' payloads
-    reach the aggregator (partial aggregation); all of them take part in the preliminary round."""
-    contexts = worker_contexts(len(inputs), seed, step, partition)
-    prepared, shared = prepare(codec, inputs, contexts)
+    """The reference: every worker's round in-process, ``inputs`` one gradient per worker.
+
+    ``codec`` stands for every worker (its state is keyed by worker). ``contributors`` limits
+    whose payloads reach the aggregator (partial aggregation); all workers take part in the
+    preliminary round and all decode the same sums, so the result is worker 0's."""
+    rounds = CodecRound(codec, seed, partition_elements)
+    workers = [
+        rounds.prepare(x.reshape(-1).to(torch.float32), worker=w, key=key, step=step)
+        for w, x in enumerate(inputs)
+    ]
+    if codec.needs_summary:
+        shared = [combine_summaries(s) for s in zip(*(w.summaries for w in workers), strict=True)]
+        for prepared in workers:
+            prepared.share(shared)
+    phases = [prepared.sum_phase() for prepared in workers]
     chosen = range(len(inputs)) if contributors is None else contributors
-    payloads = [codec.encode(prepared[w], contexts[w], shared) for w in chosen]
-    aggregate = codec.aggregate(payloads, aggregator_context(contexts[0]))
-    average = codec.decode(aggregate, contexts[0], shared)
-    return RoundResult(average, payloads, aggregate, shared)
+    pieces = []
+    for i in range(len(phases[0])):
+        payloads = [phases[w].encode(i) for w in chosen]
+        summed = codec.aggregate(payloads, phases[0].aggregator_context(i))
+        phases[0].deliver(i, summed)  # every worker decodes the same sum
+        pieces.append((payloads, summed, phases[0].shared_of(i)))
+    return RoundResult(phases[0].out, pieces)
+
+
+def worker_contexts(
+    workers: int, seed: int = 0, step: int = 0, partition: int = 0
+) -> list[CodecContext]:
+    """Contexts of one partition for every worker (for driving codec calls by hand)."""
+    return [
+        CodecContext(seed=seed, worker=w, step=step, partition=partition) for w in range(workers)
+    ]
 
 
 def nmse(estimate: torch.Tensor, inputs: Sequence[torch.Tensor]) -> float:

@@ -1,8 +1,10 @@
-"""How a codec's payloads travel: the aggregator op a job registers and which fields are lanes.
+"""How a codec's payloads travel: the aggregator operation a job registers, and the lanes.
 
-Homomorphic codecs (bfp, thc, thc-uniform, none) send one packed field as lanes, cut into chunks
-and summed slot by slot; the result is the downstream field. Every other codec sends a whole
-serialized payload per partition, and a parameter server runs ``codec.aggregate`` on them.
+Everything here is read from the codec's declared wire facts (``Codec.lane_fields``,
+``lane_widths``, ``integer_op``, ``aggregation``): homomorphic codecs send one packed field as
+lanes, cut into chunks and summed slot by slot, and the result fills the downstream field; every
+other codec sends a whole serialized payload per piece, and a parameter server runs
+``codec.aggregate`` on them.
 """
 
 from __future__ import annotations
@@ -13,27 +15,17 @@ from ..codecs.base import Aggregation, Codec
 from .jobspec import DecodeSumEncode, FloatSum, IntegerSum, OpSpec
 from .packet import MAX_PAYLOAD
 
-# Field names of the codecs' payloads, upstream and downstream. The codec interface does not
-# expose them yet (asked for: a ``Codec.wire_fields()``); until then they are listed here.
-_LANE_FIELDS = {
-    "bfp": ("values", "values"),
-    "none": ("values", "values"),
-    "thc": ("indices", "sums"),
-    "thc-uniform": ("indices", "sums"),
-}
-
 
 @dataclass(frozen=True)
 class WireFormat:
     op: OpSpec
     in_bits: int = 0
     out_bits: int = 0
-    upstream: str | None = None  # None: whole serialized payloads, one per partition
-    downstream: str | None = None
 
     @property
     def lanes(self) -> bool:
-        return self.upstream is not None
+        """Whether payloads travel as lanes (homomorphic) or whole (decode-sum-encode)."""
+        return self.in_bits > 0
 
     def lanes_per_packet(self) -> int:
         """Most lanes (a multiple of 8) whose packed bytes fit one datagram both ways."""
@@ -45,13 +37,10 @@ def lanes_fitting(bits: int) -> int:
 
 
 def wire_format(codec: Codec, options: dict | None = None, seed: int = 0) -> WireFormat:
-    if codec.aggregation is Aggregation.DECODE_SUM_ENCODE:
+    """The job a codec needs; ``options`` and ``seed`` rebuild it at a decoding server."""
+    if codec.lane_fields is None:
         return WireFormat(DecodeSumEncode(codec.name, dict(options or {}), seed))
-    if codec.name not in _LANE_FIELDS:
-        raise ValueError(f"codec {codec.name!r}: its payload fields are unknown to the transport")
-    upstream, downstream = _LANE_FIELDS[codec.name]
+    in_bits, out_bits = codec.lane_widths()
     if codec.aggregation is Aggregation.FLOAT_SUM:
-        return WireFormat(FloatSum(), 32, 32, upstream, downstream)
-    integer = codec.integer_op()
-    op = IntegerSum.from_integer_op(integer)
-    return WireFormat(op, integer.in_bits, integer.out_bits, upstream, downstream)
+        return WireFormat(FloatSum(), in_bits, out_bits)
+    return WireFormat(IntegerSum.from_integer_op(codec.integer_op()), in_bits, out_bits)

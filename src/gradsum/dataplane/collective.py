@@ -1,31 +1,40 @@
-"""One worker's side of an allreduce through aggregators, with a codec; transport passed in.
+"""One worker's side of a codec round's MAX and SUM through aggregator jobs; transport passed in.
 
-``Collective.allreduce(tensor)`` runs a codec round (``codecs.base``) over one or more
-aggregator jobs: precondition, the preliminary MAX round (if the codec has one), encode, the SUM
-round, decode. Each round is a set of ``Transfer``s, one per aggregator shard, that the caller's
-``run`` executes to completion: real UDP sockets (``net.client``) or an in-memory network in
-tests. This module never touches a socket or a clock.
+``Collective`` is the ``codecs.round.Reducer`` of gradsum's UDP services (switches, parameter
+server shards, pipelines, a hierarchy): ``max`` streams every partition's summary through a MAX
+round, ``sum`` streams the round's payloads through a SUM round. Each round is a set of
+``Transfer``s, one per aggregator shard, that the caller's ``run`` executes to completion: real
+UDP sockets (``net.client``) or an in-memory network in tests. This module never touches a
+socket or a clock, and nothing in it depends on which codec it carries: the codec's declared
+wire facts (``lane_fields``, ``lane_widths``, ``linear_decode``) say how its payloads travel.
 
-All workers of a job must call ``allreduce`` with tensors of the same sizes in the same order
-(the usual collective contract): that keeps their chunk numbering, which names the slot rounds at
-the aggregator, in step.
+Homomorphic codecs travel as lanes: every piece's packed lanes are laid end to end (each from a
+multiple of 8 lanes, so every width starts on a byte), cut into chunks and spread over the jobs'
+shards. With a streaming transport (``streaming=True``: ``run(pairs, work=...)``) the pieces are
+encoded one by one while earlier chunks are in flight, and each piece is decoded as soon as
+every chunk it spans is back (``StreamedSum``). Other codecs send one serialized payload per
+piece, which a parameter server decodes, sums and re-encodes; a piece must fit one datagram.
+
+All workers of a job must run the same rounds in the same order (the usual collective
+contract): that keeps their chunk numbering, which names the slot rounds at the aggregator, in
+step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..codecs.base import Codec, CodecContext, Payload, float_to_ordered_int, ordered_int_to_float
+from ..codecs.base import Codec, Payload, float_to_ordered_int, ordered_int_to_float
 from ..codecs.bits import packed_nbytes
+from ..codecs.round import SumPhase
 from . import payload_wire
-from .codec_wire import WireFormat, lanes_fitting
+from .codec_wire import WireFormat, lanes_fitting, wire_format
 from .jobspec import Address
 from .packet import MAX_PAYLOAD, Op
-from .pipeline import PartwiseRound
 from .transfer import LaneBuffers, PayloadBuffers, Transfer
 from .worker import ChunkLayout, RetryPolicy, RoundTrip, StreamStats, shard_lanes
 
@@ -53,109 +62,84 @@ class JobHandle:
         return self.packet_lanes(bits) * self.segments
 
 
-RunTransfers = Callable[[Sequence[tuple[JobHandle, Transfer]]], None]
-
-# Codecs whose decode is a linear function of the sum divided by the contributor count, so
-# chunks completed by different quorums can be decoded lane by lane.
-_LINEAR = frozenset({"bfp", "none"})
+RunTransfers = Callable[..., None]
 
 
 class Collective:
+    """The reducer of one worker over one or more aggregator jobs of one wire format."""
+
     def __init__(
         self,
-        codec: Codec,
         fmt: WireFormat,
         jobs: Sequence[JobHandle],
         run: RunTransfers,
         *,
-        seed: int = 0,
-        rank: int | None = None,
         policy: RetryPolicy | None = None,
-        pipelined: bool = False,
+        streaming: bool = False,
     ):
         if not jobs:
             raise ValueError("a collective needs at least one aggregator job")
         if len({j.worker for j in jobs}) != 1:
             raise ValueError("this worker must have the same id in every job")
-        self.codec, self.fmt, self.jobs, self.run = codec, fmt, list(jobs), run
-        self.seed = seed
-        # ``run(pairs, work=...)`` accepted: blockwise codecs encode and decode part by part
-        # while their chunks stream (dataplane/pipeline.py)
-        self.pipelined = pipelined
-        # decode-sum-encode jobs: one partition of `elements` coordinates per packet
-        self.partition_size = min(j.elements for j in jobs)
+        self.fmt, self.jobs, self.run = fmt, list(jobs), run
+        # ``run(pairs, work=...)`` accepted: pieces encode and decode while chunks stream
+        self.streaming = streaming
+        # decode-sum-encode jobs: at most this many coordinates per piece (one per packet)
+        self.partition_limit = None if fmt.lanes else min(j.elements for j in jobs)
         self.policy = policy or RetryPolicy()
-        # The codec's per-worker randomness follows the global rank; the job's worker id is
-        # local to an aggregator (they differ under a hierarchy of switches).
-        self.worker = jobs[0].worker if rank is None else rank
-        self.step = 0
         self.stats = {(j.address, j.job): StreamStats() for j in jobs}
         # round trips are learnt per job and kept across rounds and calls
         self._round_trips = {(j.address, j.job): RoundTrip() for j in jobs}
         self._next_chunk = [0] * len(jobs)  # the transfers' chunk ids
         self._next_packet = [0] * len(jobs)  # the aggregator's chunk ids (segments per chunk)
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._checked: set[int] = set()
 
-    def allreduce(self, tensor: torch.Tensor, key: Hashable = None) -> torch.Tensor:
-        """The average over all workers of ``tensor`` (float32, same shape)."""
-        flat = tensor.detach().reshape(-1).to(torch.float32)
+    # -- the Reducer protocol --------------------------------------------------------------
+    def max(self, summaries: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Every summary's elementwise max over workers, in one MAX round."""
+        flat = torch.cat([s.reshape(-1).to(torch.float32).cpu() for s in summaries])
+        ordered = float_to_ordered_int(flat).contiguous()
+        result = torch.empty_like(ordered)
+        layout = self._sharded(Op.MAX, ordered, result, ordered.numel(), 32, 32)
+        self.run([(job, transfer) for job, transfer, _ in layout])
+        maxima = ordered_int_to_float(result)
+        out, offset = [], 0
+        for summary in summaries:
+            out.append(maxima[offset : offset + summary.numel()].view(summary.shape)
+                       .to(summary.device))  # fmt: skip
+            offset += summary.numel()
+        return out
+
+    def sum(self, phase: SumPhase) -> None:
+        self._check_codec(phase.codec)
         if self.fmt.lanes:
-            average = self._lane_allreduce(flat, key)
+            self._sum_lanes(phase)
         else:
-            average = self._payload_allreduce(flat, key)
-        self.step += 1
-        return average.reshape(tensor.shape)
+            self._sum_payloads(phase)
 
     # -- homomorphic codecs: lanes summed slot by slot -----------------------------------------
-    def _lane_allreduce(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
-        codec, fmt = self.codec, self.fmt
-        ctx = CodecContext(self.seed, self.worker, self.step, 0, key)
-        x = codec.precondition(flat, ctx)
-        summary = codec.summarize(x, ctx)
-        shared = None if summary is None else self.max_reduce(summary)
-        if self._partwise(shared):
-            return self._partwise_sum(x, shared, ctx)
-        payload = codec.encode(x, ctx, shared)
-        upstream = payload.fields[fmt.upstream].contiguous()
-        lanes = upstream.numel() * upstream.element_size() * 8 // fmt.in_bits
-        dtype = upstream.dtype if fmt.out_bits == 32 else torch.uint8
-        result = self._buffer("sum", packed_nbytes(lanes, fmt.out_bits), dtype)
-        counts = self._sharded(Op.SUM, upstream, result, lanes, fmt.in_bits, fmt.out_bits)
-        return self._decode(Payload({fmt.downstream: result}, payload.length), counts, ctx, shared)
-
-    def _partwise(self, shared) -> bool:
-        fmt = self.fmt
-        return (self.pipelined and shared is not None and hasattr(self.codec, "encode_into")
-                and len(self.jobs) == 1 and fmt.in_bits == fmt.out_bits == 32)  # fmt: skip
-
-    def _partwise_sum(self, x: torch.Tensor, shared: torch.Tensor, ctx) -> torch.Tensor:
-        """The SUM round of a blockwise codec, encoded and decoded part by part as it streams."""
-        job, lanes = self.jobs[0], x.numel()
-        per_chunk = job.lanes_per_chunk(32)
-        layout = ChunkLayout(lanes, per_chunk, 32, 32)
-        upstream = self._buffer("up", lanes * 4, torch.int32)
-        result = self._buffer("sum", lanes * 4, torch.int32)
-        out = self.codec.new_output(lanes)
-        buffers = LaneBuffers(layout, memoryview(upstream.numpy()).cast("B"),
-                              memoryview(result.numpy()).cast("B"))  # fmt: skip
-        packets = -(-lanes // job.packet_lanes(32))
-        transfer = self._transfer(0, job, Op.SUM, buffers, job.segments, packets)
-        round_ = PartwiseRound(self.codec, x, shared, upstream, result, out, per_chunk, transfer)
-        self.run([(job, transfer)], work=round_)
-        if round_.finish():
-            return out
-        summed = Payload({self.fmt.downstream: result}, lanes)  # a quorum mixed the counts
-        return self._decode(summed, [(0, layout, transfer.contributors)], ctx, shared)
-
-    def max_reduce(self, summary: torch.Tensor) -> torch.Tensor:
-        ordered = float_to_ordered_int(summary.reshape(-1)).contiguous()
-        result = torch.empty_like(ordered)
-        self._sharded(Op.MAX, ordered, result, ordered.numel(), 32, 32)
-        return ordered_int_to_float(result).reshape(summary.shape)
+    def _sum_lanes(self, phase: SumPhase) -> None:
+        in_bits, out_bits = self.fmt.in_bits, self.fmt.out_bits
+        offsets, lanes = [], 0
+        for i in range(len(phase)):
+            offsets.append(lanes)
+            lanes += -(-phase.lanes(i) // 8) * 8  # every piece from a whole byte at any width
+        upstream = self._buffer("up", packed_nbytes(lanes, in_bits))
+        result = self._buffer("sum", packed_nbytes(lanes, out_bits))
+        shards = self._sharded(Op.SUM, upstream, result, lanes, in_bits, out_bits)
+        work = StreamedSum(phase, self.fmt, offsets, upstream, result, shards)
+        pairs = [(job, transfer) for job, transfer, _ in shards]
+        if self.streaming:
+            work.hold()
+            self.run(pairs, work=work)
+        else:
+            work.encode_all()
+            self.run(pairs)
+        work.finish()
 
     def _sharded(self, op, upstream, result, lanes, in_bits, out_bits) -> list:
-        """Stream ``lanes`` through the jobs' shards; return each shard's (first lane, layout,
-        contributors per chunk)."""
+        """Transfers streaming ``lanes`` through the jobs' shards: (job, transfer, first lane)."""
         up = memoryview(upstream.numpy()).cast("B")
         down = memoryview(result.numpy()).cast("B")
         bits = max(in_bits, out_bits)
@@ -172,67 +156,52 @@ class Collective:
             )
             packets = -(-count // job.packet_lanes(bits))
             transfer = self._transfer(j, job, op, buffers, job.segments, packets)
-            planned.append((job, transfer, start, layout))
-        self.run([(job, transfer) for job, transfer, _, _ in planned])
-        return [(start, layout, transfer.contributors) for _, transfer, start, layout in planned]
+            planned.append((job, transfer, start))
+        return planned
 
-    def _decode(self, summed: Payload, chunks: list, ctx, shared) -> torch.Tensor:
-        """Decode the sum; ``chunks`` holds (first lane, layout, contributors per chunk)."""
-        low = min(int(counts.min()) for _, _, counts in chunks)
-        high = max(int(counts.max()) for _, _, counts in chunks)
-        if low == high:
-            whole = Payload(summed.fields, summed.length, low)
-            return self.codec.decode(whole, ctx, shared)
-        if self.codec.name not in _LINEAR:
-            raise NotImplementedError(
-                f"chunks of this {self.codec.name} round were summed over {low}..{high} workers "
-                "(partial aggregation); decoding that needs per-coordinate counts in the codec"
-            )
-        sums = self.codec.decode(Payload(summed.fields, summed.length, 1), ctx, shared)
-        per_lane = np.empty(sum(layout.lanes for _, layout, _ in chunks), dtype=np.float32)
-        for start, layout, counts in chunks:
-            lanes = np.repeat(counts, layout.lanes_per_chunk)[: layout.lanes]
-            per_lane[start : start + layout.lanes] = lanes
-        return sums / torch.from_numpy(per_lane[: summed.length])
-
-    # -- other codecs: one whole payload per partition, decoded at a server --------------------
-    def _payload_allreduce(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
-        size = self.partition_size
-        parts = [(s, min(size, flat.numel() - s)) for s in range(0, flat.numel(), size)]
-        contexts, blobs = [], []
-        for p, (start, count) in enumerate(parts):
-            ctx = CodecContext(
-                self.seed, self.worker, self.step, p, None if key is None else (key, p)
-            )
-            x = self.codec.precondition(flat[start : start + count], ctx)
-            if self.codec.summarize(x, ctx) is not None:
-                raise NotImplementedError(f"{self.codec.name}: preliminary rounds per partition")
-            blob = payload_wire.serialize(self.codec.encode(x, ctx))
+    # -- other codecs: one whole payload per piece, decoded at a server ------------------------
+    def _sum_payloads(self, phase: SumPhase) -> None:
+        blobs = []
+        for i in range(len(phase)):
+            ctx = phase.context(i)
+            blob = payload_wire.serialize(phase.encode(i), ctx.step, ctx.partition)
             if len(blob) > MAX_PAYLOAD:
                 raise ValueError(
-                    f"{self.codec.name} payload of a {count}-coordinate partition is {len(blob)} "
-                    f"bytes, more than one packet ({MAX_PAYLOAD}); register fewer elements per slot"
+                    f"{phase.codec.name} payload of a {phase.pieces[i].length}-coordinate "
+                    f"partition is {len(blob)} bytes, more than one packet ({MAX_PAYLOAD}); "
+                    f"partition it into at most {self.partition_limit} coordinates"
                 )
-            contexts.append(ctx)
             blobs.append(blob)
-        out = torch.empty_like(flat)
-        shards = shard_lanes(len(parts), len(self.jobs), 1)
+        shards = shard_lanes(len(blobs), len(self.jobs), 1)
         planned = []
         for j, (job, (first, count)) in enumerate(zip(self.jobs, shards, strict=True)):
             if count:
-                elements = [parts[p][1] for p in range(first, first + count)]
+                elements = [phase.pieces[i].length for i in range(first, first + count)]
                 buffers = PayloadBuffers(blobs[first : first + count], elements)
                 planned.append((job, self._transfer(j, job, Op.SUM, buffers), first))
         self.run([(job, transfer) for job, transfer, _ in planned])
         for _, transfer, first in planned:
-            for i in range(transfer.buffers.chunks):
-                start, count = parts[first + i]
-                data = transfer.buffers.result(i)
-                summed = payload_wire.deserialize(data, count, int(transfer.contributors[i]))
-                out[start : start + count] = self.codec.decode(summed, contexts[first + i])
-        return out
+            for k in range(transfer.buffers.chunks):
+                i = first + k
+                data = transfer.buffers.result(k)
+                contributors = int(transfer.contributors[k])
+                phase.deliver(i, payload_wire.deserialize(data, phase.pieces[i].length,
+                                                          contributors))  # fmt: skip
 
     # -- shared --------------------------------------------------------------------------------
+    def _check_codec(self, codec: Codec) -> None:
+        """The codec of a round must be the one the jobs were registered for."""
+        if id(codec) in self._checked:
+            return
+        theirs, ours = wire_format(codec), self.fmt
+        same = theirs.op == ours.op if ours.lanes else theirs.op.codec == ours.op.codec
+        if not same:
+            raise ValueError(
+                f"codec {codec.name!r} needs aggregator operation {theirs.op}, but these jobs "
+                f"were registered for {self.fmt.op}"
+            )
+        self._checked.add(id(codec))
+
     def _transfer(self, index, job: JobHandle, op, buffers, segments=1, packets=None) -> Transfer:
         packets = buffers.chunks if packets is None else packets
         transfer = Transfer(
@@ -247,12 +216,140 @@ class Collective:
         self._next_packet[index] += packets
         return transfer
 
-    def _buffer(self, name: str, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        """A result buffer reused between calls of the same size (decode copies out of it)."""
-        count = nbytes // torch.empty((), dtype=dtype).element_size()
-        key = (name, count, dtype)
+    def _buffer(self, name: str, nbytes: int) -> torch.Tensor:
+        """A byte buffer reused between rounds of the same size (decode copies out of it)."""
+        key = (name, nbytes)
         if key not in self._buffers:
             if len(self._buffers) > 8:
                 self._buffers.clear()
-            self._buffers[key] = torch.empty(count, dtype=dtype)
+            self._buffers[key] = torch.empty(nbytes, dtype=torch.uint8)
         return self._buffers[key]
+
+
+class StreamedSum:
+    """The lanes of a SUM round, piece by piece (sans-IO).
+
+    ``hold`` keeps every chunk back; then each ``step`` (the transport calls it between batches
+    of packets while ``pending``) encodes the next piece into the upstream buffer and releases
+    the chunks it completes, or decodes the next piece whose chunks are all back. ``finish``
+    decodes what is left once the transfers are done.
+    """
+
+    def __init__(self, phase: SumPhase, fmt: WireFormat, offsets: list[int],
+                 upstream: torch.Tensor, result: torch.Tensor, shards: list):  # fmt: skip
+        self.phase, self.fmt, self.offsets = phase, fmt, offsets
+        self.upstream, self.result, self.shards = upstream, result, shards
+        self.encoded = self.decoded = 0
+        self._dtype: torch.dtype | None = None  # a 32-bit lane's dtype (int32 or float32)
+
+    @property
+    def pending(self) -> bool:
+        return self.encoded < len(self.phase) or self._decodable()
+
+    def hold(self) -> None:
+        for _, transfer, _ in self.shards:
+            transfer.stream.ready = transfer.first
+
+    def encode_all(self) -> None:
+        while self.encoded < len(self.phase):
+            self._encode_next()
+
+    def step(self, now: float) -> list[tuple[Transfer, int]]:
+        if self.encoded < len(self.phase):
+            self._encode_next()
+            return self._release(now)
+        if self._decodable():
+            self._decode_next()
+        return []
+
+    def finish(self) -> None:
+        while self.decoded < len(self.phase):
+            if not self._decodable():
+                raise RuntimeError(f"piece {self.decoded} of the round has chunks without a sum")
+            self._decode_next()
+
+    def _encode_next(self) -> None:
+        i = self.encoded
+        payload = self.phase.encode(i)
+        field = payload.fields[self.phase.codec.lane_fields[0]].contiguous()
+        if field.dtype.itemsize == 4:
+            self._dtype = field.dtype
+        data = field.reshape(-1).view(torch.uint8).cpu()
+        start = self.offsets[i] * self.fmt.in_bits // 8
+        end = self._end(i, self.fmt.in_bits)
+        if data.numel() > end - start:
+            raise ValueError(f"piece {i}: {data.numel()} payload bytes for {end - start} lanes")
+        self.upstream[start : start + data.numel()].copy_(data)
+        self.upstream[start + data.numel() : end].zero_()  # padding lanes add nothing
+        self.encoded += 1
+
+    def _release(self, now: float) -> list[tuple[Transfer, int]]:
+        # lanes in place: every encoded piece, with the padding lanes after it
+        pieces = len(self.phase)
+        encoded = self.offsets[self.encoded] if self.encoded < pieces else self._total_lanes()
+        out = []
+        for _, transfer, first in self.shards:
+            layout = transfer.buffers.layout
+            covered = max(0, min(encoded - first, layout.lanes))
+            ready = covered // layout.lanes_per_chunk
+            if covered == layout.lanes:
+                ready = layout.chunks
+            out += [(transfer, c) for c in transfer.release(transfer.first + ready, now)]
+        return out
+
+    def _decodable(self) -> bool:
+        i = self.decoded
+        return i < self.encoded and all(int(c.min()) > 0 for c in self._counts(i))
+
+    def _decode_next(self) -> None:
+        i = self.decoded
+        piece = self.phase.pieces[i]
+        out_bits = self.fmt.out_bits
+        start, end = self.offsets[i] * out_bits // 8, self._end(i, out_bits)
+        data = self.result[start:end]
+        if out_bits == 32:
+            data = data.view(self._dtype or torch.int32)
+        counts = self._counts(i)
+        low = min(int(c.min()) for c in counts)
+        high = max(int(c.max()) for c in counts)
+        field = {self.phase.codec.lane_fields[1]: data}
+        if low == high:
+            summed = Payload(field, piece.length, low)
+        else:
+            summed = Payload(field, piece.length, 1, counts=self._lane_counts(i))
+        self.phase.deliver(i, summed)
+        self.decoded += 1
+
+    def _counts(self, i: int) -> list[np.ndarray]:
+        """The contributors of every chunk that piece ``i``'s lanes span, shard by shard."""
+        low, high = self.offsets[i], self._lane_end(i)
+        spans = []
+        for _, transfer, first in self.shards:
+            layout = transfer.buffers.layout
+            a, b = max(low, first), min(high, first + layout.lanes)
+            if a < b:
+                per = layout.lanes_per_chunk
+                spans.append(transfer.contributors[(a - first) // per : -(-(b - first) // per)])
+        return spans
+
+    def _lane_counts(self, i: int) -> torch.Tensor:
+        """Contributors of every coordinate of piece ``i`` (lanes are coordinates where a
+        codec's decode is linear)."""
+        low, high = self.offsets[i], self._lane_end(i)
+        counts = np.empty(high - low, dtype=np.float32)
+        for _, transfer, first in self.shards:
+            layout = transfer.buffers.layout
+            a, b = max(low, first), min(high, first + layout.lanes)
+            if a < b:
+                per_lane = np.repeat(transfer.contributors, layout.lanes_per_chunk)
+                counts[a - low : b - low] = per_lane[a - first : b - first]
+        return torch.from_numpy(counts[: self.phase.pieces[i].length])
+
+    def _total_lanes(self) -> int:
+        return sum(transfer.buffers.layout.lanes for _, transfer, _ in self.shards)
+
+    def _lane_end(self, i: int) -> int:
+        return self.offsets[i] + self.phase.lanes(i)
+
+    def _end(self, i: int, bits: int) -> int:
+        return packed_nbytes(self._lane_end(i), bits)

@@ -140,18 +140,21 @@ class DecodeSumEncodeOp:
         if presummed:
             raise MalformedPacket("bad_flags", "decode-sum-encode takes no presummed payloads")
 
-    def keep(self, payload: memoryview, elements: int) -> Payload:
+    def keep(self, payload: memoryview, elements: int) -> tuple[Payload, tuple[int, int]]:
         from . import payload_wire
 
-        return payload_wire.deserialize(bytes(payload), elements, 1)
+        data = bytes(payload)
+        return payload_wire.deserialize(data, elements, 1), payload_wire.round_of(data)
 
     def combine(self, kept: list, elements: int, contributors: int, chunk: int) -> memoryview:
         from ..codecs.base import AGGREGATOR, CodecContext
         from . import payload_wire
 
-        ctx = CodecContext(seed=self.spec.seed, worker=AGGREGATOR, partition=chunk)
-        summed = self.codec.aggregate(kept, ctx)
-        data = payload_wire.serialize(summed)
+        # the round named by the lowest worker's payload (every worker's names the same one)
+        step, partition = kept[0][1]
+        ctx = CodecContext(seed=self.spec.seed, worker=AGGREGATOR, step=step, partition=partition)
+        summed = self.codec.aggregate([payload for payload, _ in kept], ctx)
+        data = payload_wire.serialize(summed, step, partition)
         if len(data) > MAX_PAYLOAD:
             raise ValueError(f"aggregate of {len(data)} bytes does not fit one packet")
         return memoryview(data)

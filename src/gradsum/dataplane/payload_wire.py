@@ -3,6 +3,7 @@
 Homomorphic codecs stream bare lanes; only decode-sum-encode jobs send a serialized payload,
 one partition per packet. Layout (little-endian)::
 
+    u64 step, u32 partition             the round it belongs to (what seeds a re-encode)
     u8 field count F, u8 meta count M
     F times: u8 name length, name (UTF-8), u8 dtype code, u32 element count
     M times: u8 name length, name (UTF-8), f64 value
@@ -30,13 +31,17 @@ DTYPE_CODES: dict[torch.dtype, int] = {
     torch.bfloat16: 9,
 }
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+_ROUND = struct.Struct("<QI")
 _COUNTS = struct.Struct("<BB")
 _FIELD = struct.Struct("<BI")
 _META = struct.Struct("<d")
 
 
-def serialize(payload: Payload) -> bytes:
-    head = [_COUNTS.pack(len(payload.fields), len(payload.meta))]
+def serialize(payload: Payload, step: int = 0, partition: int = 0) -> bytes:
+    """The payload's bytes, with the (step, partition) of its round: an aggregator that
+    re-encodes draws its randomness from them (``codecs.base.aggregator_context``), so every
+    aggregator re-encodes a sum the same way."""
+    head = [_ROUND.pack(step, partition), _COUNTS.pack(len(payload.fields), len(payload.meta))]
     data = []
     for name, tensor in payload.fields.items():
         flat = tensor.detach().reshape(-1).contiguous().cpu()
@@ -57,9 +62,17 @@ def deserialize(data: bytes, length: int, contributors: int) -> Payload:
         raise MalformedPacket("bad_payload", str(error)) from None
 
 
+def round_of(data: bytes) -> tuple[int, int]:
+    """The (step, partition) a serialized payload belongs to."""
+    try:
+        return _ROUND.unpack_from(data, 0)
+    except struct.error as error:
+        raise MalformedPacket("bad_payload", str(error)) from None
+
+
 def _deserialize(data: bytes, length: int, contributors: int) -> Payload:
-    field_count, meta_count = _COUNTS.unpack_from(data, 0)
-    position = _COUNTS.size
+    field_count, meta_count = _COUNTS.unpack_from(data, _ROUND.size)
+    position = _ROUND.size + _COUNTS.size
     layout = []
     for _ in range(field_count):
         name, position = _read_name(data, position)

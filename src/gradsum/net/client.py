@@ -1,9 +1,10 @@
 """The worker client: real sockets and timers around ``dataplane.Collective`` and ``Transfer``.
 
-``SwitchClient(aggregators, job=..., worker=..., workers=..., codec=...)`` is what a training
-integration calls: ``allreduce(tensor)`` returns the average over all workers, and the payload-level
-``max_reduce`` / ``collective`` serve a per-partition gradient sync. It talks to switches and
-parameter servers alike (the server decodes for codecs a switch cannot sum).
+``SwitchClient(aggregators, job=..., worker=..., workers=..., codec=...)`` is one worker's
+connection to a job: ``collective`` is the job's ``codecs.round.Reducer`` (what the training
+integration, ``sync.service``, runs its codec rounds through), and ``allreduce(tensor)`` is one
+such round with the client's own codec, for tools and tests. It talks to switches and parameter
+servers alike (the server decodes for codecs a switch cannot sum).
 
 Receive path: peek a datagram's header, ask the transfer where its payload belongs, and receive
 it straight there (``recvmsg_into`` on a memoryview slice of the output); sends gather a header
@@ -23,6 +24,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from ..codecs.registry import make_codec
+from ..codecs.round import PARTITION_ELEMENTS, CodecRound
 from ..dataplane.codec_wire import WireFormat, wire_format
 from ..dataplane.collective import Collective, JobHandle
 from ..dataplane.jobspec import Address, JobSpec
@@ -130,7 +132,7 @@ class UdpTransport:
             self._poll.register(receiver, select.POLLIN)
 
     def run(self, pairs: Sequence[tuple[JobHandle, Transfer]], work=None) -> None:
-        """Run the transfers to completion; ``work`` (``dataplane.pipeline.PartwiseRound``),
+        """Run the transfers to completion; ``work`` (``dataplane.collective.StreamedSum``),
         if given, gets a step between batches of packets while it has any, and may release
         chunks."""
         if pump.serves(pairs):
@@ -318,9 +320,12 @@ class SwitchClient:
             JobHandle(a, job, worker, slots, self.elements, workers, self.segments)
             for a in self.aggregators
         ]
-        self.collective = Collective(self.codec, self.format, handles, self.transport.run,
-                                     seed=seed, rank=rank, policy=policy,
-                                     pipelined=True)  # fmt: skip
+        self.collective = Collective(self.format, handles, self.transport.run, policy=policy,
+                                     streaming=True)  # fmt: skip
+        # ``allreduce``'s round: the codec's per-worker randomness follows the global rank (the
+        # job's worker id is local to an aggregator; they differ under a hierarchy of switches)
+        self.seed, self.rank = seed, worker if rank is None else rank
+        self._steps = itertools.count()
 
     def _default_elements(self) -> int:
         if self.format.lanes:
@@ -353,13 +358,18 @@ class SwitchClient:
         for address in self.aggregators:
             teardown_job(address, self.job)
 
-    def allreduce(self, tensor: torch.Tensor, key: Hashable = None) -> torch.Tensor:
-        """The average of ``tensor`` over all workers (float32, same shape)."""
-        return self.collective.allreduce(tensor, key)
-
-    def max_reduce(self, summary: torch.Tensor) -> torch.Tensor:
-        """Elementwise max over all workers (a codec's preliminary round)."""
-        return self.collective.max_reduce(summary)
+    def allreduce(
+        self, tensor: torch.Tensor, key: Hashable = None, step: int | None = None
+    ) -> torch.Tensor:
+        """The average of ``tensor`` over all workers (float32, same shape): one codec round
+        with this client's codec; ``step`` counts this client's calls unless given."""
+        step = next(self._steps) if step is None else step
+        flat = tensor.detach().reshape(-1).to(torch.float32)
+        size = self.collective.partition_limit or PARTITION_ELEMENTS
+        average = CodecRound(self.codec, self.seed, size).run(
+            flat, self.collective, worker=self.rank, key=key, step=step
+        )
+        return average.view(tensor.shape)
 
     def stats(self) -> dict:
         return {f"{a[0]}:{a[1]}/{j}": s.as_dict() for (a, j), s in self.collective.stats.items()}

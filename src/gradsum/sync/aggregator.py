@@ -1,42 +1,34 @@
 """What a worker needs from an aggregator, whatever runs it (all-reduce, switch, parameter server).
 
-A round over the partitions of one flat gradient makes two calls, each covering every partition
-at once so a transport can batch them:
-
-* ``max_reduce(summaries)``: the preliminary round (elementwise max over workers);
-* ``reduce(codec, payloads, contexts, shared)``: sum the payloads over workers and return each
-  partition's decoded average.
+``synchronize(flat, codec, key=, step=, seed=, partition_elements=)`` is the whole contract: the
+average over workers of a flat gradient. Every aggregator runs it as the same
+``codecs.round.CodecRound`` and contributes only the round's ``Reducer`` (a MAX of summaries and
+a SUM of wire payloads), so codec, step, seed and partitioning mean the same everywhere.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 
 import torch
 
-from ..codecs import Codec, CodecContext, Payload
+from ..codecs import Codec
+from ..codecs.round import PARTITION_ELEMENTS, CodecRound, Reducer
 
 
 class Aggregator:
     name: str = ""
+    # Whether the aggregator sums float32 itself (an all-reduce, a parameter server); a switch
+    # adds integers only, so uncompressed gradients cross it as block floating point.
+    sums_floats: bool = True
 
     def __init__(self, rank: int, world_size: int):
         self.rank = rank
         self.world_size = world_size
 
-    def max_reduce(self, summaries: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Elementwise max of every partition's summary over all workers."""
-        raise NotImplementedError(f"the {self.name} aggregator runs whole rounds: synchronize()")
-
-    def reduce(
-        self,
-        codec: Codec,
-        payloads: Sequence[Payload],
-        contexts: Sequence[CodecContext],
-        shared: Sequence[torch.Tensor | None],
-    ) -> list[torch.Tensor]:
-        """The average over workers of every partition, decoded."""
-        raise NotImplementedError(f"the {self.name} aggregator runs whole rounds: synchronize()")
+    def reducer(self, codec: Codec) -> Reducer:
+        """The transport that runs a round of ``codec``."""
+        raise NotImplementedError
 
     def synchronize(
         self,
@@ -48,29 +40,14 @@ class Aggregator:
         seed: int = 0,
         partition_elements: int | None = None,
     ) -> torch.Tensor:
-        """The average of ``flat`` over workers. By default: partition it, then ``max_reduce``
-        and ``reduce`` every partition at once (a transport implements those two); a transport
-        with its own whole round (the UDP services) overrides this instead."""
-        from .pipeline import partitioned_round
+        """The average of ``flat`` (1-D) over workers, as ``codec`` estimates it."""
+        round_ = CodecRound(codec, seed, self.partition_size(codec, partition_elements))
+        return round_.run(flat, self.reducer(codec), worker=self.rank, key=key, step=step)
 
-        return partitioned_round(
-            flat, codec, self, key=key, step=step, seed=seed, partition_elements=partition_elements
-        )
+    def partition_size(self, codec: Codec, requested: int | None) -> int:
+        """The partition size a round of ``codec`` runs with: the caller's (2**20 by default),
+        unless the transport cannot carry a partition that large."""
+        return requested or PARTITION_ELEMENTS
 
     def close(self) -> None:
         """Release transport resources (sockets, threads)."""
-
-
-def split_like(
-    flat: torch.Tensor, parts: Sequence[torch.Tensor | None]
-) -> list[torch.Tensor | None]:
-    """Cut ``flat`` into pieces shaped like the non-None ``parts`` (None stays None)."""
-    pieces: list[torch.Tensor | None] = []
-    offset = 0
-    for part in parts:
-        if part is None:
-            pieces.append(None)
-            continue
-        pieces.append(flat[offset : offset + part.numel()].view(part.shape))
-        offset += part.numel()
-    return pieces

@@ -1,11 +1,15 @@
 """The all-reduce aggregator: torch.distributed collectives (Gloo on CPU, NCCL on GPU).
 
-* integer-homomorphic codecs (thc, thc-uniform, bfp): one MAX all-reduce for the preliminary
-  round, then one SUM all-reduce of the integers an aggregator would add (THC: table values, in
-  uint8 while n*g <= 255) -- compressed all the way through the ring;
-* ``none``: a float SUM all-reduce;
-* codecs that are not homomorphic: an all-gather of every worker's serialized payloads; each
-  worker decodes all of them and averages (nothing is re-encoded).
+It is the round's ``Reducer`` over collectives:
+
+* ``max``: one MAX all-reduce of every partition's summary;
+* ``sum`` for integer-homomorphic codecs (thc, thc-uniform, bfp): one SUM all-reduce of the
+  integers an aggregator would add (THC: table values, in uint8 while n*g <= 255) --
+  compressed all the way through the ring; for ``none``: a float SUM all-reduce;
+* ``sum`` for codecs that are not homomorphic: an all-gather of every worker's serialized
+  payloads, which each worker combines with ``codec.aggregate`` exactly as a parameter server
+  would (decode, sum, re-encode, with the aggregator's randomness), so every aggregator gives
+  the same average.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..codecs import Aggregation, Codec, CodecContext, Payload
+from ..codecs import Aggregation, Codec, Payload
 from ..codecs.integers import from_integers, sum_dtype, to_integers
-from .aggregator import Aggregator, split_like
+from ..codecs.round import SumPhase
+from .aggregator import Aggregator
 
 
 class AllReduceAggregator(Aggregator):
@@ -32,55 +37,53 @@ class AllReduceAggregator(Aggregator):
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
         self.group = group
 
-    def max_reduce(self, summaries: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        present = [s.reshape(-1).to(torch.float32) for s in summaries if s is not None]
-        if not present:
-            return list(summaries)
-        flat = torch.cat(present)
+    def reducer(self, codec: Codec) -> AllReduceAggregator:
+        return self
+
+    def max(self, summaries: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        flat = torch.cat([s.reshape(-1).to(torch.float32) for s in summaries])
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.group)
-        return split_like(flat, summaries)
+        return _split_like(flat, summaries)
 
-    def reduce(
-        self,
-        codec: Codec,
-        payloads: Sequence[Payload],
-        contexts: Sequence[CodecContext],
-        shared: Sequence[torch.Tensor | None],
-    ) -> list[torch.Tensor]:
+    def sum(self, phase: SumPhase) -> None:
+        codec = phase.codec
         if codec.aggregation.integer_only:
-            return self._reduce_integers(codec, payloads, contexts, shared)
-        if codec.aggregation is Aggregation.FLOAT_SUM:
-            return self._reduce_floats(payloads)
-        return self._gather_and_decode(codec, payloads, contexts)
+            self._sum_integers(phase)
+        elif codec.aggregation is Aggregation.FLOAT_SUM:
+            self._sum_floats(phase)
+        else:
+            self._gather_and_aggregate(phase)
 
-    def _reduce_integers(self, codec, payloads, contexts, shared) -> list[torch.Tensor]:
+    def _sum_integers(self, phase: SumPhase) -> None:
+        codec = phase.codec
+        payloads = phase.payloads()
         integers = [to_integers(codec, p) for p in payloads]
         flat = torch.cat(integers).to(sum_dtype(codec))
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-        sums = split_like(flat, integers)
-        return [
-            codec.decode(from_integers(codec, s, p.length, self.world_size), ctx, sh)
-            for s, p, ctx, sh in zip(sums, payloads, contexts, shared, strict=True)
-        ]
+        for i, (sums, payload) in enumerate(zip(_split_like(flat, integers), payloads,
+                                                strict=True)):  # fmt: skip
+            phase.deliver(i, from_integers(codec, sums, payload.length, self.world_size))
 
-    def _reduce_floats(self, payloads) -> list[torch.Tensor]:
-        values = [p.fields["values"] for p in payloads]
+    def _sum_floats(self, phase: SumPhase) -> None:
+        up, down = phase.codec.lane_fields
+        payloads = phase.payloads()
+        values = [p.fields[up] for p in payloads]
         flat = torch.cat(values)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-        return [s.div_(self.world_size) for s in split_like(flat, values)]
+        for i, (sums, payload) in enumerate(zip(_split_like(flat, values), payloads,
+                                                strict=True)):  # fmt: skip
+            phase.deliver(i, Payload({down: sums}, payload.length, self.world_size))
 
-    def _gather_and_decode(self, codec, payloads, contexts) -> list[torch.Tensor]:
+    def _gather_and_aggregate(self, phase: SumPhase) -> None:
         from ..dataplane.payload_wire import deserialize, serialize
 
+        payloads = phase.payloads()
         blobs = [serialize(p) for p in payloads]
         mine = torch.frombuffer(bytearray(_frame(blobs)), dtype=torch.uint8)
-        everyone = self._all_gather_bytes(mine)
-        averages = [torch.zeros(p.length) for p in payloads]
-        for blob in everyone:
-            for i, piece in enumerate(_unframe(blob, len(payloads))):
-                theirs = deserialize(piece, payloads[i].length, 1)
-                averages[i] += codec.reconstruct(theirs, contexts[i])
-        return [a.div_(self.world_size) for a in averages]
+        everyone = [_unframe(blob, len(blobs)) for blob in self._all_gather_bytes(mine)]
+        for i, payload in enumerate(payloads):
+            theirs = [deserialize(pieces[i], payload.length, 1) for pieces in everyone]
+            phase.deliver(i, phase.codec.aggregate(theirs, phase.aggregator_context(i)))
 
     def _all_gather_bytes(self, mine: torch.Tensor) -> list[bytes]:
         size = torch.tensor([mine.numel()], dtype=torch.int64)
@@ -92,6 +95,15 @@ class AllReduceAggregator(Aggregator):
         gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(gathered, padded, group=self.group)
         return [g[: int(s.item())].numpy().tobytes() for g, s in zip(gathered, sizes, strict=True)]
+
+
+def _split_like(flat: torch.Tensor, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Cut ``flat`` into pieces shaped like ``parts``."""
+    pieces, offset = [], 0
+    for part in parts:
+        pieces.append(flat[offset : offset + part.numel()].view(part.shape))
+        offset += part.numel()
+    return pieces
 
 
 def _frame(blobs: Sequence[bytes]) -> bytes:

@@ -8,7 +8,7 @@ the bucket on the state's communication thread, which compresses, aggregates and
 backward continues, and completes the future with the average. Codec state (error feedback, DGC)
 is keyed by (bucket index, bucket size), so DDP's bucket rebuild after the first step starts new
 state instead of mixing two buckets' errors. ``start_step`` uncompressed steps come first, as in
-PyTorch's PowerSGD hook.
+PyTorch's PowerSGD hook, on every aggregator.
 """
 
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations at runtime.
@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from ..codecs import Codec, make_codec
+from ..codecs.round import PARTITION_ELEMENTS
 from .aggregator import Aggregator
 from .comm import CommunicationThread
-from .partition import PARTITION_ELEMENTS
 
 
 @dataclass
@@ -40,10 +40,13 @@ class GradsumHookState:
         return self._thread.submit(fn)
 
     def codec_for(self, step: int) -> Codec:
+        """The codec of ``step``: uncompressed during the warm-up (fp32 where the aggregator
+        sums floats; block floating point, fp32's integer carrier, on a switch)."""
         if step >= self.start_step:
             return self.codec
         if self._warmup_codec is None:
-            self._warmup_codec = make_codec("none", workers=self.codec.workers)
+            name = "none" if self.aggregator.sums_floats else "bfp"
+            self._warmup_codec = make_codec(name, workers=self.codec.workers)
         return self._warmup_codec
 
     def close(self) -> None:

@@ -25,11 +25,11 @@ from collections.abc import Sequence
 import torch
 
 from ..codecs import Codec
+from ..codecs.round import PARTITION_ELEMENTS
 from ..schedule.plan import Plan
 from .aggregator import Aggregator
 from .comm import wait_all
 from .layout import BufferLayout, Segment
-from .partition import PARTITION_ELEMENTS
 from .senders import SerialSender, ShardSender
 
 
@@ -115,8 +115,9 @@ class GradientSync:
             and hasattr(self.aggregator, "synchronize_part")
         ):
             return ShardSender(
-                self.aggregator, self.plan, self.aggregator.rank, timeout=self.timeout
-            )
+                self.aggregator, self.plan, self.aggregator.rank, timeout=self.timeout,
+                codec=self.codec, seed=self.seed, partition_elements=self.partition_elements,
+            )  # fmt: skip
         return SerialSender(
             self.aggregator,
             self.codec,

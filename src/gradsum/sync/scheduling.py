@@ -72,12 +72,13 @@ def cluster_from_fit(fit: AlphaBeta, workers: int, shards: int) -> ClusterSpec:
 
 def calibrate(aggregator, codec, sizes=CALIBRATION_SIZES) -> AlphaBeta:
     """α, β of one message through the aggregator (all workers call this together)."""
+    step = iter(range(1 << 30))
     if hasattr(aggregator, "synchronize_part"):
 
         def send(tensor: torch.Tensor) -> None:
-            aggregator.synchronize_part(0, tensor, ("calibrate", tensor.numel()))
+            key = ("calibrate", tensor.numel())
+            aggregator.synchronize_part(0, tensor, codec, key=key, step=next(step))
     else:
-        step = iter(range(1 << 30))
 
         def send(tensor: torch.Tensor) -> None:
             key = ("calibrate", tensor.numel())

@@ -60,9 +60,11 @@ class SerialSender:
 
 
 class ShardSender:
-    """Sends plan groups part by part; ``shards.synchronize_part(shard, tensor, key)`` does one."""
+    """Sends plan groups part by part; ``shards.synchronize_part(shard, tensor, codec, ...)``
+    runs one part's codec round on its shard."""
 
-    def __init__(self, shards, plan: Plan, worker: int, *, timeout: float):
+    def __init__(self, shards, plan: Plan, worker: int, *, timeout: float, codec: Codec,
+                 seed: int = 0, partition_elements: int | None = None):  # fmt: skip
         needed = 1 + max(p.shard for g in plan.groups for p in g.parts)
         if needed > shards.num_shards:
             raise ValueError(
@@ -70,6 +72,7 @@ class ShardSender:
                 f"{shards.num_shards} parameter servers are given (--servers)"
             )
         self.shards, self.plan, self.worker, self.timeout = shards, plan, worker, timeout
+        self.codec, self.seed, self.partition_elements = codec, seed, partition_elements
         self.window = plan.credit_bytes or 0  # 0: one group in flight at a time
         self._streams = [CommunicationThread(f"gradsum-shard{s}") for s in range(needed)]
         self._dispatcher = CommunicationThread("gradsum-dispatch")
@@ -81,14 +84,15 @@ class ShardSender:
 
         def dispatch() -> None:
             try:
-                self._dispatch(group, flat, result)
+                self._dispatch(group, flat, step, result)
             except BaseException as error:
                 result.set_exception(error)
 
         self._dispatcher.submit(dispatch)
         return result
 
-    def _dispatch(self, index: int, flat: torch.Tensor, result: torch.futures.Future) -> None:
+    def _dispatch(self, index: int, flat: torch.Tensor, step: int,
+                  result: torch.futures.Future) -> None:  # fmt: skip
         group = self.plan.groups[index]
         nbytes = 4 * flat.numel()
         self._acquire(nbytes, index)
@@ -99,20 +103,24 @@ class ShardSender:
         for k, part in enumerate(parts):
             done = threading.Event()
             gate = None if self.plan.interleave or self.window else previous
-            run = self._part_job(index, k, part, flat, out, group.start, gate)
+            run = self._part_job(index, k, part, flat, out, group.start, gate, step)
             future = self._streams[part.shard].submit(run)
             future.add_done_callback(_signal(done, finished))
             previous = done
 
-    def _part_job(self, index, k, part, flat, out, base, gate) -> Callable[[], None]:
+    def _part_job(self, index, k, part, flat, out, base, gate, step) -> Callable[[], None]:
         a, b = part.start - base, part.stop - base
+        key = ("part", index, k)
 
         def run() -> None:
             if gate is not None and not gate.wait(self.timeout):
                 raise TimeoutError(
                     f"part {k} of group {index} waited {self.timeout:.0f} s for part {k - 1}"
                 )
-            out[a:b] = self.shards.synchronize_part(part.shard, flat[a:b], ("part", index, k))
+            out[a:b] = self.shards.synchronize_part(
+                part.shard, flat[a:b], self.codec, key=key, step=step, seed=self.seed,
+                partition_elements=self.partition_elements,
+            )  # fmt: skip
 
         return run
 

@@ -3,16 +3,16 @@
 
 Workers agree on a job id and learn each other's UDP addresses over the torch.distributed control
 group; worker 0 registers the job on every aggregator address; then every synchronisation is one
-``allreduce`` through the client (chunks streamed over the aggregators' slots, lost packets
-retransmitted).
+codec round whose reducer is the client's ``Collective`` (chunks streamed over the aggregators'
+slots, lost packets retransmitted).
 """
 
 from __future__ import annotations
 
 import random
 import socket
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
@@ -57,7 +57,7 @@ def connect_jobs(
             rank=settings.rank,
             mtu=settings.mtu,
         )
-        client.codec = client.collective.codec = settings.codec
+        client.codec = settings.codec
         clients.append(client)
     everyone: list = [None] * settings.world
     dist.all_gather_object(everyone, [client.address for client in clients])
@@ -80,27 +80,61 @@ def disconnect_jobs(clients: Sequence, rank: int) -> None:
 
 
 class ServiceAggregator(Aggregator):
-    """Every tensor streamed through one job spread over all given aggregators."""
+    """Rounds through jobs on gradsum's UDP services: one job spread over all given aggregators
+    (``ShardedServiceAggregator`` adds one job per shard). Jobs are registered per wire format,
+    the first time a round needs one: the training codec's at start-up, an uncompressed
+    warm-up's (``none``, or ``bfp`` on a switch) when the first warm-up step runs. Every worker
+    runs the same rounds in the same order, so all register together."""
 
-    def __init__(self, kind: str, addresses: Sequence[str], settings: JobSettings):
+    def __init__(self, kind: str, addresses: Sequence[str], settings: JobSettings,
+                 *, shards: bool = False):  # fmt: skip
         from ..net.udp import is_loopback, parse_bind
 
         super().__init__(settings.rank, settings.world)
         self.name = kind
+        self.sums_floats = kind != "switch"
         flag = "--switch" if kind == "switch" else "--servers"
         parsed = [parse_bind(address, flag) for address in addresses]
+        if not parsed:
+            raise ValueError(f"the {kind} aggregator needs at least one address ({flag})")
+        # One job per shard (a plan's parts), plus one spread over all of them for a whole
+        # tensor outside any plan.
+        self._groups = [[a] for a in parsed] + [parsed] if shards else [parsed]
         # A switch on this host multicasts its results through the kernel's loopback; elsewhere
         # that needs a multicast-capable network, so results stay unicast.
-        local = kind == "switch" and all(is_loopback(host) for host, _ in parsed)
-        (self.client,) = connect_jobs([parsed], settings, multicast=local)
+        self._multicast = kind == "switch" and all(is_loopback(host) for host, _ in parsed)
+        self._settings = settings
+        self._jobs: dict[str, list] = {}
+        self.clients_for(settings.codec)
 
-    def synchronize(
-        self, flat, codec, *, key: Hashable, step: int, seed: int = 0, partition_elements=None
-    ):
-        return self.client.allreduce(flat, key=key)
+    def clients_for(self, codec: Codec) -> list:
+        """The clients of ``codec``'s jobs (per shard, then the spread one), registered on
+        first use."""
+        from ..dataplane.codec_wire import wire_format
+
+        settings = self._settings
+        options = settings.codec_options if codec is settings.codec else {}
+        key = repr(wire_format(codec, options, settings.seed))
+        if key not in self._jobs:
+            own = replace(settings, codec=codec, codec_name=codec.name, codec_options=options)
+            self._jobs[key] = connect_jobs(self._groups, own, multicast=self._multicast)
+        return self._jobs[key]
+
+    @property
+    def client(self):
+        """The training codec's job spread over every aggregator."""
+        return self.clients_for(self._settings.codec)[-1]
+
+    def reducer(self, codec: Codec):
+        return self.clients_for(codec)[-1].collective
+
+    def partition_size(self, codec: Codec, requested: int | None) -> int:
+        limit = self.reducer(codec).partition_limit  # decode-sum-encode: one piece per datagram
+        size = super().partition_size(codec, requested)
+        return size if limit is None else min(size, limit)
 
     def close(self) -> None:
-        disconnect_jobs([self.client], self.rank)
+        disconnect_jobs([c for clients in self._jobs.values() for c in clients], self.rank)
 
 
 def _agree_on_job_id() -> int:

@@ -5,7 +5,7 @@ each part of a group on one named shard. Here each shard gets its own client (it
 chunk numbering) for a job registered on that shard alone, so a shard's stream of parts is
 independent of the others: a worker can have parts in flight on several shards at once, in any
 order, as long as every worker gives each shard its parts in the same order (which the plan's
-fixed send order guarantees). Aggregation is the usual SUM round with the worker's codec.
+fixed send order guarantees). Each part is the usual codec round, through its shard's job.
 """
 
 from __future__ import annotations
@@ -16,46 +16,39 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from .aggregator import Aggregator
-from .service import JobSettings, connect_jobs, disconnect_jobs
+from ..codecs import Codec
+from ..codecs.round import CodecRound
+from .service import JobSettings, ServiceAggregator
 
 
-class ShardedServiceAggregator(Aggregator):
+class ShardedServiceAggregator(ServiceAggregator):
     name = "ps"
 
     def __init__(self, addresses: Sequence[str], settings: JobSettings):
-        from ..net.udp import parse_bind
-
-        super().__init__(settings.rank, settings.world)
-        if not addresses:
-            raise ValueError("a sharded parameter server needs at least one shard address")
-        parsed = [parse_bind(address, "--servers") for address in addresses]
-        # One job per shard (a plan's parts), plus one spread over all of them for a whole
-        # tensor outside any plan (`synchronize`, the Aggregator interface).
-        *self.clients, self.spread = connect_jobs([[a] for a in parsed] + [parsed], settings)
-
-    @property
-    def _all_clients(self) -> list:
-        return [*self.clients, self.spread]
+        super().__init__("ps", addresses, settings, shards=True)
 
     @property
     def num_shards(self) -> int:
-        return len(self.clients)
+        return len(self._groups) - 1
 
-    def synchronize_part(self, shard: int, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
-        """The average over workers of ``flat``, aggregated on ``shard`` alone."""
-        if not 0 <= shard < len(self.clients):
-            raise ValueError(f"shard {shard} does not exist: this job has {len(self.clients)}")
-        return self.clients[shard].allreduce(flat, key=key)
-
-    def synchronize(
-        self, flat, codec, *, key: Hashable, step: int, seed: int = 0, partition_elements=None
-    ):
-        """The average of ``flat``, cut into near-equal chunk-aligned parts, one per shard."""
-        return self.spread.allreduce(flat, key=key)
-
-    def close(self) -> None:
-        disconnect_jobs(self._all_clients, self.rank)
+    def synchronize_part(
+        self,
+        shard: int,
+        flat: torch.Tensor,
+        codec: Codec,
+        *,
+        key: Hashable,
+        step: int,
+        seed: int = 0,
+        partition_elements: int | None = None,
+    ) -> torch.Tensor:
+        """The average over workers of ``flat``, aggregated on ``shard`` alone: the same round
+        as ``synchronize``, through that shard's job."""
+        if not 0 <= shard < self.num_shards:
+            raise ValueError(f"shard {shard} does not exist: this job has {self.num_shards}")
+        reducer = self.clients_for(codec)[shard].collective
+        round_ = CodecRound(codec, seed, self.partition_size(codec, partition_elements))
+        return round_.run(flat, reducer, worker=self.rank, key=key, step=step)
 
 
 def time_transfers(send, sizes: Sequence[int], repeats: int = 5) -> list[tuple[float, float]]:

@@ -10,6 +10,8 @@ re-encoded in between, which is what lets an integer-only switch aggregate THC.
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +37,7 @@ from .tables import clamp_threshold, solve_table
 
 UPSTREAM = "indices"
 DOWNSTREAM = "sums"
+ROTATIONS_KEPT = 256
 
 
 # cell, low, up probability, draws, rounds up, indices
@@ -84,6 +87,8 @@ class _Lookups:
 class GridCodec(Codec):
     """Shared machinery: stochastic rounding onto a table of the grid [0, g], packing, sums."""
 
+    lane_fields = (UPSTREAM, DOWNSTREAM)
+
     def __init__(self, workers: int, bits: int, table: Sequence[int]):
         super().__init__(workers)
         if bits not in range(1, 9):
@@ -104,8 +109,9 @@ class GridCodec(Codec):
         # the native kernels' outputs, reused so no call faults in fresh pages; a worker's round
         # holds up to ~5 of them at once (rotated input, error, average, the caller's last one)
         self._recycler = Recycler(per_request=8)
-        self._work_key: tuple | None = None
-        self._work: tuple[torch.Tensor, ...] = ()
+        # the torch path's rounding buffers, one set per thread (see ``_workspace``)
+        self._local = threading.local()
+        self._lock = threading.Lock()
 
     # -- the aggregator's operation ---------------------------------------------------------
     def integer_op(self) -> IntegerOp:
@@ -213,20 +219,30 @@ class GridCodec(Codec):
         return indices.add_(rounds_up)
 
     def _workspace(self, count: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Reused rounding buffers of this thread: a codec may encode on several shard
+        streams at once, and buffers shared between them would mix their payloads."""
+        local = self._local
         key = (count, device)
-        if self._work_key != key:
+        if getattr(local, "key", None) != key:
             make = lambda dtype: torch.empty(count, dtype=dtype, device=device)  # noqa: E731
-            self._work = tuple(make(dtype) for dtype in _WORKSPACE_DTYPES)
-            self._work_key = key
-        return self._work
+            local.work = tuple(make(dtype) for dtype in _WORKSPACE_DTYPES)
+            local.key = key
+        return local.work
 
     def _tables(self, device: torch.device) -> _Lookups:
-        if device not in self._device_tables:
-            self._device_tables[device] = _Lookups.build(self.table, device)
-        return self._device_tables[device]
+        tables = self._device_tables.get(device)
+        if tables is None:
+            with self._lock:
+                tables = self._device_tables.get(device)
+                if tables is None:
+                    tables = self._device_tables[device] = _Lookups.build(self.table, device)
+        return tables
 
     def _coordinates(self, length: int) -> int:
         return length
+
+    def lanes(self, length: int) -> int:
+        return self._coordinates(length)
 
 
 class THC(GridCodec):
@@ -247,7 +263,7 @@ class THC(GridCodec):
         self.p = p
         self.threshold = clamp_threshold(p)
         self.rotation_block = rotation_block
-        self._rotations: dict[tuple, Rotation] = {}
+        self._rotations: OrderedDict[tuple, Rotation] = OrderedDict()  # least recently used first
 
     def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         flat = x.reshape(-1).to(torch.float32)
@@ -331,12 +347,20 @@ class THC(GridCodec):
         return padded_length(length, self.rotation_block)
 
     def _rotation(self, length: int, ctx: CodecContext, device: torch.device) -> Rotation:
+        """The cached rotation of a partition length (a model has a handful: its partitions'
+        and its tensors' lengths); the least recently used goes past ``ROTATIONS_KEPT``."""
         key = (length, ctx.shared_seed(), device)
-        if key not in self._rotations:
-            if len(self._rotations) > 64:
-                self._rotations.clear()
-            self._rotations[key] = Rotation(length, self.rotation_block, key[1], device)
-        return self._rotations[key]
+        with self._lock:
+            rotation = self._rotations.get(key)
+            if rotation is not None:
+                self._rotations.move_to_end(key)
+                return rotation
+        rotation = Rotation(length, self.rotation_block, key[1], device)
+        with self._lock:
+            rotation = self._rotations.setdefault(key, rotation)
+            while len(self._rotations) > ROTATIONS_KEPT:
+                self._rotations.popitem(last=False)
+        return rotation
 
     def __repr__(self) -> str:
         return (

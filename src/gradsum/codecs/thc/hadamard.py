@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import torch
 
@@ -91,15 +92,27 @@ def rotation_signs(length: int, seed: int, device: torch.device | str = "cpu") -
 
 
 class Rotation:
-    """The RHT of one partition shape; reuses its sign vector and work buffers."""
+    """The RHT of one partition shape; reuses its sign vector and work buffers.
+
+    Thread-safe: each thread gets its own work buffer, so shard streams that share a codec
+    rotate at once without writing into each other's transforms."""
 
     def __init__(self, length: int, block: int | None, seed: int, device: torch.device | str):
         self.length = length
         self.padded = padded_length(length, block)
         self.block = self.padded if block is None else block
         self.signs = rotation_signs(self.padded, seed, device)
-        # work buffer of every call (the native encode's transform runs in it, too)
-        self.scratch = torch.empty(self.padded, dtype=torch.float32, device=device)
+        self.device = torch.device(device)
+        self._local = threading.local()
+
+    @property
+    def scratch(self) -> torch.Tensor:
+        """This thread's work buffer (the native encode's transform runs in it, too)."""
+        buffer = getattr(self._local, "scratch", None)
+        if buffer is None:
+            buffer = torch.empty(self.padded, dtype=torch.float32, device=self.device)
+            self._local.scratch = buffer
+        return buffer
 
     @functools.cached_property
     def sign_bits(self) -> torch.Tensor:
