@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs import make_codec, parse_options
+from ..schedule import AlphaBeta
 from ..sync.gradient_sync import GradientSync
 from ..sync.scheduling import agree_on_plan
 from .aggregators import make_aggregator
@@ -55,7 +56,14 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
     options = {"threshold": config.fusion_elements} if config.scheduler == "fusion" else {}
     batch = dataset.train.inputs[: config.batch_size]
     chosen = agree_on_plan(
-        config.scheduler, model, batch, aggregator, codec, options=options, model_name=config.model
+        config.scheduler,
+        model,
+        batch,
+        aggregator,
+        codec,
+        options=options,
+        model_name=config.model,
+        fit=AlphaBeta(*config.fixed_cost) if config.fixed_cost else None,
     )
     sync = GradientSync(
         model,
