@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from .failures import WorkerFailed, report
+
 # Modules that contribute sub-commands, in the order `gradsum --help` lists them.
 COMMAND_MODULES = (
     "gradsum.bench.cli",
@@ -49,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.run(args) or 0)
     except UsageError as error:
         parser.exit(2, f"gradsum {args.command}: error: {error}\n")
+    except WorkerFailed as error:  # a worker's error is news, its launcher's traceback is not
+        report(f"gradsum {args.command}", error.failure)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

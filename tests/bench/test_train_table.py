@@ -1,6 +1,20 @@
-"""`gradsum bench train`'s table: ratios to the first row, and the plan each scheduler chose."""
+"""`gradsum bench train`'s table: ratios to the first row, and the plan each scheduler chose;
+rows written as they end, and a failed run recorded with its error while the rest run."""
 
+import argparse
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from gradsum.bench import train as bench_train
+from gradsum.bench import train_testbed
 from gradsum.bench.train import TrainRow, format_table
+from gradsum.cli import main
+from gradsum.failures import Failure, WorkerFailed
+from gradsum.testbed.shell import TestbedError
 
 
 def _row(scheduler: str, samples_per_s: float, plan: str = "") -> TrainRow:
@@ -33,3 +47,103 @@ def test_rows_show_their_ratio_to_the_first_and_the_plan_each_ran():
 
 def test_rows_without_a_plan_print_no_plan_section():
     assert "plans:" not in format_table([_row("wfbp", 20.0)])
+
+
+def _failed(scheduler: str) -> TrainRow:
+    row = _row(scheduler, 0.0)
+    row.samples_per_s = row.test_accuracy = row.train_seconds = None
+    row.error = Failure("NonFiniteGradientError", "gradient of 1290 coordinates", rank=1)
+    return row
+
+
+def test_a_failed_row_shows_as_failed_and_the_first_that_ran_is_the_baseline():
+    lines = format_table([_failed("default"), _row("wfbp", 20.0), _row("imerge", 25.0)])
+    assert "vs ps:none/wfbp" in lines.splitlines()[1]
+    assert lines.splitlines()[2].split() == ["ps:none/default", "failed", "-", "-"]
+    assert lines.splitlines()[4].split()[-2:] == ["1.25x", "0.5000"]
+    assert lines.splitlines()[-2:] == [
+        "failed:",
+        "  ps:none/default: worker 1 failed: NonFiniteGradientError: gradient of 1290 coordinates",
+    ]
+
+
+def test_bench_train_writes_each_row_as_it_ends_and_runs_on_past_a_failed_one(
+    tmp_path, monkeypatch, capsys
+):
+    path = tmp_path / "rows.json"
+    written_before = []
+
+    def run_one(args, aggregator, codec, scheduler):
+        written_before.append(len(json.loads(path.read_text())) if path.exists() else 0)
+        if codec == "thc":
+            raise WorkerFailed(Failure("NonFiniteGradientError", "NaN in 4096 coordinates", 1))
+        speed = {"none": 100.0, "fp16": 150.0}[codec]
+        return {"samples_per_s": speed, "test_accuracy": 0.9, "train_seconds": 2.0, "plan": ""}
+
+    monkeypatch.setattr(bench_train, "_local_summary", run_one)
+    methods = "allreduce:none,ps:thc,allreduce:fp16"
+    argv = ["bench", "train", "--methods", methods]
+    assert main([*argv, "--json", str(path)]) == 1
+    assert written_before == [0, 1, 2]  # the file held every row before the next run began
+    out = capsys.readouterr().out.splitlines()
+    assert out[:3] == [
+        "  allreduce:none/wfbp: 100 samples/s, test accuracy 0.9000 (2.0 s training)",
+        "  ps:thc/wfbp: worker 1 failed: NonFiniteGradientError: NaN in 4096 coordinates",
+        "  allreduce:fp16/wfbp: 150 samples/s, test accuracy 0.9000 (2.0 s training)",
+    ]
+    assert out[6].split() == ["ps:thc/wfbp", "failed", "-", "-"]
+    assert out[7].split()[-2:] == ["1.50x", "0.9000"]
+    rows = json.loads(path.read_text())
+    assert [r["method"] for r in rows] == [f"{m}/wfbp" for m in methods.split(",")]
+    assert [r["error"] for r in rows[::2]] == [None, None]
+    assert rows[1]["samples_per_s"] is None
+    assert rows[1]["error"] == {
+        "type": "NonFiniteGradientError",
+        "message": "NaN in 4096 coordinates",
+        "rank": 1,
+        "traceback": "",
+    }
+
+
+def test_a_testbed_that_fails_fails_every_job_it_had_left(monkeypatch):
+    refused = "gradsum switch on switch did not start: address in use"
+
+    def jobs(aggregator, schedulers, **_):
+        yield schedulers[0], {"samples_per_s": 1.0}
+        raise TestbedError(refused)
+
+    monkeypatch.setattr(train_testbed, "train_in_testbed", jobs)
+    args = argparse.Namespace(model="digits-mlp", dataset="digits", epochs=1, batch_size=16,
+                              lr=0.1, seed=0, link_rate="100mbit", workers=2)  # fmt: skip
+    outcomes = list(bench_train._testbed_outcomes(args, "switch", "thc", ["a", "b", "c"]))
+    assert [scheduler for scheduler, _ in outcomes] == ["a", "b", "c"]
+    assert outcomes[0][1] == {"samples_per_s": 1.0}
+    assert outcomes[1][1] is outcomes[2][1]
+    assert str(outcomes[1][1]) == f"TestbedError: {refused}"
+
+
+def test_a_testbed_job_reports_the_first_worker_to_fail_and_stops_the_rest(tmp_path):
+    failure = Failure("NonFiniteGradientError", "NaN", rank=1, traceback="Traceback ...")
+    writes = (
+        "import json, sys; "
+        f"open({str(train_testbed._failure_file(str(tmp_path), 1))!r}, 'w')"
+        f".write(json.dumps({failure.to_json()!r})); sys.exit(1)"
+    )
+    processes = [
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
+        subprocess.Popen([sys.executable, "-c", writes]),
+    ]
+    with pytest.raises(WorkerFailed) as caught:
+        train_testbed._wait(processes, str(tmp_path), timeout=60)
+    assert caught.value.failure == failure
+    assert processes[0].returncode == -signal.SIGKILL  # stopped, not reported
+
+
+def test_a_testbed_worker_that_crashes_is_reported_by_its_signal_and_stderr(tmp_path):
+    (tmp_path / "w0.err").write_text("Fatal Python error: Aborted\n\nCurrent thread ...\n")
+    crash = subprocess.Popen([sys.executable, "-c", "import os; os.abort()"])
+    with pytest.raises(WorkerFailed) as caught:
+        train_testbed._wait([crash], str(tmp_path), timeout=60)
+    assert str(caught.value) == (
+        "worker 0 failed: killed by SIGABRT: Fatal Python error: Aborted\n    Current thread ..."
+    )

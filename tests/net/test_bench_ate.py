@@ -50,3 +50,14 @@ def test_table_gives_cpu_and_the_range_of_per_round_ratios():
 def test_one_round_has_no_range_column():
     lines = format_table([_row("gloo", [1.0]), _row("switch+bfp", [0.5])]).splitlines()
     assert "rounds" not in lines[0] and lines[2].split()[-2:] == ["2.00x", "10.0"]
+
+
+def test_a_gloo_worker_that_raises_is_reported_by_rank_and_exception():
+    from gradsum.bench.ate import _gloo
+    from gradsum.failures import WorkerFailed
+
+    with pytest.raises(WorkerFailed) as caught:
+        _gloo(workers=1, elements=-1, steps=1, warmup=0)  # torch refuses a negative size
+    assert str(caught.value).startswith(
+        "worker 0 failed: RuntimeError: Trying to create tensor with negative dimension -1"
+    )

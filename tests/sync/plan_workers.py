@@ -1,10 +1,13 @@
-"""Worker functions for tests running scheduler plans through real PS shards (spawned)."""
+"""Worker functions for tests that calibrate, plan and run scheduler plans (spawned)."""
 
 from __future__ import annotations
 
+import warnings
+
 from gradsum.codecs import make_codec
+from gradsum.sync.allreduce import AllReduceAggregator
 from gradsum.sync.gradient_sync import GradientSync
-from gradsum.sync.scheduling import agree_on_plan
+from gradsum.sync.scheduling import CALIBRATION_SIZES, agree_on_plan, calibrate
 from gradsum.sync.service import JobSettings
 from gradsum.sync.sharded import ShardedServiceAggregator
 
@@ -21,4 +24,18 @@ def train_with_plan(rank, world, addresses, scheduler, options, steps, fit=None)
     losses, snapshots = train_steps(rank, steps, model, model, sync.wait)
     sync.close()
     aggregator.close()
-    return {"losses": losses, "snapshots": snapshots, "plan": chosen.plan, "order": chosen.order}
+    return {
+        "losses": losses,
+        "snapshots": snapshots,
+        "plan": chosen.plan,
+        "order": chosen.order,
+        "cost": chosen.cost,
+    }
+
+
+def calibrate_over_allreduce(rank, world, sizes=CALIBRATION_SIZES):
+    """``calibrate`` through Gloo all-reduce: the cost model and the warnings this rank saw."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cost = calibrate(AllReduceAggregator(), make_codec("none", workers=world), sizes)
+    return {"cost": cost, "warnings": [str(w.message) for w in caught]}

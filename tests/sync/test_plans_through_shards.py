@@ -13,7 +13,7 @@ from .plan_workers import train_with_plan
 
 # imerge's and priority's plans depend on the per-message cost: measured on a loaded machine (α of
 # milliseconds) imerge merges this small model into one group on one shard. A fixed cost (100 µs,
-# 100 MB/s) makes those plans reproducible; `default` still calibrates at start-up.
+# 100 MB/s) makes those plans reproducible; `default` needs none, so start-up measures nothing.
 FIXED_COST = AlphaBeta(alpha=1e-4, beta=1e-8)
 # Priority's send order pre-empts queued slices only when slices queue: with 100 µs per message a
 # slow phase of this VM made backward slower than the queue drains, and the order came out as the
@@ -39,6 +39,8 @@ def test_plans_train_and_keep_replicas_identical(scheduler, options, fit):
             train_with_plan, 2, addresses, scheduler, options, steps, fit, timeout=180
         )
     assert first["plan"] == second["plan"] and first["order"] == second["order"]
+    assert first["cost"] == second["cost"]
+    assert first["cost"].source == ("not needed" if fit is None else "given")
     plan = first["plan"]
     assert plan.policy == scheduler
     if scheduler == "priority":  # slices cut a 4096-element weight: parts of tensors travel

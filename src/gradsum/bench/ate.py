@@ -22,6 +22,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from ..failures import Failure, WorkerFailed
+
 METHODS = {  # name -> (aggregator kind, codec); "gloo" is torch.distributed
     "gloo": (None, None),
     "switch+bfp": ("switch", "bfp"),
@@ -213,9 +215,9 @@ def _gloo(workers: int, elements: int, steps: int, warmup: int) -> tuple[list[li
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
-    errors = [r for r in results if isinstance(r, str)]
-    if errors:
-        raise RuntimeError(f"a Gloo worker failed: {errors[0]}")
+    failures = [r for r in results if isinstance(r, Failure)]
+    if failures:  # the first to arrive: the others are likely its peers, cut off
+        raise WorkerFailed(failures[0])
     results.sort()
     cpu = sum(cpu for _, _, cpu in results) / steps
     return [seconds for _, seconds, _ in results], cpu
@@ -243,7 +245,7 @@ def _gloo_worker(rank, workers, port, elements, steps, warmup, queue) -> None:
         dist.destroy_process_group()
         queue.put((rank, seconds, cpu))
     except BaseException as error:  # reported by the parent
-        queue.put(f"rank {rank}: {type(error).__name__}: {error}")
+        queue.put(Failure.of(error, rank))
 
 
 def _row(method: str, args, elements: int, rounds: list[Measurement]) -> dict:

@@ -3,15 +3,24 @@
 Every combination trains the same model with the same seed on the same local workers, one after
 the other; the table reports samples/s, the ratio to the first row (the baseline), and test
 accuracy, so speed never hides a loss of accuracy.
+
+Each row is printed as soon as its run ends (and, with --json, the file rewritten), so a crash
+later loses nothing. A run that fails becomes a failed row carrying its error (the failed
+worker's rank, its exception's type and message) and the next runs; the exit status is then 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..failures import Failure, report
 from .cli import positive_int
 
 DEFAULT_METHODS = (
@@ -35,11 +44,16 @@ class TrainRow:
     model: str
     workers: int
     epochs: int
-    samples_per_s: float
-    test_accuracy: float
-    train_seconds: float
+    samples_per_s: float | None  # None (and so the two below) when the run failed
+    test_accuracy: float | None
+    train_seconds: float | None
     link_rate: str = "loopback"
     plan: str = ""  # what the scheduler chose at start-up (groups, fitted α and β)
+    error: Failure | None = None  # why the run failed: worker rank, exception type and message
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
 
 def register(benches: argparse._SubParsersAction) -> None:
@@ -107,38 +121,80 @@ def parse_schedulers(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-
     methods = parse_methods(args.methods)
     schedulers = parse_schedulers(args.schedulers)
-    rows = []
+    rows = _Rows(args.json)
     for aggregator, codec in methods:
-        summaries = (
-            _testbed_summaries(args, aggregator, codec, schedulers)
+        outcomes = (
+            _testbed_outcomes(args, aggregator, codec, schedulers)
             if args.link_rate
-            else [_local_summary(args, aggregator, codec, s) for s in schedulers]
+            else _local_outcomes(args, aggregator, codec, schedulers)
         )
-        for scheduler, summary in zip(schedulers, summaries, strict=True):
-            rows.append(
-                TrainRow(
-                    method=f"{aggregator}:{codec}/{scheduler}",
-                    aggregator=aggregator,
-                    codec=codec,
-                    scheduler=scheduler,
-                    model=args.model,
-                    workers=args.workers,
-                    epochs=args.epochs,
-                    samples_per_s=summary["samples_per_s"],
-                    test_accuracy=summary["test_accuracy"],
-                    train_seconds=summary["train_seconds"],
-                    link_rate=args.link_rate or "loopback",
-                    plan=summary.get("plan", ""),
-                )
-            )
-    print(format_table(rows))
+        with contextlib.closing(outcomes):  # a testbed comes down now, also when a row fails
+            for scheduler, outcome in outcomes:
+                rows.add(_row(args, aggregator, codec, scheduler, outcome))
+    print(format_table(rows.rows))
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
-        print(f"wrote {len(rows)} rows to {args.json}")
-    return 0
+        print(f"wrote {len(rows.rows)} rows to {args.json}")
+    return 1 if any(row.failed for row in rows.rows) else 0
+
+
+class _Rows:
+    """The rows so far. Each is printed when it comes and the --json file rewritten with all of
+    them, so whatever happens to the run later, every finished row is kept."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.rows: list[TrainRow] = []
+
+    def add(self, row: TrainRow) -> None:
+        self.rows.append(row)
+        if row.error is not None:
+            report(f"  {row.method}", row.error, file=sys.stdout)
+        else:
+            print(
+                f"  {row.method}: {row.samples_per_s:,.0f} samples/s, test accuracy "
+                f"{row.test_accuracy:.4f} ({row.train_seconds:.1f} s training)",
+                flush=True,
+            )
+        if self.path:
+            # a sibling then a rename: a crash mid-write leaves the previous file, not half of one
+            partial = self.path.with_name(self.path.name + ".partial")
+            partial.write_text(json.dumps([asdict(r) for r in self.rows], indent=2) + "\n")
+            os.replace(partial, self.path)
+
+
+def _row(args, aggregator: str, codec: str, scheduler: str, outcome: dict | Failure) -> TrainRow:
+    """The row of one run: from rank 0's summary, or the failure that ended it."""
+    error = outcome if isinstance(outcome, Failure) else None
+    summary = {} if error else outcome
+    return TrainRow(
+        method=f"{aggregator}:{codec}/{scheduler}",
+        aggregator=aggregator,
+        codec=codec,
+        scheduler=scheduler,
+        model=args.model,
+        workers=args.workers,
+        epochs=args.epochs,
+        samples_per_s=summary.get("samples_per_s"),
+        test_accuracy=summary.get("test_accuracy"),
+        train_seconds=summary.get("train_seconds"),
+        link_rate=args.link_rate or "loopback",
+        plan=summary.get("plan", ""),
+        error=error,
+    )
+
+
+def _local_outcomes(
+    args, aggregator: str, codec: str, schedulers: list[str]
+) -> Iterator[tuple[str, dict | Failure]]:
+    """Each scheduler's run on local workers: rank 0's summary, or why it failed."""
+    for scheduler in schedulers:
+        try:
+            outcome: dict | Failure = _local_summary(args, aggregator, codec, scheduler)
+        except Exception as error:  # this row fails; the next may well not
+            outcome = Failure.of(error)
+        yield scheduler, outcome
 
 
 def _local_summary(args, aggregator: str, codec: str, scheduler: str) -> dict:
@@ -162,30 +218,58 @@ def _local_summary(args, aggregator: str, codec: str, scheduler: str) -> dict:
     return run_local(config)
 
 
-def _testbed_summaries(args, aggregator: str, codec: str, schedulers: list[str]) -> list[dict]:
+def _testbed_outcomes(
+    args, aggregator: str, codec: str, schedulers: list[str]
+) -> Iterator[tuple[str, dict | Failure]]:
+    """Each scheduler's run in the testbed, as it ends; when the testbed or its aggregators fail,
+    that failure is every remaining run's."""
     from .train_testbed import train_in_testbed
 
     flags = ["--codec", codec, "--model", args.model, "--dataset", args.dataset]
     flags += ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
     flags += ["--lr", str(args.lr), "--seed", str(args.seed)]
-    return train_in_testbed(
+    jobs = train_in_testbed(
         aggregator, schedulers, rate=args.link_rate, workers=args.workers, train_flags=flags
     )
+    # next() apart from the yield: only the testbed's own errors are caught, never one thrown
+    # into this generator (GeneratorExit when the caller stops early)
+    done, failure = 0, None
+    with contextlib.closing(jobs):
+        while done < len(schedulers):
+            try:
+                scheduler, outcome = next(jobs)
+            except Exception as error:
+                failure = Failure.of(error)
+                break
+            done += 1
+            yield scheduler, outcome
+    for scheduler in schedulers[done:]:  # none are left unless the testbed failed
+        yield scheduler, failure
 
 
 def format_table(rows: list[TrainRow]) -> str:
-    base = rows[0].samples_per_s or 1.0
+    """The rows with their ratio to the baseline: the first row, or the first that ran when it
+    failed (the header names it). Failed rows' errors are listed under the table."""
+    base = next((row for row in rows if not row.failed), None)
     lines = [
         f"model={rows[0].model}  workers={rows[0].workers}  epochs={rows[0].epochs}  "
         f"links={rows[0].link_rate}",
-        f"{'method':<24} {'samples/s':>10} {'vs ' + rows[0].method:>28} {'test acc':>9}",
+        f"{'method':<24} {'samples/s':>10} {'vs ' + (base.method if base else '-'):>28} "
+        f"{'test acc':>9}",
     ]
     for row in rows:
+        if row.failed:
+            lines.append(f"{row.method:<24} {'failed':>10} {'-':>28} {'-':>9}")
+            continue
+        ratio = row.samples_per_s / (base.samples_per_s or 1.0)
         lines.append(
-            f"{row.method:<24} {row.samples_per_s:>10,.0f} {row.samples_per_s / base:>27.2f}x "
+            f"{row.method:<24} {row.samples_per_s:>10,.0f} {ratio:>27.2f}x "
             f"{row.test_accuracy:>9.4f}"
         )
     plans = [f"  {row.method}: {row.plan}" for row in rows if row.plan]
     if plans:
         lines += ["plans:", *plans]
+    failures = [f"  {row.method}: {row.error}" for row in rows if row.error is not None]
+    if failures:
+        lines += ["failed:", *failures]
     return "\n".join(lines)

@@ -4,17 +4,22 @@ On loopback the network is never the bottleneck (every process shares the same c
 every host has one shaped link; the switch is the testbed's switch host (one port per worker),
 PS shards are colocated with workers (the seed's 1:1 setup: shard i on host w_i shares its link),
 and workers run as torchrun-style processes (RANK, WORLD_SIZE, rendezvous on w0) — each scheduler
-in turn, against the same aggregators, inside one testbed.
+in turn, against the same aggregators, inside one testbed. A job that fails is reported as the
+Failure its first failed worker wrote (``GRADSUM_FAILURE_FILE``), and the next job runs.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+from ..failures import FAILURE_FILE_ENV, Failure, WorkerFailed, read_failure_file
 
 _CLI = "import sys; from gradsum.cli import main; sys.exit(main())"
 
@@ -27,12 +32,13 @@ def train_in_testbed(
     workers: int,
     train_flags: list[str],
     timeout: float = 900.0,
-) -> list[dict]:
-    """Each scheduler's rank-0 summary, trained through ``aggregator`` on ``workers`` hosts:
-    the switch on the testbed's switch host, PS shards beside the workers, or Gloo all-reduce."""
+) -> Iterator[tuple[str, dict | Failure]]:
+    """Each scheduler's outcome as soon as its job ends: rank 0's summary, or the job's Failure,
+    trained through ``aggregator`` on ``workers`` hosts: the switch on the testbed's switch host,
+    PS shards beside the workers, or Gloo all-reduce. An error of the testbed or the aggregators
+    themselves is raised."""
     from ..testbed.testbed import Testbed
 
-    summaries = []
     with Testbed(workers, rate=rate, switch=aggregator == "switch", id="benchtrain") as tb:
         daemons = _start_aggregators(tb, aggregator, workers)
         try:
@@ -43,11 +49,19 @@ def train_in_testbed(
                 )
                 flags = [*train_flags, "--aggregator", aggregator, "--scheduler", scheduler]
                 flags += _address_flags(aggregator, daemons)
-                summaries.append(_one_job(tb, workers, flags, 29500 + k, timeout))
+                try:
+                    outcome: dict | Failure = _one_job(tb, workers, flags, 29500 + k, timeout)
+                except Exception as error:  # this job's: the next gets its own chance
+                    outcome = Failure.of(error)
+                yield scheduler, outcome
+                if isinstance(outcome, Failure) and daemons and k + 1 < len(schedulers):
+                    # a failed job can leave rounds half-aggregated: the next gets fresh daemons
+                    for daemon in daemons:
+                        daemon.stop()
+                    daemons = _start_aggregators(tb, aggregator, workers)
         finally:
             for daemon in daemons:
                 daemon.stop()
-    return summaries
 
 
 def _start_aggregators(tb, aggregator: str, workers: int) -> list:
@@ -84,6 +98,8 @@ def _one_job(tb, workers: int, flags: list[str], port: int, timeout: float) -> d
                 # 2 of 8 runs of the testbed training test; the classic store in none of 12
                 "USE_LIBUV": "0",
                 "OMP_NUM_THREADS": "1",
+                # a worker that raises writes its rank, exception type and message here
+                FAILURE_FILE_ENV: str(_failure_file(folder, rank)),
             }
             # -X faulthandler: a crash in native code still prints every thread's Python stack
             argv = [sys.executable, "-X", "faulthandler", "-c", _CLI, "train", *flags]
@@ -95,34 +111,64 @@ def _one_job(tb, workers: int, flags: list[str], port: int, timeout: float) -> d
                 processes.append(
                     tb.popen(f"w{rank}", argv, env=env, stdout=subprocess.DEVNULL, stderr=err)
                 )
-        _wait(processes, errs, timeout)
+        _wait(processes, folder, timeout)
         return json.loads(log.read_text().splitlines()[-1])
 
 
-def _wait(processes, errs, timeout: float) -> None:
-    """Wait for every worker; a failure or the timeout stops all and names each failed worker."""
+def _failure_file(folder: str, rank: int) -> Path:
+    return Path(folder) / f"w{rank}.failure.json"
+
+
+def _wait(processes, folder: str, timeout: float) -> None:
+    """Wait for every worker. The first to fail stops the others and is raised as WorkerFailed
+    (the others' errors are most likely its peers', cut off); running out of time stops all and
+    raises TimeoutError."""
     deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in processes):
-        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in processes):
+    failed: list[int] = []  # ranks, in the order they were seen to fail
+    while True:
+        codes = [process.poll() for process in processes]
+        failed += [r for r, code in enumerate(codes) if code not in (None, 0) and r not in failed]
+        if failed or None not in codes:
             break
+        if time.monotonic() > deadline:
+            _stop(processes)
+            raise TimeoutError(f"training in the testbed did not finish within {timeout:.0f} s")
         time.sleep(0.2)
+    _stop(processes)
+    if failed:
+        rank = failed[0]
+        raise WorkerFailed(_failure(rank, processes[rank].returncode, folder))
+
+
+def _stop(processes) -> None:
     for process in processes:
         if process.poll() is None:
             process.kill()
-    errors = []
-    for rank, (process, err) in enumerate(zip(processes, errs, strict=True)):
-        if process.wait() != 0:
-            errors.append(f"worker {rank} (exit {process.returncode}): {_cause(err)}")
-    if errors:
-        raise RuntimeError(
-            f"training in the testbed failed within {timeout:.0f} s:\n" + "\n".join(errors)
-        )
+        process.wait()
+
+
+def _failure(rank: int, code: int, folder: str) -> Failure:
+    """What worker ``rank`` wrote when it raised, or, when it died without writing (a crash in
+    native code, a signal), how it ended and the end of its stderr."""
+    written = read_failure_file(_failure_file(folder, rank))
+    if written is not None:
+        return written
+    return Failure(_how_it_ended(code), _cause(Path(folder) / f"w{rank}.err"), rank)
+
+
+def _how_it_ended(code: int) -> str:
+    if code >= 0:
+        return f"exit status {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:  # a signal Python has no name for
+        return f"killed by signal {-code}"
 
 
 def _cause(err: Path, context: int = 12) -> str:
-    """The end of a worker's stderr from its last Python traceback (stack dumps of other
-    threads may follow it), or its last lines: the exception's name and message, and what a
-    crash printed after it."""
+    """The end of the stderr of a worker that died without reporting: from the last fatal error
+    or traceback it printed (faulthandler's stack dumps of other threads may follow it), or
+    its last lines."""
     lines = [line.rstrip() for line in err.read_text().splitlines() if line.strip()]
     starts = [i for i, line in enumerate(lines) if line.startswith(("Traceback", "Fatal Python"))]
     tail = lines[starts[-1] :] if starts else lines[-context:]

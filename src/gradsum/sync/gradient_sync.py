@@ -140,16 +140,21 @@ class GradientSync:
             self._released += 1
 
     def _send(self, group: int) -> torch.futures.Future:
-        segments = self._segments[group]
-        views = [self.parameters[s.param].grad.reshape(-1)[s.start : s.stop] for s in segments]
-        flat = torch.cat(views) if len(views) > 1 else views[0]
+        blocks = [
+            block
+            for s in self._segments[group]
+            for block in row_major_blocks(self.parameters[s.param].grad, s.start, s.stop)
+        ]
+        # reshape is a view of a contiguous block and a copy (in row-major order) of any other.
+        pieces = [block.reshape(-1) for block in blocks]
+        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
         def write_back(future: torch.futures.Future) -> None:
             average = future.wait()
             offset = 0
-            for view in views:
-                view.copy_(average[offset : offset + view.numel()])
-                offset += view.numel()
+            for block in blocks:  # views of param.grad, whatever the copies sent
+                block.copy_(average[offset : offset + block.numel()].view(block.shape))
+                offset += block.numel()
 
         return self._sender.submit(group, flat, self.step).then(write_back)
 
@@ -175,6 +180,40 @@ class GradientSync:
         for handle in self._handles:
             handle.remove()
         self._sender.close()
+
+
+def row_major_blocks(tensor: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
+    """Views of ``tensor`` that hold its elements ``[start, stop)`` in row-major order.
+
+    Plans and segments number a gradient's elements in row-major (logical) order, the same on
+    every worker whatever its memory layout. A contiguous tensor gives one flat view (no copy).
+    Any other (a channels-last convolution weight, a transposed weight) cannot be flattened
+    without a copy, and writing into a copy would leave ``param.grad`` unaveraged; so the range
+    is cut into at most 2·ndim − 1 rectangular blocks — a partial leading row, whole rows, a
+    partial trailing row, recursively — each a view with the tensor's own strides. Writing a
+    block touches only that range, so groups holding other parts of the same tensor can be
+    written back concurrently.
+    """
+    if tensor.is_contiguous():  # every empty tensor is: an empty parameter sends an empty view
+        return [tensor.view(-1)[start:stop]]
+    if stop <= start:
+        return []
+    if tensor.dim() == 1:
+        return [tensor[start:stop]]
+    row = tensor[0].numel()  # elements per index of the first dimension
+    first, offset = divmod(start, row)
+    last, remainder = divmod(stop, row)
+    if first == last:
+        return row_major_blocks(tensor[first], offset, remainder)
+    blocks = []
+    if offset:
+        blocks += row_major_blocks(tensor[first], offset, row)
+        first += 1
+    if last > first:
+        blocks.append(tensor[first:last])
+    if remainder:
+        blocks += row_major_blocks(tensor[last], 0, remainder)
+    return blocks
 
 
 def _param_segments(parameters, groups, fusion_elements) -> list[tuple[Segment, ...]]:

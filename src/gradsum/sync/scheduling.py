@@ -2,20 +2,27 @@
 
 Every worker runs :func:`agree_on_plan` together:
 
-1. **α–β**: a few transfers of known sizes through the actual aggregator (one PS shard when
-   shards are addressed one by one; otherwise one aggregator call), every worker taking part as
-   in training; worker 0's timings are fitted with :func:`~gradsum.schedule.fit_alpha_beta`.
+1. **α–β**, only for policies that reason with a per-message cost (not ``COST_FREE``): a few
+   transfers of known sizes through the actual aggregator (one PS shard when shards are
+   addressed one by one; otherwise one aggregator call), every worker taking part as in
+   training. Worker 0 fits its timings (:func:`judge_calibration`); when noise leaves no usable
+   fit it has every worker measure again, and after ``CALIBRATION_ATTEMPTS`` rounds it falls
+   back to the stated ``DEFAULT_COST`` with a warning — start-up never fails on a busy machine.
+   A cost given by the caller (``fit=``) replaces the measurement.
 2. **Profile**: worker 0 times each layer's forward and backward with hooks on a copy of the
    model (so no worker's weights, buffers or gradients change) on one real batch.
 3. **Plan**: worker 0 runs the planner on the profile and a :class:`ClusterSpec` derived from the
    fit (:func:`cluster_from_fit`), fixes the send order (``schedule.ordering.send_order``)
-   and broadcasts both, so every worker executes the identical plan.
+   and broadcasts both, so every worker executes the identical plan. The plan line
+   (:meth:`RuntimePlan.describe`) says where its cost model came from.
 """
 
 from __future__ import annotations
 
 import copy
 import time
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +34,46 @@ from ..schedule.profiling import measure_profile
 from .sharded import time_transfers
 
 CALIBRATION_SIZES = (1 << 10, 1 << 15, 1 << 18)  # fp32 elements: 4 KiB, 128 KiB, 1 MiB
+CALIBRATION_ATTEMPTS = 3  # rounds of timed transfers before DEFAULT_COST stands
+
+# Policies whose plan and send order need no per-message cost: they count elements and shards
+# (and keep list order), so start-up neither measures for them nor can fail measuring.
+COST_FREE = frozenset({"default", "wfbp", "fusion"})
+
+# The cost a plan is made with when calibration finds none: 1 ms per message, 30 MB/s, the
+# order of what start-up fitted through 4 PS shards on the 1 Gbit/s testbed
+# (docs/scheduling.md, AlexNet runs: α 0.9–2.2 ms, β 29–33 MB/s). Stated, not measured here.
+DEFAULT_COST = AlphaBeta(alpha=1e-3, beta=1 / 30e6)
+
+# Slower than any transfer an aggregator here makes (β is s per byte): a fitted slope this
+# flat means the sizes' timings were indistinguishable, not that bytes are free.
+_FLATTEST_BETA = 1e-12  # 1 TB/s
+
+Samples = Sequence[tuple[float, float]]  # (bytes, seconds) per transfer size
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The per-message cost a plan was made with, and where it came from.
+
+    ``source``: ``"not needed"`` (a ``COST_FREE`` policy; ``fit`` is None), ``"given"`` by the
+    caller, ``"fitted"`` on the first round of transfers, ``"refitted"`` after measuring again,
+    or ``"default"`` (``DEFAULT_COST``: no round gave a usable fit). ``reason`` says why no
+    measurement was needed, or why one was repeated or abandoned.
+    """
+
+    fit: AlphaBeta | None
+    source: str
+    reason: str = ""
+
+    def describe(self) -> str:
+        if self.fit is None:
+            return f"no α–β calibration ({self.reason})"
+        why = f": {self.reason}" if self.reason else ""
+        return (
+            f"α {self.fit.alpha * 1e6:.0f} µs, β {1e-6 / self.fit.beta:.0f} MB/s per message "
+            f"({self.source}{why})"
+        )
 
 
 @dataclass(frozen=True)
@@ -34,16 +81,65 @@ class RuntimePlan:
     plan: Plan
     order: tuple[int, ...]
     profile: ModelProfile
-    fit: AlphaBeta
+    cost: CostModel
     cluster: ClusterSpec
     seconds: float  # how long agreeing took
 
     def describe(self) -> str:
         return (
-            f"plan {self.plan.summary()}; α {self.fit.alpha * 1e6:.0f} µs, "
-            f"β {1e-6 / self.fit.beta:.0f} MB/s per message (fitted); "
+            f"plan {self.plan.summary()}; {self.cost.describe()}; "
             f"backward {self.profile.backward_s.sum() * 1e3:.1f} ms (measured)"
         )
+
+
+def fit_measurements(measurements: Sequence[Samples]) -> AlphaBeta:
+    """α, β from repeated rounds of (bytes, seconds) samples; ValueError when unusable.
+
+    Per size the fastest round counts: load on a busy machine only ever adds time (a
+    descheduled peer, a retransmission), so the minimum is the least disturbed estimate, and
+    a round that was slow for one size does not tilt the slope. Unusable: time that does not
+    grow with size (β ≤ 0), or grows so little that the sizes were indistinguishable.
+    """
+    fastest: dict[float, float] = {}
+    for samples in measurements:
+        for nbytes, seconds in samples:
+            fastest[nbytes] = min(seconds, fastest.get(nbytes, float("inf")))
+    fit = fit_alpha_beta(sorted(fastest.items()))
+    if fit.beta < _FLATTEST_BETA:
+        raise ValueError(
+            f"fitted β {fit.beta:.3g} s/byte ({1e-9 / fit.beta:,.0f} GB/s) is implausibly flat: "
+            "transfer time barely grows with size"
+        )
+    return fit
+
+
+def judge_calibration(
+    measurements: Sequence[Samples], attempts: int = CALIBRATION_ATTEMPTS
+) -> CostModel | None:
+    """The cost model start-up settles on after these rounds of timed transfers, or None:
+    measure once more.
+
+    Pure, so every outcome is testable without sockets; worker 0 calls it after each round and
+    broadcasts the answer. Round k is judged on all rounds so far (:func:`fit_measurements`);
+    the first usable fit stands. Once ``attempts`` rounds gave none, ``DEFAULT_COST`` does.
+    """
+    if not measurements:
+        raise ValueError("judging a calibration needs at least one round of measurements")
+    failure: ValueError | None = None
+    for rounds in range(1, min(len(measurements), attempts) + 1):
+        try:
+            fit = fit_measurements(measurements[:rounds])
+        except ValueError as error:
+            failure = error
+            continue
+        if failure is None:
+            return CostModel(fit, "fitted")
+        reason = f"{rounds} rounds of transfers, {rounds - 1} gave no usable fit: {failure}"
+        return CostModel(fit, "refitted", reason)
+    if len(measurements) < attempts:
+        return None
+    reason = f"{attempts} rounds of transfers gave no usable fit: {failure}"
+    return CostModel(DEFAULT_COST, "default", reason)
 
 
 def cluster_from_fit(fit: AlphaBeta, workers: int, shards: int) -> ClusterSpec:
@@ -70,8 +166,14 @@ def cluster_from_fit(fit: AlphaBeta, workers: int, shards: int) -> ClusterSpec:
     )
 
 
-def calibrate(aggregator, codec, sizes=CALIBRATION_SIZES) -> AlphaBeta:
-    """α, β of one message through the aggregator (all workers call this together)."""
+def calibrate(
+    aggregator, codec, sizes=CALIBRATION_SIZES, attempts: int = CALIBRATION_ATTEMPTS
+) -> CostModel:
+    """The per-message cost through the aggregator, the same on every worker (all call this
+    together). Worker 0's timings decide; measuring again is a decision every worker follows,
+    since every transfer needs all of them."""
+    if attempts < 1:
+        raise ValueError(f"calibration needs at least 1 attempt, got {attempts}")
     step = iter(range(1 << 30))
     if hasattr(aggregator, "synchronize_part"):
 
@@ -84,7 +186,37 @@ def calibrate(aggregator, codec, sizes=CALIBRATION_SIZES) -> AlphaBeta:
             key = ("calibrate", tensor.numel())
             aggregator.synchronize(tensor, codec, key=key, step=next(step))
 
-    return fit_alpha_beta(time_transfers(send, sizes))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    measurements: list[Samples] = []
+    decision: list[CostModel | None] = [None]
+    while decision[0] is None:  # judge_calibration decides by round ``attempts`` at the latest
+        measurements.append(time_transfers(send, sizes))
+        if rank == 0:
+            decision = [judge_calibration(measurements, attempts)]
+        if dist.is_initialized():
+            dist.broadcast_object_list(decision, src=0)
+    cost = decision[0]
+    if cost.source == "default" and rank == 0:
+        warnings.warn(
+            f"α–β calibration found no usable cost model, planning with the default "
+            f"(α {DEFAULT_COST.alpha * 1e6:.0f} µs, β {1e-6 / DEFAULT_COST.beta:.0f} MB/s "
+            f"per message): {cost.reason}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return cost
+
+
+def _cost_model(scheduler: str, fit: AlphaBeta | None, aggregator, codec) -> CostModel:
+    if fit is not None:
+        if not (fit.alpha >= 0 and fit.beta > 0):
+            raise ValueError(
+                f"a given cost needs α >= 0 s and β > 0 s/byte, got α {fit.alpha}, β {fit.beta}"
+            )
+        return CostModel(fit, "given")
+    if scheduler in COST_FREE:
+        return CostModel(None, "not needed", f"{scheduler} plans from element counts alone")
+    return calibrate(aggregator, codec)
 
 
 def agree_on_plan(
@@ -102,18 +234,38 @@ def agree_on_plan(
     replaces the start-up calibration with known per-message costs (reproducible plans)."""
     planner = make_planner(scheduler, **(options or {}))  # bad options fail on every worker
     started = time.perf_counter()
-    fit = fit or calibrate(aggregator, codec)
+    cost = _cost_model(scheduler, fit, aggregator, codec)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     shards = getattr(aggregator, "num_shards", world)
     chosen: list = [None]
     if rank == 0:
         profile = measure_profile(copy.deepcopy(model), batch, model_name=model_name)
-        cluster = cluster_from_fit(fit, world, shards)
+        # A cost-free planner reads only the cluster's worker and shard counts.
+        cluster = (
+            ClusterSpec(workers=world, shards=shards)
+            if cost.fit is None
+            else cluster_from_fit(cost.fit, world, shards)
+        )
         plan = planner(profile, cluster)
-        order = send_order(plan, profile, lambda n: fit.time(n * cluster.bytes_per_element))
-        chosen = [(plan, order, profile, fit, cluster)]
+        order = send_order(plan, profile, _transfer_seconds(cost, cluster, scheduler))
+        chosen = [(plan, order, profile, cluster)]
     if dist.is_initialized():
         dist.broadcast_object_list(chosen, src=0)
-    plan, order, profile, fit, cluster = chosen[0]
-    return RuntimePlan(plan, order, profile, fit, cluster, time.perf_counter() - started)
+    plan, order, profile, cluster = chosen[0]
+    return RuntimePlan(plan, order, profile, cost, cluster, time.perf_counter() - started)
+
+
+def _transfer_seconds(cost: CostModel, cluster: ClusterSpec, scheduler: str):
+    """How long a group of n elements keeps the sender busy (only priority orders ask)."""
+    fit = cost.fit
+    if fit is not None:
+        return lambda n: fit.time(n * cluster.bytes_per_element)
+
+    def unknown(_: int) -> float:
+        raise RuntimeError(
+            f"policy {scheduler!r} orders groups by transfer time, but is listed in COST_FREE "
+            "(sync/scheduling.py), so start-up measured none"
+        )
+
+    return unknown

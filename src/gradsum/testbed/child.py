@@ -13,6 +13,8 @@ import pickle
 import sys
 import traceback
 
+from ..failures import describe_failure
+
 
 def main() -> int:
     fn, args, kwargs = pickle.loads(sys.stdin.buffer.read())
@@ -22,7 +24,7 @@ def main() -> int:
     try:
         reply = ("ok", fn(*args, **kwargs))
     except BaseException as error:
-        reply = ("error", type(error).__name__, str(error), traceback.format_exc())
+        reply = ("error", *describe_failure(error), traceback.format_exc())
     with os.fdopen(reply_fd, "wb") as out:
         pickle.dump(reply, out)
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NoReturn
 
 from ..bench.cli import positive_int
 
@@ -72,8 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
+    from ..failures import WorkerFailed, report, write_failure_file
     from .aggregators import IncompatibleChoice, check_compatible
-    from .launch import WorkerFailed, run_local, run_torchrun_worker, under_torchrun
+    from .launch import run_local, run_torchrun_worker, under_torchrun
     from .loop import TrainConfig
 
     config = TrainConfig(
@@ -110,44 +112,45 @@ def run(args: argparse.Namespace) -> int:
         _check_reachable(config)
     except (IncompatibleChoice, ValueError, ConnectionError) as error:
         raise UsageError(str(error)) from None
-    if under_torchrun():
-        summary = run_torchrun_worker(config)
-    else:
+    torchrun = under_torchrun()
+    if not torchrun:
         print(
             f"training {config.model} on {config.dataset}: {config.workers} workers, "
             f"{config.aggregator} + {config.codec}, scheduler {config.scheduler}",
             flush=True,
         )
-        try:
-            summary = run_local(config)
-        except WorkerFailed as error:
-            if os.environ.get("GRADSUM_TRACEBACK"):
-                print(error.details, file=sys.stderr)
-            print(f"gradsum train: {error} (GRADSUM_TRACEBACK=1 shows where)", file=sys.stderr)
-            return 1
+    try:
+        summary = run_torchrun_worker(config) if torchrun else run_local(config)
+    except WorkerFailed as error:
+        report("gradsum train", error.failure)
+        write_failure_file(error.failure)
+        if torchrun:
+            _leave_without_teardown(1)
+        return 1
     if summary.get("test_accuracy") is not None and int(os.environ.get("RANK", "0")) == 0:
         print(
             f"done: test accuracy {summary['test_accuracy']:.4f}, "
             f"{summary['samples_per_s']:,.0f} samples/s over {summary['epochs']} epochs "
             f"({summary['train_seconds']:.1f} s training)"
         )
-    if under_torchrun():
-        _leave_without_teardown()
+    if torchrun:
+        _leave_without_teardown(0)
     return 0
 
 
-def _leave_without_teardown() -> None:
+def _leave_without_teardown(status: int) -> NoReturn:
     """End a torchrun worker whose work is done and written, skipping the interpreter's teardown.
 
     Torch's gloo threads may still hold objects whose destruction during finalization aborts the
     process (pytorch/pytorch#179291 describes the mechanism): a CI run of the testbed training
     test lost a worker so, with SIGABRT and no Python frame on any thread (its code had ended).
     The process group is destroyed and every log line closed by now; only buffered output is
-    left to flush.
+    left to flush. A failed worker leaves the same way once it has reported, so that its exit
+    status is the 1 it reported and not an abort's.
     """
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def _check_data(config) -> None:

@@ -26,6 +26,9 @@ class TrainConfig:
     codec_options: str = ""
     scheduler: str = "wfbp"
     fusion_elements: int = 500_000
+    # (α s per message, β s per byte) to plan with instead of the start-up calibration, for
+    # plans that must not depend on how loaded the machine is (tests, reproduced runs).
+    fixed_cost: tuple[float, float] | None = None
     model: str = "digits-mlp"
     dataset: str = "digits"
     data_dir: str | None = None

@@ -10,23 +10,14 @@ from __future__ import annotations
 
 import os
 import socket
-import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..failures import Failure, WorkerFailed
 from .loop import TrainConfig, train_worker
-
-
-class WorkerFailed(RuntimeError):
-    """A worker process raised; the message is its error, ``details`` its traceback."""
-
-    def __init__(self, rank: int, details: str):
-        last = details.strip().splitlines()[-1] if details.strip() else "unknown error"
-        super().__init__(f"worker {rank} failed: {last}")
-        self.details = details
 
 
 def under_torchrun() -> bool:
@@ -34,13 +25,18 @@ def under_torchrun() -> bool:
 
 
 def run_torchrun_worker(config: TrainConfig) -> dict:
-    """This process's worker, rendezvousing through torchrun's environment."""
-    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=config.timeout))
+    """This process's worker, rendezvousing through torchrun's environment; its error is
+    raised as ``WorkerFailed`` with this worker's rank."""
     try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        return _train(config, rank, world)
-    finally:
-        dist.destroy_process_group()
+        dist.init_process_group(
+            "gloo", init_method="env://", timeout=timedelta(seconds=config.timeout)
+        )
+        try:
+            return _train(config, dist.get_rank(), dist.get_world_size())
+        finally:
+            dist.destroy_process_group()
+    except Exception as error:
+        raise WorkerFailed(Failure.of(error, int(os.environ["RANK"]))) from error
 
 
 def run_local(config: TrainConfig) -> dict:
@@ -73,7 +69,7 @@ def run_local(config: TrainConfig) -> dict:
 
 
 def _join(processes, results, config: TrainConfig) -> None:
-    """Wait for every worker; the first failure stops the others and is re-raised here."""
+    """Wait for every worker; the first failure stops the others and is raised here."""
     while any(p.is_alive() for p in processes):
         for process in processes:
             process.join(0.2)
@@ -82,11 +78,12 @@ def _join(processes, results, config: TrainConfig) -> None:
         failed = [p for p in processes if p.exitcode not in (None, 0)]
         if failed:
             break
-    errors = {rank: value for rank, value in results.items() if isinstance(value, str)}
+    # The manager's dict keeps the order workers wrote in: the first failure is the likeliest
+    # cause, the others often only the peers of a worker that had died (a broken connection).
+    failures = [value for value in results.values() if isinstance(value, Failure)]
     failed = [p.name for p in processes if p.exitcode not in (None, 0)]
-    if errors:
-        rank = min(errors)
-        raise WorkerFailed(rank, errors[rank])
+    if failures:
+        raise WorkerFailed(failures[0])
     if failed or 0 not in results:
         raise RuntimeError(f"workers {failed or 'all'} exited without a result")
 
@@ -105,8 +102,8 @@ def _local_entry(config, addresses, rank, world, port, results) -> None:
         results[rank] = _train(local, rank, world)
     except KeyboardInterrupt:
         pass
-    except BaseException:
-        results[rank] = traceback.format_exc()
+    except BaseException as error:
+        results[rank] = Failure.of(error, rank)
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs import make_codec, parse_options
+from ..schedule import AlphaBeta
 from ..sync.gradient_sync import GradientSync
 from ..sync.scheduling import agree_on_plan
 from .aggregators import make_aggregator
@@ -55,7 +56,14 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
     options = {"threshold": config.fusion_elements} if config.scheduler == "fusion" else {}
     batch = dataset.train.inputs[: config.batch_size]
     chosen = agree_on_plan(
-        config.scheduler, model, batch, aggregator, codec, options=options, model_name=config.model
+        config.scheduler,
+        model,
+        batch,
+        aggregator,
+        codec,
+        options=options,
+        model_name=config.model,
+        fit=AlphaBeta(*config.fixed_cost) if config.fixed_cost else None,
     )
     sync = GradientSync(
         model,
@@ -107,24 +115,26 @@ def _train_epoch(
     progress = _progress_bar(steps, epoch, config) if rank == 0 else None
     total_loss, correct, seen = 0.0, 0, 0
     start = time.perf_counter()
-    for inputs, labels in batches:
-        if dataset.augment:
-            inputs = augment_images(inputs, augment)
-        optimizer.zero_grad(set_to_none=False)
-        outputs = model(inputs)
-        loss = torch.nn.functional.cross_entropy(outputs, labels)
-        loss.backward()
-        sync.wait()
-        optimizer.step()
-        total_loss += loss.item() * len(labels)
-        correct += int((outputs.argmax(dim=1) == labels).sum())
-        seen += len(labels)
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss.item():.3f}")
+    try:
+        for inputs, labels in batches:
+            if dataset.augment:
+                inputs = augment_images(inputs, augment)
+            optimizer.zero_grad(set_to_none=False)
+            outputs = model(inputs)
+            loss = torch.nn.functional.cross_entropy(outputs, labels)
+            loss.backward()
+            sync.wait()
+            optimizer.step()
+            total_loss += loss.item() * len(labels)
+            correct += int((outputs.argmax(dim=1) == labels).sum())
+            seen += len(labels)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{loss.item():.3f}")
+    finally:
+        if progress is not None:  # also on an error, whose report then starts a line of its own
+            progress.close()
     seconds = time.perf_counter() - start
-    if progress is not None:
-        progress.close()
     return EpochMetrics(
         epoch=epoch + 1,
         loss=total_loss / max(seen, 1),

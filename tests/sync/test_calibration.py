@@ -1,0 +1,185 @@
+"""Start-up's α–β calibration: fitted, measured again, or the stated default; never a failure."""
+
+import numpy as np
+import pytest
+import torch
+
+from gradsum.codecs import make_codec
+from gradsum.schedule import PLANNER_NAMES, AlphaBeta, ClusterSpec, make_planner, uniform_profile
+from gradsum.sync import scheduling
+from gradsum.sync.scheduling import (
+    CALIBRATION_ATTEMPTS,
+    COST_FREE,
+    DEFAULT_COST,
+    CostModel,
+    agree_on_plan,
+    calibrate,
+    cluster_from_fit,
+    judge_calibration,
+)
+
+from .distributed import run_distributed
+from .plan_workers import calibrate_over_allreduce
+from .workers import tiny_model
+
+TRUTH = AlphaBeta(alpha=1e-3, beta=1e-8)  # 1 ms per message, 100 MB/s
+SIZES = [4.0 * n for n in scheduling.CALIBRATION_SIZES]
+
+
+def _round(delays=(0.0, 0.0, 0.0)):
+    """One round of (bytes, seconds): the true cost plus the delays load added to each size."""
+    return [(b, TRUTH.time(b) + d) for b, d in zip(SIZES, delays, strict=True)]
+
+
+# The small transfers were held up (a descheduled peer): 1 MiB looks no slower than 4 KiB.
+STALLED = _round((20e-3, 15e-3, 0.0))
+
+
+def test_a_clean_round_is_fitted_at_once():
+    cost = judge_calibration([_round()])
+    assert cost.source == "fitted" and cost.reason == ""
+    assert (cost.fit.alpha, cost.fit.beta) == pytest.approx((TRUTH.alpha, TRUTH.beta))
+    assert "(fitted)" in cost.describe()
+
+
+def test_time_that_does_not_grow_with_size_is_measured_again_and_refitted():
+    assert judge_calibration([STALLED]) is None  # measure once more
+    cost = judge_calibration([STALLED, _round((0.0, 0.0, 3e-3))])
+    assert cost.source == "refitted"
+    assert "not positive" in cost.reason  # why the first round was not used
+    # Load only adds time: the fastest round per size is the undisturbed one.
+    assert (cost.fit.alpha, cost.fit.beta) == pytest.approx((TRUTH.alpha, TRUTH.beta))
+    assert cost.describe().startswith("α 1000 µs, β 100 MB/s per message (refitted: 2 rounds")
+
+
+def test_rounds_that_never_fit_fall_back_to_the_stated_default():
+    flat = [(b, 2e-3) for b in SIZES]  # every size the same time: β = 0
+    rounds = [STALLED, flat, _round((9e-3, 9e-3, 0.0))]
+    assert judge_calibration(rounds[:1]) is None and judge_calibration(rounds[:2]) is None
+    cost = judge_calibration(rounds)
+    assert cost == CostModel(DEFAULT_COST, "default", cost.reason)
+    assert f"{CALIBRATION_ATTEMPTS} rounds of transfers gave no usable fit" in cost.reason
+    assert "(default: 3 rounds" in cost.describe()
+
+
+def test_a_slope_too_flat_to_be_a_transfer_is_not_a_fit():
+    barely = [(b, 1e-3 + b * 1e-15) for b in SIZES]  # 1 PB/s: the sizes are indistinguishable
+    assert judge_calibration([barely], attempts=2) is None
+    assert "implausibly flat" in judge_calibration([barely, barely], attempts=2).reason
+
+
+def test_the_first_usable_round_decides_whatever_follows():
+    later = [_round(), STALLED, STALLED]
+    assert judge_calibration(later) == judge_calibration(later[:1])
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_any_noise_gives_a_usable_cost_model_within_the_attempts(seed):
+    rng = np.random.default_rng(seed)
+    scale = 10.0 ** rng.uniform(-5, -1)  # 10 µs to 100 ms of load per transfer
+    rounds = [_round(tuple(rng.exponential(scale, 3))) for _ in range(CALIBRATION_ATTEMPTS)]
+    decided = [judge_calibration(rounds[:k]) for k in range(1, CALIBRATION_ATTEMPTS + 1)]
+    cost = next(d for d in decided if d is not None)  # the last round always decides
+    assert cost.source in ("fitted", "refitted", "default")
+    assert cost.fit.alpha >= 0 and cost.fit.beta > 0
+
+
+class _Untouchable:
+    """An aggregator no transfer may reach."""
+
+    def synchronize(self, *_, **__):
+        raise AssertionError("calibration sent a transfer for a policy that needs no cost model")
+
+
+@pytest.mark.parametrize("scheduler", sorted(COST_FREE))
+def test_policies_that_need_no_cost_model_do_not_calibrate(scheduler):
+    chosen = agree_on_plan(
+        scheduler, tiny_model(), torch.randn(8, 20), _Untouchable(), make_codec("none", workers=1)
+    )
+    assert chosen.cost == CostModel(None, "not needed", chosen.cost.reason)
+    assert chosen.plan.policy == scheduler
+    assert f"no α–β calibration ({scheduler} plans from element counts alone)" in chosen.describe()
+
+
+@pytest.mark.parametrize("scheduler", sorted(COST_FREE))
+def test_cost_free_plans_are_the_same_on_any_cluster_speed(scheduler):
+    """What lets start-up skip the calibration for these policies."""
+    profile = uniform_profile([4000, 300, 90_000, 50], [1e-3, 4e-3, 2e-3, 1e-4])
+    fast, slow = ClusterSpec(workers=4, shards=2), cluster_from_fit(AlphaBeta(0.1, 1e-5), 4, 2)
+    planner = make_planner(scheduler)
+    assert planner(profile, fast) == planner(profile, slow)
+    assert planner(profile, fast).order == "fifo"  # no transfer times needed to order the groups
+    assert set(COST_FREE) <= set(PLANNER_NAMES)
+
+
+class _Canned:
+    """Stands in for ``time_transfers``: each call sends once per size and returns the next
+    prepared round of timings."""
+
+    def __init__(self, rounds):
+        self.rounds = list(rounds)
+
+    def __call__(self, send, sizes):
+        for size in sizes:
+            send(torch.zeros(size))
+        return self.rounds.pop(0)
+
+
+class _Recorder:
+    def __init__(self):
+        self.keys = []
+
+    def synchronize(self, tensor, codec, *, key, step, **_):
+        self.keys.append((key, step))
+        return tensor
+
+
+def test_calibrate_measures_again_through_the_aggregator_until_a_fit_is_usable(monkeypatch):
+    canned = _Canned([STALLED, _round(), _round()])
+    monkeypatch.setattr(scheduling, "time_transfers", canned)
+    aggregator = _Recorder()
+    cost = calibrate(aggregator, make_codec("none", workers=1))
+    assert cost.source == "refitted"
+    assert len(canned.rounds) == 1  # two rounds measured, the third not needed
+    steps = [step for _, step in aggregator.keys]
+    assert steps == list(range(len(steps))) and len(steps) == 6  # one new step per transfer
+
+
+def test_calibrate_warns_when_it_falls_back(monkeypatch):
+    monkeypatch.setattr(scheduling, "time_transfers", _Canned([STALLED] * CALIBRATION_ATTEMPTS))
+    with pytest.warns(RuntimeWarning, match="planning with the default .*no usable fit"):
+        cost = calibrate(_Recorder(), make_codec("none", workers=1))
+    assert cost.fit == DEFAULT_COST and cost.source == "default"
+
+
+def test_a_failed_calibration_still_gives_the_asked_policy_on_the_default_cost(monkeypatch):
+    monkeypatch.setattr(scheduling, "time_transfers", _Canned([STALLED] * CALIBRATION_ATTEMPTS))
+    with pytest.warns(RuntimeWarning):
+        chosen = agree_on_plan(
+            "imerge", tiny_model(), torch.randn(8, 20), _Recorder(), make_codec("none", workers=1)
+        )
+    assert chosen.plan.policy == "imerge"
+    assert chosen.cluster == cluster_from_fit(DEFAULT_COST, 1, 1)
+    assert "β 30 MB/s per message (default: 3 rounds of transfers gave no usable fit" in (
+        chosen.describe()
+    )
+
+
+def test_a_given_cost_replaces_the_calibration_and_must_be_a_cost():
+    args = (tiny_model(), torch.randn(8, 20), _Untouchable(), make_codec("none", workers=1))
+    chosen = agree_on_plan("imerge", *args, fit=TRUTH)
+    assert chosen.cost == CostModel(TRUTH, "given") and "(given)" in chosen.describe()
+    with pytest.raises(ValueError, match="a given cost needs α >= 0 s and β > 0 s/byte"):
+        agree_on_plan("imerge", *args, fit=AlphaBeta(1e-3, 0.0))
+
+
+@pytest.mark.slow
+def test_every_worker_follows_worker_0_through_repeated_rounds():
+    # One size only: no round can separate α from β, so every round is repeated until the
+    # default stands; a worker that stopped measuring early would leave the other one hanging.
+    first, second = run_distributed(calibrate_over_allreduce, 2, (1 << 10,), timeout=120)
+    assert first["cost"] == second["cost"]
+    assert first["cost"].fit == DEFAULT_COST and "need at least two" in first["cost"].reason
+    assert len(first["warnings"]) == 1 and second["warnings"] == []  # worker 0 speaks for all
+    first, second = run_distributed(calibrate_over_allreduce, 2, timeout=120)
+    assert first["cost"] == second["cost"] and first["cost"].fit.beta > 0

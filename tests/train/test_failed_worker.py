@@ -1,0 +1,64 @@
+"""A worker that fails is reported by its rank and the type and message of what it raised, on
+the last line of `gradsum train`'s stderr, locally and under torchrun."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from gradsum.failures import FAILURE_FILE_ENV, TRACEBACK_ENV
+
+# The fp32 codec refuses a gradient with NaN or Inf: at lr 1e9 the loss overflows in 2 steps.
+DIVERGING = ["--lr", "1e9", "--epochs", "1", "--aggregator", "allreduce", "--codec", "none"]
+REFUSED = re.compile(
+    r"gradsum train: worker \d failed: NonFiniteGradientError: gradient of \d+ coordinates "
+    r"contains NaN or Inf"
+)
+
+
+def _train(argv: list[str], **env: str) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k not in (TRACEBACK_ENV, "RANK")}
+    return subprocess.run(
+        [sys.executable, "-m", "gradsum.cli", "train", *DIVERGING, *argv],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**environment, **env},
+    )
+
+
+@pytest.mark.slow
+def test_a_local_worker_that_raises_is_named_with_its_exception():
+    done = _train(["--workers", "2"])
+    assert done.returncode == 1
+    last = done.stderr.splitlines()[-1]  # a progress bar's \r ends a line too
+    assert REFUSED.match(last), last
+    assert last.endswith(f"({TRACEBACK_ENV}=1 shows where)")
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_a_torchrun_worker_that_raises_says_so_and_writes_its_failure(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    path = tmp_path / "failure.json"
+    done = _train(
+        ["--workers", "1"],
+        RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        **{FAILURE_FILE_ENV: str(path), TRACEBACK_ENV: "1"},
+    )
+    assert done.returncode == 1
+    last = done.stderr.splitlines()[-1]
+    assert REFUSED.match(last) and last.startswith("gradsum train: worker 0 failed:"), last
+    assert "Traceback (most recent call last)" in done.stderr  # asked for
+    failure = json.loads(path.read_text())
+    assert (failure["type"], failure["rank"]) == ("NonFiniteGradientError", 0)
+    assert "check_finite" in failure["traceback"]
