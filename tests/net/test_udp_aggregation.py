@@ -214,20 +214,30 @@ def test_mtu_sized_packets_through_the_python_loop_are_bit_identical():
 
 def test_losses_among_many_packets_per_chunk_are_found_by_later_packets_not_timers():
     """MTU 1500: 44 packets per window unit, so most units lose one at 1 %; results of later
-    packets, or of the unit's own last packet, reveal it within a few packets, and a silent tail
-    is probed: 1-5 % of resends waited for a timer here before those two (~85 % when answers to
-    resends that GRO joined out of order were dropped, 8-24 % when only whole chunks counted as
-    later results); 0-5 timeouts per ~800 resends after them (ad-hoc runs, 4 workers, 2^20)."""
+    packets, or of the unit's own last packet, reveal the loss and it is resent before its timer
+    (fast retransmission); a silent tail is probed. Here: losses both ways, every worker had every
+    chunk's result and resent some of its losses before any timer. What share of resends still
+    waits for a timer depends on how the machine schedules the processes (1-5 % in ad-hoc runs,
+    ~85 % when the pump dropped answers to resends that GRO joined out of order: test_pump.py
+    covers those), so no test asserts it; its cost is the step time that
+    `gradsum bench ate --methods switch+bfp --sizes 400000 --mtu 1500 --drop-rate 0.01` measures
+    (~20 s per step before that fix, 40-90 ms after)."""
     pytest.importorskip("gradsum.net._pump", reason="chunks of several packets need the pump")
     with DaemonProcess("switch", "--drop-rate", "0.01", "--seed", "9") as switch:
         task = WorkerTask((switch.address,), job=1, workers=4, codec="bfp", elements=400_000,
                           steps=2, retry_timeout=0.005, multicast=True, mtu=1500)  # fmt: skip
         results = run_workers(task, timeout=240)
         assert_all_equal(results, task, steps=2)
+        stderr = switch.stop()
+    final = json.loads(stderr.split("statistics ", 1)[1].splitlines()[0])["daemon"]
+    assert final["injected_dropped_in"] > 0 and final["injected_dropped_out"] > 0, final
     stats = [next(iter(r.stats.values())) for r in results]
-    resent = sum(s["retransmissions"] for s in stats)
-    assert resent > 0
-    assert sum(s["timeouts"] for s in stats) < 0.25 * resent
+    assert len({s["chunks"] for s in stats}) == 1, stats  # the same chunks for every worker
+    for s in stats:
+        assert s["results"] == s["chunks"], s  # every chunk's result, once
+        # a lost packet stalls its slot for every worker, so each one has resends of its own,
+        # and some of them went before any timer (results of later packets revealed the loss)
+        assert s["fast_retransmissions"] > 0, s
 
 
 def torch_blocked_env(tmp_path) -> dict:
