@@ -35,3 +35,51 @@ def train_through_service(rank, world, kind, addresses, codec_name, steps, ddp):
         sync.close()
     aggregator.close()
     return {"losses": losses, "snapshots": snapshots}
+
+
+def warm_up_then_compress(rank, world, kind, addresses, start_step, steps):
+    """DDP + gradsum's hook with THC and ``start_step`` warm-up steps through ``kind``; per
+    step, the relative error of what the hook returned against the exact average of the
+    workers' buckets."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradsum.sync.allreduce import AllReduceAggregator
+    from gradsum.sync.ddp_hook import GradsumHookState, gradsum_hook
+
+    codec = make_codec("thc", workers=world)
+    if kind == "allreduce":
+        aggregator = AllReduceAggregator()
+    else:
+        aggregator = ServiceAggregator(kind, addresses, JobSettings(codec, "thc", {}, rank, world))
+    model = tiny_model()
+    wrapped = DistributedDataParallel(model, bucket_cap_mb=25)  # one bucket
+    state = GradsumHookState(codec, aggregator, start_step=start_step)
+    records = []
+
+    def recording_hook(state, bucket):
+        local = bucket.buffer().clone()
+
+        def keep(future):
+            average = future.value()
+            records.append((local, average.clone()))
+            return average
+
+        return gradsum_hook(state, bucket).then(keep)
+
+    wrapped.register_comm_hook(state, recording_hook)
+    generator = torch.Generator().manual_seed(rank)
+    errors = []
+    for _ in range(steps):
+        wrapped.zero_grad()
+        wrapped(torch.randn(16, 20, generator=generator)).square().mean().backward()
+        local, average = records[-1]
+        everyone = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(everyone, local)
+        exact = torch.stack(everyone).mean(0)
+        errors.append(float((average - exact).norm() / exact.norm()))
+    state.close()
+    if kind != "allreduce":
+        aggregator.close()
+    return errors

@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from gradsum.codecs import make_codec
 from gradsum.schedule.plan import Group, Part, Plan
 from gradsum.sync.senders import ShardSender
 
@@ -18,15 +19,18 @@ class RecordingShards:
     def __init__(self, num_shards: int):
         self.num_shards = num_shards
         self.calls: list[tuple[int, tuple]] = []
+        self.steps: list[int] = []
         self._lock = threading.Lock()
         self._active = 0
         self.most_active = 0
 
-    def synchronize_part(self, shard: int, flat: torch.Tensor, key) -> torch.Tensor:
+    def synchronize_part(self, shard: int, flat: torch.Tensor, codec, *, key, step, seed,
+                         partition_elements) -> torch.Tensor:  # fmt: skip
         with self._lock:
             self._active += 1
             self.most_active = max(self.most_active, self._active)
             self.calls.append((shard, key))
+            self.steps.append(step)
         time.sleep(PART_SECONDS)
         with self._lock:
             self._active -= 1
@@ -46,12 +50,13 @@ def three_part_plan(*, interleave: bool, credit_bytes: int | None) -> Plan:
 
 def send_one_group(plan: Plan, worker: int = 0) -> tuple[RecordingShards, torch.Tensor]:
     shards = RecordingShards(3)
-    sender = ShardSender(shards, plan, worker, timeout=10)
+    sender = ShardSender(shards, plan, worker, timeout=10, codec=make_codec("none"))
     try:
         flat = torch.arange(12, dtype=torch.float32)
-        result = sender.submit(0, flat, step=0).wait()
+        result = sender.submit(0, flat, step=7).wait()
     finally:
         sender.close()
+    assert shards.steps == [7] * len(plan.groups[0].parts)  # the caller's step, on every part
     return shards, result
 
 

@@ -7,7 +7,7 @@ import torch
 from gradsum.net.loopback import DaemonProcess
 
 from .distributed import run_distributed
-from .service_workers import train_through_service
+from .service_workers import train_through_service, warm_up_then_compress
 
 
 def _address(daemon: DaemonProcess) -> str:
@@ -29,3 +29,21 @@ def test_replicas_identical_after_every_step(kind, codec, ddp):
     for a, b in zip(first["snapshots"], second["snapshots"], strict=True):
         assert torch.equal(a, b)
     assert sum(first["losses"][-3:]) < sum(first["losses"][:3])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["allreduce", "switch", "server"])
+def test_ddp_hook_warm_up_steps_are_uncompressed_on_every_aggregator(kind):
+    """``start_step``: fp32 (bfp on a switch, which adds integers only) first, then THC."""
+    start, steps = 2, 4
+    if kind == "allreduce":
+        errors = run_distributed(warm_up_then_compress, 2, kind, [], start, steps)
+    else:
+        with DaemonProcess(kind) as daemon:
+            aggregator = "switch" if kind == "switch" else "ps"
+            errors = run_distributed(
+                warm_up_then_compress, 2, aggregator, [_address(daemon)], start, steps
+            )
+    for per_step in errors:
+        assert all(e < 1e-6 for e in per_step[:start]), per_step  # fp32 or bfp: exact enough
+        assert all(e > 1e-3 for e in per_step[start:]), per_step  # THC's 4 bits: not exact

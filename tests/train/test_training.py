@@ -60,6 +60,19 @@ def test_checkpoint_and_resume_continue_the_same_run(tmp_path):
     assert epochs == [2]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("aggregator", ["allreduce", "switch", "ps"])
+def test_resume_continues_bit_identically_to_an_uninterrupted_run(tmp_path, aggregator):
+    """The round's step comes from the training loop on every aggregator, so a resumed run
+    draws the random streams, and keeps the error feedback, of the run it continues."""
+    common = {"aggregator": aggregator, "codec": "thc", "workers": 2, "progress": False}
+    whole = run_local(TrainConfig(epochs=2, **common))
+    checkpoint = tmp_path / "ckpt.pt"
+    run_local(TrainConfig(epochs=1, checkpoint=str(checkpoint), **common))
+    resumed = run_local(TrainConfig(epochs=2, resume=str(checkpoint), **common))
+    assert resumed["parameter_digest"] == whole["parameter_digest"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
