@@ -1,8 +1,8 @@
 """Every data plane test that builds a slot pool runs against both implementations: the C pools
 of integer jobs (``native_pool``) and slots.py's ``SlotPool`` everywhere.
 
-Pools are built only by an ``Aggregator`` registering a job, so a test is run twice when its code
-names ``Aggregator``, itself or through functions of these tests it calls by name (``switch_with``,
+Pools are built only by a ``DataPlane`` registering a job, so a test is run twice when its code
+names ``DataPlane``, itself or through functions of these tests it calls by name (``switch_with``,
 ``one_switch``) or defines inside it (hypothesis' checks). The other tests (lanes, streams, round
 trips, pipelines) run once, and fail should one of them register a job after all: then the rule
 above missed how it builds its pool."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gradsum.dataplane import Aggregator, native_pool
+from gradsum.dataplane import DataPlane, native_pool
 
 POOLS = ["native-pools", "python-pools"]
 HERE = Path(__file__).parent
@@ -34,7 +34,7 @@ def builds_a_pool(function, seen: set | None = None) -> bool:
     seen.add(function.__code__)
     for name in _names(function.__code__):
         value = function.__globals__.get(name)
-        if value is Aggregator:
+        if value is DataPlane:
             return True
         if inspect.isfunction(value) and _of_these_tests(value) and builds_a_pool(value, seen):
             return True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradsum.dataplane import Aggregator, Header, IntegerSum, JobSpec, Kind, Op, switch_profile
+from gradsum.dataplane import DataPlane, Header, IntegerSum, JobSpec, Kind, Op, switch_profile
 from gradsum.dataplane.actions import Drop, Send, Store
 
 SWITCH = ("10.0.0.1", 48864)
@@ -19,8 +19,8 @@ def int32_job(workers=3, slots=2, elements=8, job=1, **extra) -> JobSpec:
     return JobSpec(job, addresses, slots, elements, IntegerSum(32, 32, True), **extra)
 
 
-def switch_with(*specs: JobSpec) -> Aggregator:
-    aggregator = Aggregator(switch_profile())
+def switch_with(*specs: JobSpec) -> DataPlane:
+    aggregator = DataPlane(switch_profile())
     for spec in specs:
         aggregator.register(spec)
     return aggregator

@@ -12,7 +12,7 @@ import random
 import threading
 from dataclasses import dataclass, field
 
-from gradsum.dataplane import Aggregator, Kind, parse_header
+from gradsum.dataplane import DataPlane, Kind, parse_header
 from gradsum.dataplane.actions import Send
 from gradsum.dataplane.packet import HEADER_SIZE
 
@@ -41,14 +41,14 @@ class MemoryNetwork:
         self.random = random.Random(seed)
         self.up, self.down = up or Faults(), down or Faults()
         self.now = 0.0
-        self.aggregators: dict[tuple, Aggregator] = {}
+        self.aggregators: dict[tuple, DataPlane] = {}
         self.workers: dict[tuple, _Worker] = {}
         self.events: list = []
         self._sequence = 0
         self._lock = threading.Condition()
         self.delivered = 0
 
-    def add_aggregator(self, address: tuple, aggregator: Aggregator) -> None:
+    def add_aggregator(self, address: tuple, aggregator: DataPlane) -> None:
         self.aggregators[address] = aggregator
 
     # -- a worker's transport ---------------------------------------------------------------

@@ -7,8 +7,8 @@ from gradsum.codecs import make_codec, nmse, run_round
 from gradsum.codecs.round import CodecRound
 from gradsum.dataplane import (
     AggregationTimeout,
-    Aggregator,
     Collective,
+    DataPlane,
     JobHandle,
     JobSpec,
     RetryPolicy,
@@ -62,7 +62,7 @@ def allreduce_over(network, aggregators, name, inputs, *, slots=4, elements=256,
 
 
 def one_switch():
-    return {("10.0.0.1", 48864): Aggregator(switch_profile())}
+    return {("10.0.0.1", 48864): DataPlane(switch_profile())}
 
 
 @pytest.mark.parametrize("name", ["bfp", "thc", "thc-uniform"])
@@ -102,7 +102,7 @@ def test_loss_duplicates_and_reordering_give_bit_identical_results(name, faults)
 def test_partitions_spread_over_several_aggregators():
     inputs = inputs_for(3, 4000)
     expected = run_round(make_codec("bfp", workers=3), inputs).average
-    aggregators = {("10.0.0.1", p): Aggregator(switch_profile()) for p in (1, 2, 3)}
+    aggregators = {("10.0.0.1", p): DataPlane(switch_profile()) for p in (1, 2, 3)}
     results = allreduce_over(
         MemoryNetwork(seed=1, up=Faults(drop=0.05)), aggregators, "bfp", inputs
     )
@@ -114,7 +114,7 @@ def test_partitions_spread_over_several_aggregators():
 @pytest.mark.parametrize("name", ["none", "topk", "terngrad"])
 def test_server_allreduce_for_float_and_decoding_codecs(name):
     inputs = inputs_for(3, 3000)
-    server = {("10.0.0.9", 1): Aggregator(server_profile())}
+    server = {("10.0.0.9", 1): DataPlane(server_profile())}
     results = allreduce_over(MemoryNetwork(seed=2, up=Faults(drop=0.05)), server, name, inputs,
                              elements=1024)  # fmt: skip
     outputs = [r[0][0] for r in results.values()]
@@ -136,7 +136,7 @@ def test_a_dead_aggregator_gives_a_timeout_that_names_the_chunk():
 @pytest.mark.parametrize("name", ["bfp", "none"])
 def test_partial_aggregation_completes_without_a_missing_worker(name):
     inputs = inputs_for(3, 2000)
-    aggregators = one_switch() if name == "bfp" else {("10.0.0.9", 1): Aggregator(server_profile())}
+    aggregators = one_switch() if name == "bfp" else {("10.0.0.9", 1): DataPlane(server_profile())}
     results = allreduce_over(MemoryNetwork(), aggregators, name, inputs, quorum=2, deadline=0.01,
                              present=[0, 1])  # fmt: skip
     expected = (inputs[0] + inputs[1]) / 2

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradsum.dataplane import Aggregator, Header, IntegerSum, JobSpec, Kind, Op, switch_profile
+from gradsum.dataplane import DataPlane, Header, IntegerSum, JobSpec, Kind, Op, switch_profile
 from gradsum.dataplane.actions import Drop, Send, Store
 
 from .helpers import worker_address
@@ -76,7 +76,7 @@ def test_native_and_python_pools_agree_packet_by_packet(pools, op, group):
     @settings(max_examples=150, deadline=None)
     @given(st.lists(packets(op), min_size=1, max_size=60))
     def check(sequence):
-        native, python = Aggregator(switch_profile()), Aggregator(switch_profile(), native=False)
+        native, python = DataPlane(switch_profile()), DataPlane(switch_profile(), native=False)
         for aggregator in (native, python):
             aggregator.register(spec(op, group))
         assert native.jobs[1].native and not python.jobs[1].native
@@ -94,7 +94,7 @@ def test_native_and_python_pools_agree_packet_by_packet(pools, op, group):
 def test_a_native_pool_serves_only_what_it_can(pools):
     if pools == "python-pools":
         pytest.skip("about the native pools")
-    aggregator = Aggregator(switch_profile())
+    aggregator = DataPlane(switch_profile())
     addresses = tuple(worker_address(w) for w in range(2))
     cases = {
         2: (JobSpec(2, addresses, 2, 8, IntegerSum(32, 32, True)), True),

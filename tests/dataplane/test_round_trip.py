@@ -4,7 +4,7 @@ chunks until a clean sample (TCP's rule with Karn's algorithm)."""
 import pytest
 
 from gradsum.dataplane import ChunkStream, RetryPolicy
-from gradsum.dataplane.worker import RoundTrip
+from gradsum.dataplane.stream import RoundTrip
 
 POLICY = RetryPolicy(timeout=1.0, backoff=2.0, max_timeout=8.0, give_up_after=100.0)
 

@@ -4,8 +4,9 @@ import pytest
 
 from gradsum.codecs.registry import make_codec
 from gradsum.dataplane.codec_wire import wire_format
+from gradsum.dataplane.geometry import MAX_GSO_BYTES, packet_geometry
 from gradsum.dataplane.packet import HEADER_SIZE
-from gradsum.net.client import MAX_GSO_BYTES, SwitchClient, packet_geometry
+from gradsum.net.client import SwitchClient
 
 IPV4_UDP = 28
 
@@ -14,12 +15,18 @@ def fmt(codec: str):
     return wire_format(make_codec(codec, workers=4))
 
 
+def bits(codec: str) -> int:
+    """The wider of the job's two wire widths, which sizes its packets."""
+    f = fmt(codec)
+    return max(f.in_bits, f.out_bits)
+
+
 @pytest.mark.parametrize("codec", ["bfp", "thc"])
 @pytest.mark.parametrize("mtu", [1500, 9000, 65535])
 def test_the_largest_packet_that_fits_the_frame_and_as_many_as_one_send_holds(codec, mtu):
     f = fmt(codec)
     bits = max(f.in_bits, f.out_bits)
-    lanes, segments = packet_geometry(f, 1 << 20, mtu)
+    lanes, segments = packet_geometry(max(f.in_bits, f.out_bits), 1 << 20, mtu)
     packet = HEADER_SIZE + lanes * bits // 8
     assert lanes % 8 == 0
     assert packet <= mtu - IPV4_UDP < packet + 8 * bits // 8  # 8 lanes more would not fit
@@ -27,17 +34,17 @@ def test_the_largest_packet_that_fits_the_frame_and_as_many_as_one_send_holds(co
 
 
 def test_the_testbeds_jumbo_frames_carry_seven_packets_of_2232_bfp_lanes_per_send():
-    assert packet_geometry(fmt("bfp"), 1 << 20, 9000) == (2232, 7)
+    assert packet_geometry(bits("bfp"), 1 << 20, 9000) == (2232, 7)
 
 
 def test_without_an_mtu_a_chunk_is_one_packet_of_the_requested_lanes():
-    assert packet_geometry(fmt("bfp"), 16368, None) == (16368, 1)
-    assert packet_geometry(fmt("bfp"), 1024, 9000) == (1024, 15)  # fewer lanes than fit
+    assert packet_geometry(bits("bfp"), 16368, None) == (16368, 1)
+    assert packet_geometry(bits("bfp"), 1024, 9000) == (1024, 15)  # fewer lanes than fit
 
 
 def test_an_mtu_with_no_room_for_a_packet_is_refused():
     with pytest.raises(ValueError, match="mtu 64"):
-        packet_geometry(fmt("bfp"), 1 << 20, 64)
+        packet_geometry(bits("bfp"), 1 << 20, 64)
 
 
 def test_a_job_of_mtu_sized_packets_registers_a_slot_per_packet_and_refuses_quorums():

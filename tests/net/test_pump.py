@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from gradsum.codecs import make_codec, run_round
-from gradsum.dataplane import Aggregator, switch_profile
+from gradsum.dataplane import DataPlane, switch_profile
 from gradsum.dataplane.collective import JobHandle
 from gradsum.dataplane.packet import ANY_WORKER, Header, Kind, Op, parse_header
+from gradsum.dataplane.stream import ChunkLayout
 from gradsum.dataplane.transfer import LaneBuffers, Transfer
-from gradsum.dataplane.worker import ChunkLayout
 from gradsum.net import pump
 from gradsum.net.client import SwitchClient
 from gradsum.net.daemon import Daemon
@@ -85,7 +85,7 @@ def test_a_pumped_transport_gives_the_python_loops_results_under_loss(monkeypatc
     monkeypatch.setenv("GRADSUM_PUMP", "1" if pumped else "0")
     task = WorkerTask((), job=3, workers=3, codec="bfp", elements=50_000, steps=2)
     sock = open_socket(("127.0.0.1", 0))
-    daemon = Daemon(Aggregator(switch_profile()), sock, drop_rate=0.05, seed=11)
+    daemon = Daemon(DataPlane(switch_profile()), sock, drop_rate=0.05, seed=11)
     serving = threading.Thread(target=daemon.serve, daemon=True)
     serving.start()
     address = sock.getsockname()

@@ -18,8 +18,8 @@ import torch
 from gradsum.codecs import CODEC_NAMES, make_codec, run_round
 from gradsum.codecs.round import PARTITION_ELEMENTS, CodecRound
 from gradsum.dataplane import (
-    Aggregator,
     Collective,
+    DataPlane,
     JobHandle,
     JobSpec,
     RetryPolicy,
@@ -27,6 +27,7 @@ from gradsum.dataplane import (
     switch_profile,
 )
 from gradsum.dataplane.codec_wire import wire_format
+from gradsum.dataplane.geometry import lanes_fitting
 
 from ..dataplane.memnet import MemoryNetwork
 from .distributed import run_distributed
@@ -56,7 +57,7 @@ def gradient(worker: int, step: int, size: int) -> torch.Tensor:
 
 
 def partition_for(name: str, service: bool) -> int:
-    """What ``Aggregator.partition_size`` gives: 2**20, or one datagram's worth for payloads a
+    """What ``DataPlane.partition_size`` gives: 2**20, or one datagram's worth for payloads a
     parameter server decodes (all-reduce needs no such limit)."""
     dse = make_codec(name).lane_fields is None
     return DSE_PARTITION if service and dse else PARTITION_ELEMENTS
@@ -76,9 +77,9 @@ def over_service(name: str, service: str, size: int) -> dict[int, list[torch.Ten
     profile, count = SERVICES[service]
     network = MemoryNetwork(seed=5)
     fmt = wire_format(make_codec(name, workers=WORKERS), seed=SEED)
-    elements = fmt.lanes_per_packet() if fmt.lanes else DSE_PARTITION
+    elements = lanes_fitting(max(fmt.in_bits, fmt.out_bits)) if fmt.lanes else DSE_PARTITION
     addresses = tuple(("10.0.1.1", 5000 + w) for w in range(WORKERS))
-    aggregators = {("10.0.0.1", 48864 + p): Aggregator(profile()) for p in range(count)}
+    aggregators = {("10.0.0.1", 48864 + p): DataPlane(profile()) for p in range(count)}
     for address, aggregator in aggregators.items():
         aggregator.register(JobSpec(7, addresses, 8, elements, fmt.op))
         network.add_aggregator(address, aggregator)
@@ -116,7 +117,7 @@ def test_services_give_the_reference_average_bit_for_bit(name, service, size):
         fmt = wire_format(make_codec(name, workers=WORKERS))
         spec = JobSpec(7, (("10.0.1.1", 5000),), 8, 256, fmt.op)
         with pytest.raises(Exception, match="integer operations only"):
-            Aggregator(switch_profile()).register(spec)  # a switch adds integers, nothing else
+            DataPlane(switch_profile()).register(spec)  # a switch adds integers, nothing else
         return
     want = reference(name, size, partition_for(name, service=True))
     for w, averages in over_service(name, service, size).items():

@@ -8,7 +8,7 @@ import pytest
 
 from gradsum.codecs import make_codec, run_round
 from gradsum.net.loopback import WorkerTask, worker_input
-from gradsum.testbed.aggregation import Daemon, aggregate
+from gradsum.testbed.aggregation import NamespaceDaemon, aggregate
 
 
 def loss_free(task: WorkerTask) -> np.ndarray:
@@ -22,7 +22,7 @@ def test_switch_aggregation_over_one_percent_loss_equals_the_loss_free_result(ma
     task = WorkerTask((), job=1, workers=3, codec="thc", elements=150_000, slot_elements=1024,
                       slots=8, retry_timeout=0.005)  # fmt: skip
     with make_testbed(3, switch=True, rate="1gbit", loss="1%") as tb:
-        with Daemon(tb, "switch", "switch") as switch:
+        with NamespaceDaemon(tb, "switch", "switch") as switch:
             results = aggregate(tb, switch, task, timeout=240)
         drops = tb.loss_drops()
     # ~150 packets each way per worker at 1% per link direction: a few dozen lost in all

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sizes and max(args.sizes) > 1 << 24:
         raise UsageError("--sizes: at most 2^24 elements")
     if args.mtu is not None:
-        from ..net.client import MAX_MTU, MIN_MTU
+        from ..dataplane.geometry import MAX_MTU, MIN_MTU
 
         if args.link_rate or args.from_json:
             raise UsageError("--mtu is for loopback runs; a testbed sends MTU-sized packets")

@@ -244,12 +244,12 @@ class _ProfiledReducer:
     It is a ``codecs.round.Reducer``, so the profile runs the round every aggregator runs."""
 
     def __init__(self, fmt, workers: int, partition: int):
-        from ..dataplane.collective import JobHandle
+        from ..dataplane.geometry import chunk_lanes, lanes_fitting
 
         self.fmt, self.workers = fmt, workers
         bits = max(fmt.in_bits, fmt.out_bits)
-        self.per_chunk = JobHandle(("", 0), 0, 0, 1, 1 << 24, workers).lanes_per_chunk(bits) \
-            if fmt.lanes else 1
+        # the client's default: the most lanes a datagram holds, one packet a chunk
+        self.per_chunk = chunk_lanes(lanes_fitting(bits), 1, bits) if fmt.lanes else 1
         self.partition = partition
         self.seconds = {"encode_seconds": 0.0, "decode_seconds": 0.0, "server_seconds": 0.0}
         self.up = self.down = 0
@@ -341,7 +341,7 @@ def measure_method(tb, method: str, elements: int, setup: Setup, rate: int):
     """Seconds of one allreduce of ``method`` across ``tb`` (median of the slowest worker) and
     the gradsum workers' packet counters summed (sent, retransmitted; none for Gloo)."""
     from ..net.loopback import WorkerTask
-    from ..testbed.aggregation import Daemon, aggregate
+    from ..testbed.aggregation import NamespaceDaemon, aggregate
     from ..testbed.gloo import gloo_allreduce
     from ..testbed.plan import MTU
 
@@ -356,7 +356,7 @@ def measure_method(tb, method: str, elements: int, setup: Setup, rate: int):
                       keep_output=False, multicast=multicast(kind, setup),
                       mtu=None if setup.fragmented else MTU)  # fmt: skip
     flags = ("--drop-rate", str(setup.drop_rate)) if setup.drop_rate else ()
-    with Daemon(tb, host, kind, *flags, pipelines=setup.pipelines) as daemon:
+    with NamespaceDaemon(tb, host, kind, *flags, pipelines=setup.pipelines) as daemon:
         results = aggregate(tb, daemon, task, timeout=600)
     # the testbed's workers time every step; the first `warmup` ones (job start-up) are dropped
     seconds = step_seconds([r.seconds[setup.warmup :] for r in results])

@@ -65,12 +65,12 @@ def train_in_testbed(
 
 
 def _start_aggregators(tb, aggregator: str, workers: int) -> list:
-    from ..testbed.aggregation import Daemon
+    from ..testbed.aggregation import NamespaceDaemon
 
     if aggregator == "switch":
-        return [Daemon(tb, "switch", "switch")]
+        return [NamespaceDaemon(tb, "switch", "switch")]
     if aggregator == "ps":
-        return [Daemon(tb, f"w{i}", "server") for i in range(workers)]
+        return [NamespaceDaemon(tb, f"w{i}", "server") for i in range(workers)]
     return []
 
 

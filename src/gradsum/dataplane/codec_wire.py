@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from ..codecs.base import Aggregation, Codec
 from .jobspec import DecodeSumEncode, FloatSum, IntegerSum, OpSpec
-from .packet import MAX_PAYLOAD
 
 
 @dataclass(frozen=True)
@@ -26,14 +25,6 @@ class WireFormat:
     def lanes(self) -> bool:
         """Whether payloads travel as lanes (homomorphic) or whole (decode-sum-encode)."""
         return self.in_bits > 0
-
-    def lanes_per_packet(self) -> int:
-        """Most lanes (a multiple of 8) whose packed bytes fit one datagram both ways."""
-        return lanes_fitting(max(self.in_bits, self.out_bits))
-
-
-def lanes_fitting(bits: int) -> int:
-    return (MAX_PAYLOAD * 8 // bits) // 8 * 8
 
 
 def wire_format(codec: Codec, options: dict | None = None, seed: int = 0) -> WireFormat:

@@ -32,11 +32,12 @@ from ..codecs.base import Codec, Payload, float_to_ordered_int, ordered_int_to_f
 from ..codecs.bits import packed_nbytes
 from ..codecs.round import SumPhase
 from . import payload_wire
-from .codec_wire import WireFormat, lanes_fitting, wire_format
+from .codec_wire import WireFormat, wire_format
+from .geometry import chunk_lanes, packet_lanes
 from .jobspec import Address
 from .packet import MAX_PAYLOAD, Op
+from .stream import ChunkLayout, RetryPolicy, RoundTrip, StreamStats, shard_lanes
 from .transfer import LaneBuffers, PayloadBuffers, Transfer
-from .worker import ChunkLayout, RetryPolicy, RoundTrip, StreamStats, shard_lanes
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,10 @@ class JobHandle:
     segments: int = 1
 
     def packet_lanes(self, bits: int) -> int:
-        return min(self.elements, lanes_fitting(bits)) // 8 * 8
+        return packet_lanes(self.elements, bits)
 
     def lanes_per_chunk(self, bits: int) -> int:
-        return self.packet_lanes(bits) * self.segments
+        return chunk_lanes(self.elements, self.segments, bits)
 
 
 RunTransfers = Callable[..., None]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .packet import MAX_PAYLOAD, PARTIAL, Header, Kind, Op
-from .worker import ChunkLayout, ChunkStream, RetryPolicy, RoundTrip, StreamStats
+from .stream import ChunkLayout, ChunkStream, RetryPolicy, RoundTrip, StreamStats
 
 
 class LaneBuffers:
@@ -101,7 +101,7 @@ class Transfer:
         max_contributors: int,
         policy: RetryPolicy | None = None,
         stats: StreamStats | None = None,
-        what: str = "aggregator",
+        what: str = "plane",
         rtt: RoundTrip | None = None,
         segments: int = 1,
         first_packet: int | None = None,

@@ -27,10 +27,11 @@ from ..codecs.registry import make_codec
 from ..codecs.round import PARTITION_ELEMENTS, CodecRound
 from ..dataplane.codec_wire import WireFormat, wire_format
 from ..dataplane.collective import Collective, JobHandle
+from ..dataplane.geometry import aggregator_slots, lanes_fitting, packet_geometry
 from ..dataplane.jobspec import Address, JobSpec
 from ..dataplane.packet import HEADER_SIZE, Header, Kind, MalformedPacket, parse_header
+from ..dataplane.stream import RetryPolicy
 from ..dataplane.transfer import Transfer
-from ..dataplane.worker import RetryPolicy
 from . import pump
 from .udp import (
     enable_gro,
@@ -42,6 +43,7 @@ from .udp import (
 )
 
 _PEEK = socket.MSG_PEEK | socket.MSG_TRUNC
+PAYLOAD_ELEMENTS = 1 << 13  # coordinates per decode-sum-encode payload: one fits a datagram
 _request_ids = itertools.count(1)
 
 
@@ -295,9 +297,13 @@ class SwitchClient:
         self.codec = make_codec(codec, workers=workers, **self.codec_options)
         self.format: WireFormat = wire_format(self.codec, self.codec_options, seed)
         self.slots = slots
-        self.elements, self.segments = packet_geometry(
-            self.format, elements or self._default_elements(), mtu
-        )
+        if self.format.lanes:
+            bits = max(self.format.in_bits, self.format.out_bits)
+            self.elements, self.segments = packet_geometry(
+                bits, elements or lanes_fitting(bits), mtu
+            )
+        else:  # one serialized payload per packet, of at most this many coordinates
+            self.elements, self.segments = elements or PAYLOAD_ELEMENTS, 1
         self.sock = open_socket(bind)
         self.address = local_address(self.sock)
         if multicast and self.sock.family != socket.AF_INET:
@@ -327,11 +333,6 @@ class SwitchClient:
         self.seed, self.rank = seed, worker if rank is None else rank
         self._steps = itertools.count()
 
-    def _default_elements(self) -> int:
-        if self.format.lanes:
-            return self.format.lanes_per_packet()
-        return 1 << 13  # coordinates per partition for decode-sum-encode codecs (fits a packet)
-
     def job_spec(
         self, worker_addresses: Sequence[Address], aggregator: Address | None = None, **extra
     ) -> JobSpec:
@@ -345,8 +346,7 @@ class SwitchClient:
                 "partial aggregation needs one packet per chunk (no mtu): the "
                 "packets of a chunk could complete with different quorums"
             )
-        # the aggregator holds a slot per packet of the window
-        slots = self.slots * self.segments
+        slots = aggregator_slots(self.slots, self.segments)
         return JobSpec(self.job, addresses, slots, self.elements, self.format.op, **extra)
 
     def register(self, worker_addresses: Sequence[Address], **extra) -> None:
@@ -383,29 +383,6 @@ class SwitchClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-IPV4_UDP_HEADERS = 28
-MIN_MTU, MAX_MTU = 576, 65535  # IPv4's minimum datagram every host accepts; the largest
-MAX_GSO_BYTES = 65507  # one UDP send, GSO or not: 64 KiB less the IPv4 and UDP headers
-MAX_SEGMENTS = 64  # packets per GSO send (_pump.c)
-
-
-def packet_geometry(fmt: WireFormat, elements: int, mtu: int | None) -> tuple[int, int]:
-    """(lanes per packet, packets per chunk) for a path ``mtu``: packets that fit one frame, so
-    the IP layer never fragments them (a lost fragment loses its whole datagram, and each one
-    costs the kernel as much as a packet), sent a chunk at a time with GSO by the native pump.
-    Every worker of a job computes the same. Without ``mtu``: ``elements`` per packet, one
-    packet per chunk (datagrams of up to 64 KiB)."""
-    if mtu is None or not fmt.lanes:
-        return elements, 1
-    payload = mtu - IPV4_UDP_HEADERS - HEADER_SIZE
-    lanes = payload * 8 // max(fmt.in_bits, fmt.out_bits) // 8 * 8
-    if lanes < 8:
-        raise ValueError(f"mtu {mtu}: no room for a packet of 8 lanes")
-    lanes = min(lanes, elements)
-    packet = HEADER_SIZE + lanes * max(fmt.in_bits, fmt.out_bits) // 8
-    return lanes, max(1, min(MAX_SEGMENTS, MAX_GSO_BYTES // packet))
 
 
 def _address(value: Address | str) -> Address:

@@ -1,4 +1,4 @@
-"""The aggregator daemon loop: a UDP socket around an ``Aggregator`` (all logic lives there).
+"""The aggregator daemon loop: a UDP socket around an ``DataPlane`` (all logic lives there).
 
 Receives into one reused buffer, hands the view to the data plane, sends each action's header and
 payload gathered (``sendmsg``, no copy), injects seeded loss both ways if asked, completes quorum
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..dataplane import native_pool
 from ..dataplane.actions import Send
-from ..dataplane.aggregator import Aggregator
+from ..dataplane.plane import DataPlane
 from .loss import Impairment
 from .udp import enable_gro, receive_datagrams
 
@@ -46,7 +46,7 @@ class DaemonStats:
 class Daemon:
     def __init__(
         self,
-        aggregator: Aggregator,
+        aggregator: DataPlane,
         sock: socket.socket,
         *,
         drop_rate: float = 0.0,

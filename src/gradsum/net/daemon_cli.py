@@ -88,8 +88,8 @@ def add_daemon_arguments(parser: argparse.ArgumentParser, job_memory_mib: int) -
 
 def run_daemon(args: argparse.Namespace, make_profile) -> int:
     from ..cli import UsageError
-    from ..dataplane.aggregator import Aggregator, ControlError
     from ..dataplane.jobspec import JobSpec, SpecError
+    from ..dataplane.plane import DataPlane, RequestRefused
     from .daemon import Daemon
     from .udp import PortInUseError, open_socket, parse_bind, resolve
 
@@ -103,8 +103,8 @@ def run_daemon(args: argparse.Namespace, make_profile) -> int:
     for path in args.register:
         try:
             jobs += [JobSpec.from_json(body) for body in _job_bodies(path)]
-            _aggregator(profile, jobs, Aggregator, resolve)  # refuses what it cannot serve
-        except (OSError, ValueError, SpecError, ControlError) as error:
+            _aggregator(profile, jobs, DataPlane, resolve)  # refuses what it cannot serve
+        except (OSError, ValueError, SpecError, RequestRefused) as error:
             raise UsageError(f"--register {path}: {error}") from None
     sockets = _open_sockets(bind, args.pipelines, open_socket, PortInUseError, UsageError)
     addresses = ", ".join("{}:{}".format(*s.getsockname()[:2]) for s in sockets)
@@ -117,20 +117,20 @@ def run_daemon(args: argparse.Namespace, make_profile) -> int:
     for index in range(1, len(sockets)):
         pid = _fork_pipeline(index, sockets)
         if pid == 0:  # pipeline `index`'s own process: serve, and fork nothing more
-            return _serve(args, profile, _aggregator(profile, jobs, Aggregator, resolve),
+            return _serve(args, profile, _aggregator(profile, jobs, DataPlane, resolve),
                           sockets[index], Daemon, index)  # fmt: skip
         children.append(pid)
     for extra in sockets[1:]:
         extra.close()
     try:
-        return _serve(args, profile, _aggregator(profile, jobs, Aggregator, resolve), sockets[0],
+        return _serve(args, profile, _aggregator(profile, jobs, DataPlane, resolve), sockets[0],
                       Daemon, 0)  # fmt: skip
     finally:
         _stop_pipelines(children)
 
 
-def _aggregator(profile, jobs, Aggregator, resolve):
-    aggregator = Aggregator(profile, resolve=resolve)
+def _aggregator(profile, jobs, DataPlane, resolve):
+    aggregator = DataPlane(profile, resolve=resolve)
     for spec in jobs:
         aggregator.register(spec)
     return aggregator

@@ -243,7 +243,7 @@ def _worker_main(task: WorkerTask, worker: int, pipe) -> None:
 def _work(task: WorkerTask, worker: int, pipe) -> WorkerResult:
     import torch
 
-    from ..dataplane.worker import RetryPolicy
+    from ..dataplane.stream import RetryPolicy
     from .client import SwitchClient
 
     torch.set_num_threads(1)

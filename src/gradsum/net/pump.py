@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..codecs.native_common import enabled
+from ..dataplane.geometry import aggregator_slots
 from ..dataplane.jobspec import is_ipv4
 from ..dataplane.transfer import LaneBuffers, Transfer
 
@@ -113,7 +114,7 @@ class Routes:
         row["max_contributors"] = transfer.max_contributors
         row["first"], row["count"] = transfer.first, transfer.buffers.chunks
         row["lanes"] = layout.lanes
-        row["slots"] = transfer.slots * segments  # the aggregator's slots: one per packet
+        row["slots"] = aggregator_slots(transfer.slots, segments)
         row["base"], row["segments"] = transfer.first_packet, segments
         row["packet_lanes"], row["packets"] = packet_lanes, packets
         row["upstream"] = upstream.ctypes.data

@@ -20,6 +20,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..dataplane.aggregator import server_profile
+    from ..dataplane.plane import server_profile
 
     return run_daemon(args, server_profile)

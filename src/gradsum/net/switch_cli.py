@@ -20,6 +20,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..dataplane.aggregator import switch_profile
+    from ..dataplane.plane import switch_profile
 
     return run_daemon(args, switch_profile)

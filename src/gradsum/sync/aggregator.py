@@ -41,8 +41,16 @@ class Aggregator:
         partition_elements: int | None = None,
     ) -> torch.Tensor:
         """The average of ``flat`` (1-D) over workers, as ``codec`` estimates it."""
+        return self.run_round(flat, codec, self.reducer(codec), key, step, seed,
+                              partition_elements)  # fmt: skip
+
+    def run_round(
+        self, flat: torch.Tensor, codec: Codec, reducer: Reducer, key: Hashable, step: int,
+        seed: int, partition_elements: int | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """This worker's ``CodecRound`` of ``flat`` through ``reducer``."""
         round_ = CodecRound(codec, seed, self.partition_size(codec, partition_elements))
-        return round_.run(flat, self.reducer(codec), worker=self.rank, key=key, step=step)
+        return round_.run(flat, reducer, worker=self.rank, key=key, step=step)
 
     def partition_size(self, codec: Codec, requested: int | None) -> int:
         """The partition size a round of ``codec`` runs with: the caller's (2**20 by default),

@@ -17,7 +17,6 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from ..codecs import Codec
-from ..codecs.round import CodecRound
 from .service import JobSettings, ServiceAggregator
 
 
@@ -47,8 +46,7 @@ class ShardedServiceAggregator(ServiceAggregator):
         if not 0 <= shard < self.num_shards:
             raise ValueError(f"shard {shard} does not exist: this job has {self.num_shards}")
         reducer = self.clients_for(codec)[shard].collective
-        round_ = CodecRound(codec, seed, self.partition_size(codec, partition_elements))
-        return round_.run(flat, reducer, worker=self.rank, key=key, step=step)
+        return self.run_round(flat, codec, reducer, key, step, seed, partition_elements)
 
 
 def time_transfers(send, sizes: Sequence[int], repeats: int = 5) -> list[tuple[float, float]]:

@@ -5,7 +5,7 @@ rules; ``shell`` applies and removes them; ``Testbed`` is the context manager fo
 benchmarks; ``gloo`` times torch.distributed all-reduce across the testbed's workers.
 """
 
-from .plan import Host, Link, Plan, Tc, TestbedSpec, plan
+from .plan import Host, Link, Tc, TestbedPlan, TestbedSpec, plan
 from .shell import TestbedError, preflight
 from .testbed import Call, RemoteError, Testbed, make_spec
 
@@ -13,11 +13,11 @@ __all__ = [
     "Call",
     "Host",
     "Link",
-    "Plan",
     "RemoteError",
     "Tc",
     "Testbed",
     "TestbedError",
+    "TestbedPlan",
     "TestbedSpec",
     "make_spec",
     "plan",

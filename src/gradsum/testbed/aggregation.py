@@ -24,7 +24,7 @@ WORKER_PORT = 48865
 _CLI = "import sys; from gradsum.cli import main; sys.exit(main())"
 
 
-class Daemon:
+class NamespaceDaemon:
     """A `gradsum switch|server` process on a testbed host; ``stop()`` returns its stderr
     (its final statistics)."""
 
@@ -65,14 +65,14 @@ class Daemon:
             raise TestbedError(f"gradsum {self.kind} ignored SIGTERM for {timeout:g} s") from None
         return self.stderr
 
-    def __enter__(self) -> Daemon:
+    def __enter__(self) -> NamespaceDaemon:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
-def aggregate(tb: Testbed, daemon: Daemon, task, timeout: float = 300.0) -> list:
+def aggregate(tb: Testbed, daemon: NamespaceDaemon, task, timeout: float = 300.0) -> list:
     """Run ``task`` (a ``gradsum.net.loopback.WorkerTask``; its aggregators are replaced by
     ``daemon``) on all of ``tb``'s workers; their ``WorkerResult``s in worker order."""
     task = replace(task, aggregators=daemon.addresses, workers=len(tb.workers))
@@ -89,7 +89,7 @@ def aggregation_worker(task, worker: int, addresses: list) -> object:
     worker 0, then all-reduce ``task.steps`` seeded tensors."""
     import torch
 
-    from ..dataplane.worker import RetryPolicy
+    from ..dataplane.stream import RetryPolicy
     from ..net.client import SwitchClient
     from ..net.loopback import WorkerResult, worker_inputs
 

@@ -1,7 +1,7 @@
 """The testbed planner: a spec in, the exact namespaces, links, addresses and tc rules out.
 
-Pure and deterministic; nothing here touches the system. ``Plan.commands()`` renders the plan as
-the ``ip``/``tc`` command lines the executor (``shell``) runs in order.
+Pure and deterministic; nothing here touches the system. ``TestbedPlan.commands()`` renders the
+plan as the ``ip``/``tc`` command lines the executor (``shell``) runs in order.
 
 Topology. Every host is a network namespace ``gradsum-<id>-<host>``; one more namespace,
 ``gradsum-<id>-tor``, holds a bridge ``br0`` that stands for the top-of-rack switch. Each worker
@@ -135,7 +135,7 @@ class Tc:
 
 
 @dataclass(frozen=True)
-class Plan:
+class TestbedPlan:
     spec: TestbedSpec
     namespaces: tuple[str, ...]
     hosts: tuple[Host, ...]
@@ -251,7 +251,7 @@ def ps_address(index: int) -> str:
     return f"{_PS_NET}.{index + 1}"
 
 
-def plan(spec: TestbedSpec) -> Plan:
+def plan(spec: TestbedSpec) -> TestbedPlan:
     """The full, deterministic plan for ``spec``."""
     tor = namespace_name(spec.id, TOR)
     end_hosts = [
@@ -270,7 +270,7 @@ def plan(spec: TestbedSpec) -> Plan:
     for link in links:
         shaping += link_shaping(spec, link.namespace, link.device)
         shaping += link_shaping(spec, link.peer_namespace, link.peer)
-    return Plan(
+    return TestbedPlan(
         spec=spec,
         namespaces=(tor, *(h.namespace for h in end_hosts)),
         hosts=tuple(hosts),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .plan import (
     ID_PATTERN,
-    Plan,
+    TestbedPlan,
     TestbedSpec,
     ids_from_namespaces,
     owned_namespaces,
@@ -133,7 +133,7 @@ def remove(testbed_id: str) -> list[str]:
     return namespaces
 
 
-def apply(plan: Plan) -> None:
+def apply(plan: TestbedPlan) -> None:
     """Build ``plan``, first removing whatever a stale testbed of the same id left. On any
     failure the partial testbed is removed and TestbedError raised."""
     preflight()

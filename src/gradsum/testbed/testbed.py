@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import shell
-from .plan import Host, Plan, TestbedSpec, parse_loss_drops, plan
+from .plan import Host, TestbedPlan, TestbedSpec, parse_loss_drops, plan
 from .shell import TestbedError
 from .units import parse_duration, parse_loss, parse_rate
 
@@ -65,7 +65,7 @@ class Testbed:
 
     def __init__(self, workers: int = 2, **options: Any) -> None:
         self.spec = options.pop("spec", None) or make_spec(workers, **options)
-        self.plan: Plan = plan(self.spec)
+        self.plan: TestbedPlan = plan(self.spec)
         self._processes: list[subprocess.Popen] = []
         self._claim = None  # the lock that marks this testbed as in use (shell.claim)
 

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         mtu=args.mtu,
     )
-    from ..net.client import MAX_MTU, MIN_MTU
+    from ..dataplane.geometry import MAX_MTU, MIN_MTU
 
     if config.mtu is not None and not MIN_MTU <= config.mtu <= MAX_MTU:
         raise UsageError(f"--mtu {config.mtu}: must be between {MIN_MTU} and {MAX_MTU}")

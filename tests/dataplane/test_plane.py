@@ -10,7 +10,7 @@ from gradsum.codecs import make_codec, run_round
 from gradsum.codecs.base import AGGREGATOR, CodecContext
 from gradsum.codecs.round import worker_contexts
 from gradsum.dataplane import (
-    Aggregator,
+    DataPlane,
     FloatSum,
     Header,
     IntegerSum,
@@ -66,7 +66,7 @@ def test_server_float_sum_is_the_same_whatever_the_arrival_order():
     values = [rng.standard_normal(64).astype(np.float32) * 10.0 ** (3 * w) for w in range(3)]
     results = set()
     for order in ([0, 1, 2], [2, 1, 0], [1, 2, 0]):
-        server = Aggregator(server_profile())
+        server = DataPlane(server_profile())
         server.register(spec)
         for w in order:
             actions = deliver(server, spec, w, lane_packet(spec, w, 0, values[w].tobytes(), 64))
@@ -87,7 +87,7 @@ def test_server_decodes_sums_and_reencodes_like_codec_aggregate(name):
     payloads = [codec.encode(x, ctx) for x, ctx in zip(prepared, contexts, strict=True)]
     fmt = wire_format(codec, seed=1)
     spec = JobSpec(1, tuple(worker_address(w) for w in range(workers)), 1, length, fmt.op)
-    server = Aggregator(server_profile())
+    server = DataPlane(server_profile())
     server.register(spec)
     for w, payload in enumerate(payloads):
         blob = payload_wire.serialize(payload)
@@ -104,12 +104,12 @@ def test_server_decodes_sums_and_reencodes_like_codec_aggregate(name):
 def test_switch_refuses_float_and_decoding_ops_and_server_accepts_them():
     spec = JobSpec(1, (worker_address(0),), 1, 8, FloatSum())
     with pytest.raises(Exception, match="integer operations only"):
-        Aggregator(switch_profile()).register(spec)
-    Aggregator(server_profile()).register(spec)
+        DataPlane(switch_profile()).register(spec)
+    DataPlane(server_profile()).register(spec)
 
 
 def test_switch_bounds_the_memory_a_job_may_hold():
-    switch = Aggregator(switch_profile(job_memory=2 * 4 * 8 * 4))
+    switch = DataPlane(switch_profile(job_memory=2 * 4 * 8 * 4))
     switch.register(int32_job(slots=4, elements=8, job=1))
     with pytest.raises(Exception, match="needs 512 bytes"):
         switch.register(int32_job(slots=8, elements=8, job=2))
@@ -128,7 +128,7 @@ def control(aggregator, kind, job, body=None, request=7, source=("10.9.9.9", 1))
 
 
 def test_registration_teardown_and_errors_over_control_messages():
-    switch = Aggregator(switch_profile())
+    switch = DataPlane(switch_profile())
     spec = int32_job(workers=2)
     header, body = control(switch, Kind.REGISTER, 1, spec.to_json())
     assert (header.kind, header.chunk, body) == (Kind.REGISTERED, 7, {"job": 1})

@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from gradsum.dataplane import AggregationTimeout, ChunkStream, RetryPolicy, StaleChunkError
-from gradsum.dataplane.worker import ChunkLayout, RoundTrip, shard_lanes
+from gradsum.dataplane.stream import ChunkLayout, RoundTrip, shard_lanes
 
 POLICY = RetryPolicy(timeout=1.0, backoff=2.0, max_timeout=3.0, give_up_after=10.0)
 

@@ -1,6 +1,6 @@
 """A switch or parameter server as a pure state machine: datagrams in, actions out.
 
-``Aggregator.on_datagram(data, source, now)`` parses and validates a packet, routes it to its
+``DataPlane.on_datagram(data, source, now)`` parses and validates a packet, routes it to its
 job's ``SlotPool`` (data), to the pool that forwarded it (a parent switch's result) or to the
 control handlers (registration, teardown, statistics), and returns what to send. Nothing here
 touches a socket or a clock: ``now`` and the source address come from the shell.
@@ -74,7 +74,7 @@ class Job:
         self.pool = NativePool(spec) if self.native else SlotPool(spec, _sum_op(spec))
 
 
-class Aggregator:
+class DataPlane:
     def __init__(
         self,
         profile: Profile,
@@ -146,8 +146,8 @@ class Aggregator:
                 return _reply(Kind.TORN_DOWN, header, source, {"job": header.job, **final})
             if header.kind is Kind.STATS_REQUEST:
                 return _reply(Kind.STATS, header, source, self.statistics())
-            raise ControlError("unexpected_kind", f"{header.kind.name} is a reply, not a request")
-        except ControlError as error:
+            raise RequestRefused("unexpected_kind", f"{header.kind.name} is a reply, not a request")
+        except RequestRefused as error:
             self.count(f"control_error_{error.code}")
             return _reply(Kind.ERROR, header, source, {"code": error.code, "message": str(error)})
         except SpecError as error:
@@ -161,10 +161,10 @@ class Aggregator:
         if existing is not None:
             if existing.spec == spec:
                 return existing
-            raise ControlError("job_exists", f"job {spec.job} is registered with another spec")
+            raise RequestRefused("job_exists", f"job {spec.job} is registered with another spec")
         refusal = self.profile.refuse(spec)
         if refusal:
-            raise ControlError("unsupported", refusal)
+            raise RequestRefused("unsupported", refusal)
         self._check_memory(spec)
         job = Job(spec, self.native)
         self.jobs[spec.job] = job
@@ -175,7 +175,7 @@ class Aggregator:
     def teardown(self, job_id: int) -> dict:
         job = self.jobs.pop(job_id, None)
         if job is None:
-            raise ControlError("unknown_job", f"job {job_id} is not registered")
+            raise RequestRefused("unknown_job", f"job {job_id} is not registered")
         if job.spec.parent is not None:
             self._children.pop((job.spec.parent.address, job.spec.parent.job), None)
         return {"stats": dict(job.pool.stats)}
@@ -184,9 +184,9 @@ class Aggregator:
         need = slot_memory(spec)
         used = sum(slot_memory(j.spec) for j in self.jobs.values())
         if len(self.jobs) >= self.profile.max_jobs:
-            raise ControlError("too_many_jobs", f"{self.profile.max_jobs} jobs already")
+            raise RequestRefused("too_many_jobs", f"{self.profile.max_jobs} jobs already")
         if need > self.profile.job_memory or used + need > self.profile.total_memory:
-            raise ControlError(
+            raise RequestRefused(
                 "out_of_memory",
                 f"job {spec.job} needs {need} bytes of slots; a job may use "
                 f"{self.profile.job_memory}, {self.profile.total_memory - used} are free",
@@ -221,7 +221,7 @@ class Aggregator:
         return Drop(reason, detail)
 
 
-class ControlError(Exception):
+class RequestRefused(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
@@ -246,9 +246,9 @@ def _json_body(payload: memoryview) -> dict:
     try:
         body = json.loads(bytes(payload).decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ControlError("bad_request", f"body is not JSON: {error}") from None
+        raise RequestRefused("bad_request", f"body is not JSON: {error}") from None
     if not isinstance(body, dict):
-        raise ControlError("bad_request", "body must be a JSON object")
+        raise RequestRefused("bad_request", "body must be a JSON object")
     return body
 
 
