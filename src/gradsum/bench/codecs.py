@@ -198,10 +198,10 @@ def measure_codec(
     clock: Callable[[], float] = time.thread_time,
     options: dict | None = None,
 ) -> CodecRow:
-    """One warm-up round, then ``repeats`` timed rounds; NMSE from the first round."""
+    """One warm-up round, then ``repeats`` timed rounds of the reference round (the round every
+    aggregator runs, with ``codec.aggregate`` as its SUM); NMSE from the first round."""
     from ..codecs import make_codec, nmse
-    from ..codecs.base import aggregator_context, combine_summaries
-    from ..codecs.round import worker_contexts
+    from ..codecs.round import PhaseClock, run_round
 
     workers = len(inputs)
     codec = make_codec(name, workers=workers, error_feedback=error_feedback, **(options or {}))
@@ -217,38 +217,19 @@ def measure_codec(
         start = clock()
         destination.copy_(probe)
         copy_time = clock() - start
-        contexts = worker_contexts(workers, step=step)
-        encode_times, payloads, summaries = [], [], []
-        for x, ctx in zip(inputs, contexts, strict=True):
-            start = clock()
-            prepared = codec.precondition(x, ctx)
-            summaries.append(codec.summarize(prepared, ctx))
-            encode_times.append(clock() - start)
-            payloads.append(prepared)
-        start = clock()
-        shared = combine_summaries(summaries)
-        summary_time = clock() - start
-        for w, ctx in enumerate(contexts):
-            start = clock()
-            payloads[w] = codec.encode(payloads[w], ctx, shared)
-            encode_times[w] += clock() - start
-        start = clock()
-        aggregate = codec.aggregate(payloads, aggregator_context(contexts[0]))
-        aggregate_time = clock() - start + summary_time
-        start = clock()
-        average = codec.decode(aggregate, contexts[0], shared)
-        decode_time = clock() - start
+        phases = PhaseClock(clock)
+        result = run_round(codec, inputs, step=step, clock=phases)
         if first is None:
-            first = (average, payloads[0], aggregate, shared)
+            first = result
         if step > 0:
             samples["copy"].append(copy_time)
-            samples["encode"].append(statistics.fmean(encode_times))
-            samples["aggregate"].append(aggregate_time)
-            samples["decode"].append(decode_time)
-    average, upstream, downstream, shared = first
-    summary_bits = (
-        0.0 if shared is None else shared.numel() * codec.summary_bits() / average.numel()
-    )
+            samples["encode"].append(phases.seconds["encode"] / workers)  # one worker's
+            samples["aggregate"].append(phases.seconds["aggregate"])
+            samples["decode"].append(phases.seconds["decode"])
+    average = first.average
+    shared = [s for _, _, s in first.pieces if s is not None]
+    summary_bits = sum(s.numel() for s in shared) * codec.summary_bits() / average.numel()
+    bits_up, bits_down = first.bits_per_coordinate()
     copy_hot_ms = cached_copy_ms(inputs[0], repeats, clock)
     return CodecRow(
         input=kind,
@@ -257,8 +238,8 @@ def measure_codec(
         size=average.numel(),
         homomorphic=codec.homomorphic,
         nmse=nmse(average, inputs),
-        bits_up=upstream.bits_per_coordinate() + summary_bits,
-        bits_down=downstream.bits_per_coordinate() + summary_bits,
+        bits_up=bits_up + summary_bits,
+        bits_down=bits_down + summary_bits,
         encode_ms=_median_ms(samples["encode"]),
         aggregate_ms=_median_ms(samples["aggregate"]),
         decode_ms=_median_ms(samples["decode"]),

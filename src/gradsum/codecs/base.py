@@ -213,6 +213,12 @@ class Codec(ABC):
     ) -> torch.Tensor:
         """The average over the payload's contributors, as a float32 tensor."""
 
+    def decode_into(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
+                    out: torch.Tensor) -> None:  # fmt: skip
+        """``decode`` written into ``out`` (float32, the payload's length), which codecs that
+        can do it in one pass override: a round decodes every piece into its place."""
+        out.copy_(self.decode(payload, ctx, shared))
+
     def reconstruct(
         self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -118,6 +118,17 @@ class BlockFloatingPoint(Codec):
         sums = self._blocks(payload.fields["values"].to(torch.float32))
         return sums.mul_(inverse.unsqueeze(1)).view(-1)[: payload.length]
 
+    def decode_into(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
+                    out: torch.Tensor) -> None:  # fmt: skip
+        self._check_shared(shared, payload.length)
+        into = lambda count, dtype: out  # noqa: E731 (the kernel's output: the caller's buffer)
+        fast = bfp_native.decode(
+            payload.fields["values"], payload.length, self.block_size, shared, self.headroom,
+            payload.contributors, into,
+        )  # fmt: skip
+        if fast is None:
+            out.copy_(self.decode(payload, ctx, shared))
+
     def _check_shared(self, shared: torch.Tensor | None, length: int) -> None:
         blocks = -(-length // self.block_size)
         if shared is None or shared.numel() != blocks:

@@ -67,6 +67,10 @@ class ErrorFeedback(Codec):
     ) -> torch.Tensor:
         return self.inner.decode(payload, ctx, shared)
 
+    def decode_into(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
+                    out: torch.Tensor) -> None:  # fmt: skip
+        self.inner.decode_into(payload, ctx, shared, out)
+
     def reconstruct(
         self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> torch.Tensor:

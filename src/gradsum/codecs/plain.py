@@ -48,6 +48,10 @@ class NoCompression(Codec):
     ) -> torch.Tensor:
         return payload.fields["values"] / payload.contributors
 
+    def decode_into(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
+                    out: torch.Tensor) -> None:  # fmt: skip
+        torch.div(payload.fields["values"], payload.contributors, out=out)
+
 
 class FP16(DecodingCodec):
     """IEEE half precision both ways; the server widens, sums in fp32 and narrows the sum."""

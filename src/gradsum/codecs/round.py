@@ -27,8 +27,11 @@ several threads at once (see ``Codec``), each call with its own key.
 
 from __future__ import annotations
 
+import contextlib
+import time
 import zlib
-from collections.abc import Hashable, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -132,7 +135,7 @@ class SumPhase:
             raise RuntimeError(f"piece {index} of the round was delivered twice")
         piece = self.pieces[index]
         shared = self.shared_of(index)
-        self.out[piece.start : piece.stop] = decode(self.codec, summed, piece.context, shared)
+        decode(self.codec, summed, piece.context, shared, self.out[piece.start : piece.stop])
         self._delivered[index] = True
         self._payloads[index] = None  # its buffers may be reused
 
@@ -160,11 +163,13 @@ class SumPhase:
         return x, shared
 
 
-def decode(codec: Codec, summed: Payload, ctx: CodecContext, shared) -> torch.Tensor:
-    """The average a summed payload stands for; per-coordinate contributor counts (partial
-    aggregation by different quorums) divide lane by lane where the codec's decode is linear."""
+def decode(codec: Codec, summed: Payload, ctx: CodecContext, shared, out: torch.Tensor) -> None:
+    """The average a summed payload stands for, into ``out``; per-coordinate contributor counts
+    (partial aggregation by different quorums) divide lane by lane where the codec's decode is
+    linear."""
     if summed.counts is None:
-        return codec.decode(summed, ctx, shared)
+        codec.decode_into(summed, ctx, shared, out)
+        return
     if not codec.linear_decode:
         low, high = int(summed.counts.min()), int(summed.counts.max())
         raise NotImplementedError(
@@ -172,7 +177,7 @@ def decode(codec: Codec, summed: Payload, ctx: CodecContext, shared) -> torch.Te
             "aggregation); its decode is not linear, so it needs one count for the whole piece"
         )
     sums = codec.decode(replace(summed, contributors=1, counts=None), ctx, shared)
-    return sums / summed.counts.to(sums.device, torch.float32)
+    torch.div(sums, summed.counts.to(sums.device, torch.float32), out=out)
 
 
 @dataclass(frozen=True)
@@ -247,6 +252,23 @@ class Prepared:
         return pieces
 
 
+class PhaseClock:
+    """Seconds spent in each phase of a reference round, summed over workers: ``encode``
+    (precondition, summarize, encode), ``aggregate`` (the MAX and the SUM) and ``decode``."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = self.clock()
+        try:
+            yield
+        finally:
+            self.seconds[name] += self.clock() - start
+
+
 @dataclass
 class RoundResult:
     """An in-process round of every worker: what each worker decodes, and, for a round of one
@@ -254,6 +276,13 @@ class RoundResult:
 
     average: torch.Tensor
     pieces: list[tuple[list[Payload], Payload, torch.Tensor | None]]
+
+    def bits_per_coordinate(self) -> tuple[float, float]:
+        """Wire bits per coordinate of one worker's payloads up and of the sums down, over
+        every piece (summaries not included)."""
+        up = sum(payloads[0].nbytes for payloads, _, _ in self.pieces)
+        down = sum(summed.nbytes for _, summed, _ in self.pieces)
+        return 8.0 * up / self.average.numel(), 8.0 * down / self.average.numel()
 
     def _single(self):
         if len(self.pieces) != 1:
@@ -282,28 +311,39 @@ def run_round(
     key: Hashable = None,
     contributors: Sequence[int] | None = None,
     partition_elements: int = PARTITION_ELEMENTS,
+    clock: PhaseClock | None = None,
 ) -> RoundResult:
     """The reference: every worker's round in-process, ``inputs`` one gradient per worker.
 
     ``codec`` stands for every worker (its state is keyed by worker). ``contributors`` limits
     whose payloads reach the aggregator (partial aggregation); all workers take part in the
-    preliminary round and all decode the same sums, so the result is worker 0's."""
+    preliminary round and all decode the same sums, so the result is worker 0's. ``clock``
+    collects the seconds of each phase (``gradsum bench codecs``)."""
+    clock = clock or PhaseClock()
     rounds = CodecRound(codec, seed, partition_elements)
-    workers = [
-        rounds.prepare(x.reshape(-1).to(torch.float32), worker=w, key=key, step=step)
-        for w, x in enumerate(inputs)
-    ]
+    workers = []
+    for w, x in enumerate(inputs):
+        with clock.phase("encode"):
+            flat = x.reshape(-1).to(torch.float32)
+            workers.append(rounds.prepare(flat, worker=w, key=key, step=step))
     if codec.needs_summary:
-        shared = [combine_summaries(s) for s in zip(*(w.summaries for w in workers), strict=True)]
+        with clock.phase("aggregate"):
+            summaries = zip(*(w.summaries for w in workers), strict=True)
+            shared = [combine_summaries(s) for s in summaries]
         for prepared in workers:
             prepared.share(shared)
     phases = [prepared.sum_phase() for prepared in workers]
     chosen = range(len(inputs)) if contributors is None else contributors
     pieces = []
     for i in range(len(phases[0])):
-        payloads = [phases[w].encode(i) for w in chosen]
-        summed = codec.aggregate(payloads, phases[0].aggregator_context(i))
-        phases[0].deliver(i, summed)  # every worker decodes the same sum
+        payloads = []
+        for w in chosen:
+            with clock.phase("encode"):
+                payloads.append(phases[w].encode(i))
+        with clock.phase("aggregate"):
+            summed = codec.aggregate(payloads, phases[0].aggregator_context(i))
+        with clock.phase("decode"):
+            phases[0].deliver(i, summed)  # every worker decodes the same sum
         pieces.append((payloads, summed, phases[0].shared_of(i)))
     return RoundResult(phases[0].out, pieces)
 
