@@ -60,4 +60,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m gradsum.cli` (as under torchrun) runs this file as __main__: run the imported
+    # module's main, whose UsageError is the class the sub-commands raise
+    from gradsum.cli import main as _main
+
+    sys.exit(_main())
