@@ -203,6 +203,19 @@ class Codec(ABC):
     ) -> Payload:
         """Compress a 1-D float tensor into a wire payload."""
 
+    def encode_into(self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None,
+                    out: torch.Tensor) -> Payload:  # fmt: skip
+        """``encode`` of a homomorphic codec, its lane field's bytes written into ``out``
+        (uint8, exactly their size): a transport's send buffer. Codecs that can write there in
+        one pass override it; the lane field of the payload returned may then be a view of
+        ``out``, valid until the caller reuses it."""
+        payload = self.encode(x, ctx, shared)
+        field = payload.fields[self.lane_fields[0]].contiguous().reshape(-1).view(torch.uint8)
+        if field.numel() != out.numel():
+            raise ValueError(f"{self.name}: {field.numel()} payload bytes for {out.numel()}")
+        out.copy_(field)
+        return payload
+
     @abstractmethod
     def aggregate(self, payloads: Sequence[Payload], ctx: CodecContext) -> Payload:
         """What the aggregator does with the payloads of the contributing workers."""

@@ -87,6 +87,15 @@ class BlockFloatingPoint(Codec):
         values = scaled.round_().clamp_(-limit, limit).view(-1)[: x.numel()].to(torch.int32)
         return Payload({"values": values}, x.numel())
 
+    def encode_into(self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None,
+                    out: torch.Tensor) -> Payload:  # fmt: skip
+        self._check_shared(shared, x.numel())
+        values = out.view(torch.int32)
+        into = lambda count, dtype: values  # noqa: E731 (the kernel's output: the caller's buffer)
+        if bfp_native.encode(x, self.block_size, shared, self.headroom, self.limit, into) is None:
+            return super().encode_into(x, ctx, shared, out)
+        return Payload({"values": values}, x.numel())
+
     def aggregate(self, payloads: Sequence[Payload], ctx: CodecContext) -> Payload:
         length = check_same_length(payloads)
         contributors = sum(p.contributors for p in payloads)

@@ -36,6 +36,13 @@ class NoCompression(Codec):
         check_finite(x)
         return Payload({"values": x.reshape(-1).to(torch.float32).clone()}, x.numel())
 
+    def encode_into(self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None,
+                    out: torch.Tensor) -> Payload:  # fmt: skip
+        check_finite(x)
+        values = out.view(torch.float32)
+        values.copy_(x.reshape(-1))
+        return Payload({"values": values}, x.numel())
+
     def aggregate(self, payloads: Sequence[Payload], ctx: CodecContext) -> Payload:
         length = check_same_length(payloads)
         total = payloads[0].fields["values"].clone()

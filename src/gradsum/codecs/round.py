@@ -122,13 +122,20 @@ class SumPhase:
         """The context of the aggregator's side of piece ``index`` (re-encoding randomness)."""
         return aggregator_context(self.pieces[index].context)
 
-    def encode(self, index: int) -> Payload:
+    def encode(self, index: int, into: torch.Tensor | None = None) -> Payload:
+        """Piece ``index``'s payload; ``into`` (uint8, exactly its lane bytes) is a transport's
+        send buffer the codec writes the lanes into (``Codec.encode_into``)."""
         payload = self._payloads[index]
         if payload is None:
             piece = self.pieces[index]
             x, shared = self._inputs(piece)
-            payload = self.codec.encode(x, piece.context, shared)
+            if into is None:
+                payload = self.codec.encode(x, piece.context, shared)
+            else:
+                payload = self.codec.encode_into(x, piece.context, shared, into)
             self._payloads[index] = payload
+        elif into is not None:
+            raise RuntimeError(f"piece {index} was encoded before its send buffer was given")
         return payload
 
     def payloads(self) -> list[Payload]:

@@ -242,6 +242,9 @@ class StreamedSum:
         self.upstream, self.result, self.shards = upstream, result, shards
         self.encoded = self.decoded = 0
         self._dtype: torch.dtype | None = None  # a 32-bit lane's dtype (int32 or float32)
+        # results counted when the next piece was last found incomplete: the transport asks
+        # between every batch of packets, and nothing can have changed without a new result
+        self._checked_at = -1
 
     @property
     def pending(self) -> bool:
@@ -270,18 +273,15 @@ class StreamedSum:
             self._decode_next()
 
     def _encode_next(self) -> None:
-        i = self.encoded
-        payload = self.phase.encode(i)
-        field = payload.fields[self.phase.codec.lane_fields[0]].contiguous()
+        """The next piece, encoded straight into its place in the send buffer."""
+        i, bits = self.encoded, self.fmt.in_bits
+        start, used = self.offsets[i] * bits // 8, packed_nbytes(self.phase.lanes(i), bits)
+        end = self.offsets[i + 1] * bits // 8 if i + 1 < len(self.offsets) else self._total(bits)
+        payload = self.phase.encode(i, into=self.upstream[start : start + used])
+        self.upstream[start + used : end].zero_()  # padding lanes add nothing
+        field = payload.fields[self.phase.codec.lane_fields[0]]
         if field.dtype.itemsize == 4:
             self._dtype = field.dtype
-        data = field.reshape(-1).view(torch.uint8).cpu()
-        start = self.offsets[i] * self.fmt.in_bits // 8
-        end = self._end(i, self.fmt.in_bits)
-        if data.numel() > end - start:
-            raise ValueError(f"piece {i}: {data.numel()} payload bytes for {end - start} lanes")
-        self.upstream[start : start + data.numel()].copy_(data)
-        self.upstream[start + data.numel() : end].zero_()  # padding lanes add nothing
         self.encoded += 1
 
     def _release(self, now: float) -> list[tuple[Transfer, int]]:
@@ -300,7 +300,15 @@ class StreamedSum:
 
     def _decodable(self) -> bool:
         i = self.decoded
-        return i < self.encoded and all(int(c.min()) > 0 for c in self._counts(i))
+        if i >= self.encoded:
+            return False
+        received = sum(transfer.stream.received for _, transfer, _ in self.shards)
+        if received == self._checked_at:
+            return False
+        if all(int(c.min()) > 0 for c in self._counts(i)):
+            return True
+        self._checked_at = received
+        return False
 
     def _decode_next(self) -> None:
         i = self.decoded
@@ -348,6 +356,9 @@ class StreamedSum:
 
     def _total_lanes(self) -> int:
         return sum(transfer.buffers.layout.lanes for _, transfer, _ in self.shards)
+
+    def _total(self, bits: int) -> int:
+        return packed_nbytes(self._total_lanes(), bits)
 
     def _lane_end(self, i: int) -> int:
         return self.offsets[i] + self.phase.lanes(i)

@@ -156,6 +156,11 @@ class ChunkStream:
     def done(self) -> bool:
         return self._received == self.count
 
+    @property
+    def received(self) -> int:
+        """Chunks whose result is in."""
+        return self._received
+
     def start(self, now: float) -> list[int]:
         window = range(self.first, min(self.first + self.slots, self._end))
         self._held = [chunk for chunk in window if chunk >= self.ready]
