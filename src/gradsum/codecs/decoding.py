@@ -45,6 +45,10 @@ class DecodingCodec(Codec):
     ) -> torch.Tensor:
         return self.decompress(payload) / payload.contributors
 
+    def decode_into(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
+                    out: torch.Tensor) -> None:  # fmt: skip
+        torch.div(self.decompress(payload), payload.contributors, out=out)
+
     def reconstruct(
         self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -75,6 +75,10 @@ class Reducer(Protocol):
     def sum(self, phase: SumPhase) -> None:
         """Sum every piece's payload over workers and ``phase.deliver`` each sum."""
 
+    # Optional: ``streams = True`` where the reducer overlaps encode, transfer and decode piece
+    # by piece; a blockwise codec's partitions are then cut into pieces of whole blocks (the
+    # same values, bit for bit). Other reducers get one piece per partition.
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -206,7 +210,7 @@ class CodecRound:
         prepared = self.prepare(flat, worker=worker, key=key, step=step)
         if self.codec.needs_summary:
             prepared.share(reducer.max(prepared.summaries))
-        phase = prepared.sum_phase()
+        phase = prepared.sum_phase(streamed=getattr(reducer, "streams", False))
         reducer.sum(phase)
         phase.check_complete()
         return phase.out
@@ -248,16 +252,17 @@ class Prepared:
             raise ValueError(f"{len(shared)} summaries back for {len(self.bounds)} partitions")
         self.shared = list(shared)
 
-    def sum_phase(self) -> SumPhase:
+    def sum_phase(self, streamed: bool = False) -> SumPhase:
+        """The SUM half; ``streamed``: a blockwise codec's partitions in pieces of whole blocks."""
         count, device = self.flat.numel(), self.flat.device
         if device.type == "cpu":
             out = _OUTPUTS.empty(count, torch.float32)
         else:
             out = torch.empty(count, dtype=torch.float32, device=device)
-        return SumPhase(self.round.codec, self._pieces(), self.inputs, self.shared, out)
+        return SumPhase(self.round.codec, self._pieces(streamed), self.inputs, self.shared, out)
 
-    def _pieces(self) -> list[Piece]:
-        block = self.round.codec.blockwise
+    def _pieces(self, streamed: bool) -> list[Piece]:
+        block = self.round.codec.blockwise if streamed else None
         pieces = []
         for p, ((start, stop), ctx) in enumerate(zip(self.bounds, self.contexts, strict=True)):
             size = stop - start

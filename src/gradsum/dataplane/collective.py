@@ -83,8 +83,9 @@ class Collective:
         if len({j.worker for j in jobs}) != 1:
             raise ValueError("this worker must have the same id in every job")
         self.fmt, self.jobs, self.run = fmt, list(jobs), run
-        # ``run(pairs, work=...)`` accepted: pieces encode and decode while chunks stream
-        self.streaming = streaming
+        # ``run(pairs, work=...)`` accepted: pieces encode and decode while chunks stream (the
+        # round's Reducer protocol reads ``streams``)
+        self.streams = streaming
         # decode-sum-encode jobs: at most this many coordinates per piece (one per packet)
         self.partition_limit = None if fmt.lanes else min(j.elements for j in jobs)
         self.policy = policy or RetryPolicy()
@@ -131,7 +132,7 @@ class Collective:
         shards = self._sharded(Op.SUM, upstream, result, lanes, in_bits, out_bits)
         work = StreamedSum(phase, self.fmt, offsets, upstream, result, shards)
         pairs = [(job, transfer) for job, transfer, _ in shards]
-        if self.streaming:
+        if self.streams:
             work.hold()
             self.run(pairs, work=work)
         else:

@@ -184,15 +184,19 @@ class GridCodec(Codec):
         return Payload({UPSTREAM: packed}, x.numel() if length is None else length)
 
     def _decode_grid(
-        self, payload: Payload, a: float, c: float, rotation: Rotation | None, trim: bool = True
-    ) -> torch.Tensor:
+        self, payload: Payload, a: float, c: float, rotation: Rotation | None, trim: bool = True,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """y = a*S + c for the payload's grid sums S, rotated back if a rotation is given;
-        ``trim=False`` keeps the padding coordinates (of an unrotated y)."""
+        ``trim=False`` keeps the padding coordinates (of an unrotated y). ``out``: where the
+        native kernel writes y when it holds all of it (no padding)."""
         count = self._coordinates(payload.length)
         y = None
         if DOWNSTREAM in payload.fields:
-            sums, recycled = payload.fields[DOWNSTREAM], self._recycler.empty
-            y = native.decode(sums, self.sum_bits, count, a, c, rotation, empty=recycled)
+            sums, empty = payload.fields[DOWNSTREAM], self._recycler.empty
+            if out is not None and out.numel() == count and out.is_contiguous():
+                empty = lambda n, dtype: out  # noqa: E731 (the caller's buffer)
+            y = native.decode(sums, self.sum_bits, count, a, c, rotation, empty=empty)
         if y is None:
             y = self._grid_values(payload, count).to(torch.float32).mul_(a).add_(c)
             if rotation is not None:
@@ -288,14 +292,22 @@ class THC(GridCodec):
         return self._encode_grid(flat, a, self.granularity / 2, ctx, rotation)
 
     def decode(
-        self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         max_norm = _shared_scalar(shared, self.name, "max norm")
         rotation = self._rotation(payload.length, ctx, _device_of(payload))
         step = self._step(max_norm, rotation.padded)
         # y = (S / contributors - g/2) * step
         g = self.granularity
-        return self._decode_grid(payload, step / payload.contributors, -step * g / 2, rotation)
+        return self._decode_grid(payload, step / payload.contributors, -step * g / 2, rotation,
+                                 out=out)  # fmt: skip
+
+    def decode_into(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
+                    out: torch.Tensor) -> None:  # fmt: skip
+        y = self.decode(payload, ctx, shared, out=out)
+        if y.data_ptr() != out.data_ptr():  # padded, or not the native kernel: one copy
+            out.copy_(y)
 
     # -- error feedback in the rotated domain (feedback.TransformedErrorFeedback) --------------
     def transform_keeps_length(self, length: int) -> bool:
