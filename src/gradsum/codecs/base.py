@@ -164,6 +164,12 @@ class Codec(ABC):
     * ``blockwise``: coordinates per block that summarizes, encodes and decodes independently
       of every other block (one summary entry per block); a round may then cut a partition into
       pieces of whole blocks and stream them, with the whole partition's values bit for bit.
+
+    Thread safety, a property every codec keeps: one codec object may run rounds from several
+    threads at once (a plan's shard streams share the worker's codec), as long as each thread's
+    rounds use their own keys. Work buffers are per call or per thread, caches are locked, and
+    state (error feedback, momentum) is keyed by the context's ``state_key``; concurrent rounds
+    give the payloads of sequential ones (``tests/codecs/test_threads.py``).
     """
 
     name: str = ""
