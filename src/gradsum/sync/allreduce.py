@@ -9,7 +9,7 @@ It is the round's ``Reducer`` over collectives:
   additions is the library's (so the last bit may differ from a sum in worker order), or with
   ``deterministic`` a sum in worker order, exactly what a parameter server and the reference
   compute (an all-to-all, each worker adding its share in worker order, and an all-gather: the
-  ring's bytes, measured 25-40 % slower than Gloo's ring on 4 CPU workers);
+  ring's bytes, but not the library's pipelined ring, so it is an option and not the default);
 * ``sum`` for codecs that are not homomorphic: an all-gather of every worker's serialized
   payloads, which each worker combines with ``codec.aggregate`` exactly as a parameter server
   would (decode, sum, re-encode, with the aggregator's randomness), so every aggregator gives
