@@ -51,7 +51,7 @@ def allreduce_over(network, aggregators, name, inputs, *, slots=4, elements=256,
         handles = [JobHandle(a, job, w, slots, elements, workers) for a in aggregators]
         collective = Collective(fmt, handles, network.transport(addresses[w]), policy=POLICY,
                                 streaming=streaming)  # fmt: skip
-        size = partition_elements or collective.partition_limit or (1 << 20)
+        size = collective.partition_size(partition_elements)
         round_ = CodecRound(own, 0, size)
         outputs = [round_.run(inputs[w], collective, worker=w, key=None, step=s)
                    for s in range(steps)]  # fmt: skip

@@ -59,7 +59,7 @@ def gradient(worker: int, step: int, size: int) -> torch.Tensor:
 
 
 def partition_for(name: str, service: bool) -> int:
-    """What ``DataPlane.partition_size`` gives: 2**20, or one datagram's worth for payloads a
+    """What ``Aggregator.partition_size`` gives: 2**20, or one datagram's worth for payloads a
     parameter server decodes (all-reduce needs no such limit)."""
     dse = make_codec(name).lane_fields is None
     return DSE_PARTITION if service and dse else PARTITION_ELEMENTS

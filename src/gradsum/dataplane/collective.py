@@ -30,7 +30,7 @@ import torch
 
 from ..codecs.base import Codec, Payload, float_to_ordered_int, ordered_int_to_float
 from ..codecs.bits import packed_nbytes
-from ..codecs.round import SumPhase
+from ..codecs.round import PARTITION_ELEMENTS, SumPhase
 from . import payload_wire
 from .codec_wire import WireFormat, wire_format
 from .geometry import chunk_lanes, packet_lanes
@@ -96,6 +96,12 @@ class Collective:
         self._next_packet = [0] * len(jobs)  # the aggregator's chunk ids (segments per chunk)
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._checked: set[int] = set()
+
+    def partition_size(self, requested: int | None = None) -> int:
+        """The partition a round through these jobs runs with: ``requested`` (2**20 by
+        default), at most ``partition_limit`` where a server decodes whole payloads."""
+        size = requested or PARTITION_ELEMENTS
+        return size if self.partition_limit is None else min(size, self.partition_limit)
 
     # -- the Reducer protocol --------------------------------------------------------------
     def max(self, summaries: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -246,6 +252,17 @@ class StreamedSum:
         # results counted when the next piece was last found incomplete: the transport asks
         # between every batch of packets, and nothing can have changed without a new result
         self._checked_at = -1
+        self._spans = [self._spans_of(i) for i in range(len(phase))]
+
+    def _spans_of(self, i: int) -> list[tuple[Transfer, int, int, int]]:
+        """(transfer, its first lane, a, b): the lanes [a, b) of piece ``i`` each shard carries."""
+        low, high = self.offsets[i], self._lane_end(i)
+        spans = []
+        for _, transfer, first in self.shards:
+            a, b = max(low, first), min(high, first + transfer.buffers.layout.lanes)
+            if a < b:
+                spans.append((transfer, first, a, b))
+        return spans
 
     @property
     def pending(self) -> bool:
@@ -332,27 +349,20 @@ class StreamedSum:
 
     def _counts(self, i: int) -> list[np.ndarray]:
         """The contributors of every chunk that piece ``i``'s lanes span, shard by shard."""
-        low, high = self.offsets[i], self._lane_end(i)
-        spans = []
-        for _, transfer, first in self.shards:
-            layout = transfer.buffers.layout
-            a, b = max(low, first), min(high, first + layout.lanes)
-            if a < b:
-                per = layout.lanes_per_chunk
-                spans.append(transfer.contributors[(a - first) // per : -(-(b - first) // per)])
-        return spans
+        counts = []
+        for transfer, first, a, b in self._spans[i]:
+            per = transfer.buffers.layout.lanes_per_chunk
+            counts.append(transfer.contributors[(a - first) // per : -(-(b - first) // per)])
+        return counts
 
     def _lane_counts(self, i: int) -> torch.Tensor:
         """Contributors of every coordinate of piece ``i`` (lanes are coordinates where a
         codec's decode is linear)."""
-        low, high = self.offsets[i], self._lane_end(i)
-        counts = np.empty(high - low, dtype=np.float32)
-        for _, transfer, first in self.shards:
-            layout = transfer.buffers.layout
-            a, b = max(low, first), min(high, first + layout.lanes)
-            if a < b:
-                per_lane = np.repeat(transfer.contributors, layout.lanes_per_chunk)
-                counts[a - low : b - low] = per_lane[a - first : b - first]
+        low = self.offsets[i]
+        counts = np.empty(self._lane_end(i) - low, dtype=np.float32)
+        for transfer, first, a, b in self._spans[i]:
+            per_lane = np.repeat(transfer.contributors, transfer.buffers.layout.lanes_per_chunk)
+            counts[a - low : b - low] = per_lane[a - first : b - first]
         return torch.from_numpy(counts[: self.phase.pieces[i].length])
 
     def _total_lanes(self) -> int:

@@ -24,7 +24,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from ..codecs.registry import make_codec
-from ..codecs.round import PARTITION_ELEMENTS, CodecRound
+from ..codecs.round import CodecRound
 from ..dataplane.codec_wire import WireFormat, wire_format
 from ..dataplane.collective import Collective, JobHandle
 from ..dataplane.geometry import aggregator_slots, lanes_fitting, packet_geometry
@@ -365,7 +365,7 @@ class SwitchClient:
         with this client's codec; ``step`` counts this client's calls unless given."""
         step = next(self._steps) if step is None else step
         flat = tensor.detach().reshape(-1).to(torch.float32)
-        size = self.collective.partition_limit or PARTITION_ELEMENTS
+        size = self.collective.partition_size()
         average = CodecRound(self.codec, self.seed, size).run(
             flat, self.collective, worker=self.rank, key=key, step=step
         )

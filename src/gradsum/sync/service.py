@@ -129,9 +129,7 @@ class ServiceAggregator(Aggregator):
         return self.clients_for(codec)[-1].collective
 
     def partition_size(self, codec: Codec, requested: int | None) -> int:
-        limit = self.reducer(codec).partition_limit  # decode-sum-encode: one piece per datagram
-        size = super().partition_size(codec, requested)
-        return size if limit is None else min(size, limit)
+        return self.reducer(codec).partition_size(requested)
 
     def close(self) -> None:
         disconnect_jobs([c for clients in self._jobs.values() for c in clients], self.rank)
