@@ -61,6 +61,17 @@ def test_checkpoint_and_resume_continue_the_same_run(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_4m_parameter_model_trains_through_parameter_server_shards_with_thc():
+    """ps+thc on digits-wide (4.2M parameters: several 2**20 partitions, split over 4 shards)
+    diverged in its first epoch (loss 0.55 -> 116, accuracy at chance) while THC was encoded
+    as one padded tensor and the shard streams shared its buffers."""
+    summary = run_local(TrainConfig(aggregator="ps", codec="thc", model="digits-wide", workers=4,
+                                    epochs=1, progress=False))  # fmt: skip
+    assert summary["test_accuracy"] >= 0.8
+    assert summary["final_loss"] < 2.0  # the first epoch's mean; the divergent runs passed 100
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("aggregator", ["allreduce", "switch", "ps"])
 def test_resume_continues_bit_identically_to_an_uninterrupted_run(tmp_path, aggregator):
     """The round's step comes from the training loop on every aggregator, so a resumed run
