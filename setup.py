@@ -1,9 +1,10 @@
-"""Builds the optional C kernels of THC and of bfp, the switch's native slot pools and the worker's
-datagram pump; all package metadata lives in pyproject.toml.
+"""Builds the optional C kernels of THC and of bfp, the switch's native slot pools, the worker's
+datagram pump and the simulator's max-min solver; all package metadata lives in pyproject.toml.
 
 The extensions are optional: without a working C compiler the build skips them and gradsum runs
-its torch code instead (see src/gradsum/codecs/thc/native.py and src/gradsum/codecs/bfp_native.py)
-and its Python data plane and transport (src/gradsum/dataplane/native_pool.py, net/pump.py).
+its torch code instead (see src/gradsum/codecs/thc/native.py and src/gradsum/codecs/bfp_native.py),
+its Python data plane and transport (src/gradsum/dataplane/native_pool.py, net/pump.py) and the
+numpy max-min solver (src/gradsum/sim/fluid.py).
 """
 
 from setuptools import Extension, setup
@@ -39,6 +40,12 @@ setup(
             sources=["src/gradsum/net/_pump.c"],
             depends=["src/gradsum/dataplane/header.h", "src/gradsum/net/udp_offload.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+            optional=True,
+        ),
+        Extension(
+            "gradsum.sim._maxmin",
+            sources=["src/gradsum/sim/_maxmin.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-ffp-contract=off"],
             optional=True,
         ),
     ]

@@ -1,6 +1,7 @@
 """`gradsum simulate --preset imerge-seed` at 32 workers against the IMerge seed's findings.
 
-All four models, all seven policies (minutes: the 32-worker priority and imerge runs carry
+All four models, all seven policies (the ``seed_table`` fixture of conftest.py, computed once
+per session in parallel; ~50 s of CPU in all, the 32-worker priority and imerge runs carrying
 thousands of concurrent flows). docs/scheduling.md has the measured table. Findings the
 calibrated model does not reproduce are strict xfails with the reason, so a change that fixes
 them shows up.
@@ -10,17 +11,15 @@ import pytest
 
 from gradsum.schedule.planners import make_planner
 from gradsum.sim.presets import get_preset
-from gradsum.sim.scaling import sweep
+
+from .conftest import SEED_MODELS as MODELS
 
 pytestmark = pytest.mark.slow
-MODELS = ("resnet18", "vgg16", "alexnet", "resnet50")
-POLICIES = ("default", "wfbp", "fusion", "mgwfbp", "priority", "merge", "imerge")
 
 
-@pytest.fixture(scope="module")
-def table():
-    rows = sweep(get_preset("imerge-seed"), MODELS, [32], POLICIES)
-    return {(r["model"], r["policy"]): r for r in rows}
+@pytest.fixture
+def table(seed_table):
+    return seed_table
 
 
 def speedup(table, model, policy):

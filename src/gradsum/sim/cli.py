@@ -35,6 +35,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=3,
         help="iterations simulated; the period is measured from the second on (default 3)",
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=0,
+        help="simulations run in parallel (default 0: one per core)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write one JSON row per simulation")
     parser.add_argument("--plot", metavar="PATH.png", help="write speedup plots")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -76,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--preset: unknown {args.preset!r}; choose from {', '.join(PRESET_NAMES)}"
         )
+    if args.processes < 0:
+        raise UsageError(f"--processes: expected 0 (one per core) or more, got {args.processes}")
     if args.iterations < 3:
         raise UsageError("--iterations: at least 3 (the first iteration is warm-up)")
     if args.plot and not args.plot.lower().endswith(".png"):
@@ -96,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_sweep(preset, models, workers, policies, args) -> list[dict]:
     from tqdm import tqdm
 
-    from .scaling import sweep
+    from .scaling import default_processes, sweep
 
     total = len(models) * len(workers) * len(policies)
     with tqdm(total=total, disable=args.quiet, unit="sim", leave=False) as bar:
@@ -106,7 +114,13 @@ def _run_sweep(preset, models, workers, policies, args) -> list[dict]:
             bar.update()
 
         return sweep(
-            preset, models, workers, policies, iterations=args.iterations, progress=advance
+            preset,
+            models,
+            workers,
+            policies,
+            iterations=args.iterations,
+            progress=advance,
+            processes=args.processes or default_processes(),
         )
 
 

@@ -3,15 +3,46 @@
 Speedup is T(1 worker) / T(n workers) for the same number of samples, where T(1 worker) is one
 worker training alone with no gradient exchange (its profile's compute time) — the seed's
 "single-node training time". Scaling efficiency is speedup / n.
+
+Simulations are independent, so ``processes`` > 1 runs them in that many processes (each row is
+the same as in one process: the simulator is deterministic); rows come back in sweep order.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
 
 from ..schedule.planners import make_planner
 from .engine import simulate
 from .presets import Preset
+
+
+def default_processes() -> int:
+    """One process per core this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def simulate_row(preset: Preset, model: str, n: int, policy: str, iterations: int = 3) -> dict:
+    """One simulation's row: ``policy`` on ``model`` with ``n`` workers of ``preset``."""
+    profile = preset.profile(model)
+    alone = profile.batch_size / profile.compute_s  # samples/s of one worker, no sync
+    cluster = preset.cluster(n)
+    plan = make_planner(policy)(profile, cluster)
+    result = simulate(profile, plan, cluster, iterations)
+    speedup = result.throughput / alone
+    return {
+        "model": model,
+        "workers": n,
+        "policy": policy,
+        "throughput": result.throughput,
+        "speedup": speedup,
+        "efficiency": speedup / n,
+        "iteration_s": result.iteration_s,
+        "groups": len(plan.groups),
+        "messages": result.messages,
+    }
 
 
 def sweep(
@@ -22,30 +53,21 @@ def sweep(
     *,
     iterations: int = 3,
     progress: Callable[[str], None] | None = None,
+    processes: int = 1,
 ) -> list[dict]:
-    rows = []
-    for model in models:
-        profile = preset.profile(model)
-        alone = profile.batch_size / profile.compute_s  # samples/s of one worker, no sync
-        for n in workers:
-            cluster = preset.cluster(n)
-            for policy in policies:
-                plan = make_planner(policy)(profile, cluster)
-                result = simulate(profile, plan, cluster, iterations)
-                speedup = result.throughput / alone
-                rows.append(
-                    {
-                        "model": model,
-                        "workers": n,
-                        "policy": policy,
-                        "throughput": result.throughput,
-                        "speedup": speedup,
-                        "efficiency": speedup / n,
-                        "iteration_s": result.iteration_s,
-                        "groups": len(plan.groups),
-                        "messages": result.messages,
-                    }
-                )
-                if progress:
-                    progress(f"{model} n={n} {policy}")
-    return rows
+    cells = [(m, n, p) for m in models for n in list(workers) for p in list(policies)]
+    if processes <= 1 or len(cells) <= 1:
+        rows = []
+        for model, n, policy in cells:
+            rows.append(simulate_row(preset, model, n, policy, iterations))
+            if progress:
+                progress(f"{model} n={n} {policy}")
+        return rows
+    with ProcessPoolExecutor(min(processes, len(cells))) as pool:
+        futures = [pool.submit(simulate_row, preset, *cell, iterations) for cell in cells]
+        rows = []
+        for (model, n, policy), future in zip(cells, futures, strict=True):
+            rows.append(future.result())
+            if progress:
+                progress(f"{model} n={n} {policy}")
+        return rows
