@@ -15,7 +15,7 @@ around the same cores are tested in tests/net.
 import pytest
 import torch
 
-from gradsum.codecs import CODEC_NAMES, make_codec, run_round
+from gradsum.codecs import CODEC_NAMES, Codec, make_codec, run_round
 from gradsum.codecs.round import PARTITION_ELEMENTS, CodecRound
 from gradsum.dataplane import (
     Collective,
@@ -44,7 +44,20 @@ SERVICES = {  # name: (profile, aggregators)
 }
 POLICY = RetryPolicy(timeout=0.01, max_timeout=0.05, give_up_after=30.0)
 DSE_PARTITION = 1 << 13  # a decode-sum-encode piece is one datagram (the UDP client's default)
-STATEFUL = {"thc", "topk", "dgc"}  # error feedback by default (thc, topk), momentum (dgc)
+STATEFUL = {"thc", "topk", "dgc", "powersgd"}  # error feedback (thc, topk, powersgd), momentum
+
+
+# The tensors each flat gradient holds (what a DDP bucket or GradientSync describes): matrices,
+# a matrix larger than a partition, and vectors between them; codecs that work per tensor
+# (powersgd) split the buffer by them, the others ignore them.
+LAYOUTS = {1000: [(20, 40), (100,), (10, 10)],
+           SIZES[1]: [(1024, 1024), (2048,), (1024, 2048), (10_297,)]}  # fmt: skip
+
+
+def built(name: str, size: int) -> Codec:
+    codec = make_codec(name, workers=WORKERS)
+    codec.describe(KEY, LAYOUTS[size])
+    return codec
 
 
 def steps_for(name: str, size: int) -> int:
@@ -66,7 +79,7 @@ def partition_for(name: str, service: bool) -> int:
 
 
 def reference(name: str, size: int, partition: int) -> list[torch.Tensor]:
-    codec = make_codec(name, workers=WORKERS)
+    codec = built(name, size)
     return [
         run_round(codec, [gradient(w, step, size) for w in range(WORKERS)], seed=SEED,
                   step=step, key=KEY, partition_elements=partition).average
@@ -87,7 +100,7 @@ def over_service(name: str, service: str, size: int) -> dict[int, list[torch.Ten
         network.add_aggregator(address, aggregator)
 
     def worker(w: int) -> list[torch.Tensor]:
-        codec = make_codec(name, workers=WORKERS)
+        codec = built(name, size)
         handles = [JobHandle(a, 7, w, 8, elements, WORKERS) for a in aggregators]
         reducer = Collective(fmt, handles, network.transport(addresses[w]), policy=POLICY,
                              streaming=True)  # fmt: skip
@@ -138,7 +151,7 @@ def allreduce_rounds(rank: int, world: int, names, sizes) -> dict:
             for step in range(steps_for("none", size))
         ]
         for name in names:
-            codec = make_codec(name, workers=world)
+            codec = built(name, size)
             out[name, size] = [
                 aggregator.synchronize(gradient(rank, step, size), codec, key=KEY, step=step,
                                        seed=SEED)

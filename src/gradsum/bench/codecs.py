@@ -41,6 +41,9 @@ class CodecRow:
     copy_ms: float  # a partition-sized copy into a kept buffer, timed in every round of the codec
     copy_hot_ms: float  # the same copy repeated back to back: source and target in cache
     clock: str = "thread-cpu"  # CPU time of one thread (1 torch thread), or "wall"
+    # NMSE of the last timed round: the same as ``nmse`` in distribution for stateless codecs,
+    # warmed up (same inputs, ``repeats`` rounds later) for a warm-started one (powersgd)
+    nmse_last: float = float("nan")
 
     @property
     def encode_decode_ratio(self) -> float:
@@ -123,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure_all(inputs, codecs, args, clock) -> list[CodecRow]:
+    from .inputs import input_shapes
+
     rows: list[CodecRow] = []
     for kind in inputs:
         vectors = _make_inputs(kind, args.workers, args.size, args.seed)
@@ -137,6 +142,7 @@ def _measure_all(inputs, codecs, args, clock) -> list[CodecRow]:
                     args.error_feedback,
                     clock,
                     args.codec_options.get(name, {}),
+                    input_shapes(kind, args.size),
                 )
             )
         print(format_table([r for r in rows if r.input == kind]))
@@ -197,14 +203,18 @@ def measure_codec(
     error_feedback: bool = False,
     clock: Callable[[], float] = time.thread_time,
     options: dict | None = None,
+    shapes: list[tuple[int, ...]] | None = None,
 ) -> CodecRow:
     """One warm-up round, then ``repeats`` timed rounds of the reference round (the round every
-    aggregator runs, with ``codec.aggregate`` as its SUM); NMSE from the first round."""
+    aggregator runs, with ``codec.aggregate`` as its SUM); NMSE from the first round.
+    ``shapes``: the tensors the input holds (codecs that work per tensor split it by them)."""
     from ..codecs import make_codec, nmse
     from ..codecs.round import PhaseClock, run_round
 
     workers = len(inputs)
     codec = make_codec(name, workers=workers, error_feedback=error_feedback, **(options or {}))
+    if shapes:
+        codec.describe(None, shapes)
     samples: dict[str, list[float]] = {"encode": [], "aggregate": [], "decode": [], "copy": []}
     # The copy is timed in every round, on a tensor the codec never touches (so its cache state
     # is like the inputs', each touched once a round): load on a shared machine then moves the
@@ -212,7 +222,7 @@ def measure_codec(
     import torch
 
     probe, destination = torch.randn_like(inputs[0]), torch.empty_like(inputs[0])
-    first = None
+    first = result = None
     for step in range(repeats + 1):
         start = clock()
         destination.copy_(probe)
@@ -238,6 +248,7 @@ def measure_codec(
         size=average.numel(),
         homomorphic=codec.homomorphic,
         nmse=nmse(average, inputs),
+        nmse_last=nmse(result.average, inputs),
         bits_up=bits_up + summary_bits,
         bits_down=bits_down + summary_bits,
         encode_ms=_median_ms(samples["encode"]),
@@ -281,21 +292,22 @@ def format_table(rows: list[CodecRow]) -> str:
         f"input={head.input}  workers={head.workers}  size={head.size}  "
         f"copy={copy:.3f} ms in the rounds, {hot:.3f} ms back to back (cached)  "
         f"[{'wall clock' if head.clock == 'wall' else 'CPU time of one thread'}]",
-        f"{'codec':<12} {'homo':>4} {'bits up':>8} {'down':>6} {'NMSE':>10} "
+        f"{'codec':<12} {'homo':>4} {'bits up':>8} {'down':>6} {'NMSE':>10} {'last':>9} "
         f"{'encode ms':>15} {'aggregate ms':>15} {'decode ms':>15} {'enc+dec':>8} "
         f"{'vs cached':>9}",
     ]
     for r in rows:
         lines.append(
             f"{r.codec:<12} {'yes' if r.homomorphic else 'no':>4} {r.bits_up:>8.2f} "
-            f"{r.bits_down:>6.2f} {r.nmse:>10.3g} "
+            f"{r.bits_down:>6.2f} {r.nmse:>10.3g} {r.nmse_last:>9.3g} "
             f"{_timed(r.encode_ms, r.copy_ms):>15} {_timed(r.aggregate_ms, r.copy_ms):>15} "
             f"{_timed(r.decode_ms, r.copy_ms):>15} {r.encode_decode_ratio:>7.1f}x "
             f"{r.encode_decode_hot_ratio:>8.1f}x"
         )
     lines.append(
-        "(ratios: time / a partition-sized copy timed in every round, its inputs as cold as the "
-        "codec's; 'vs cached': encode + decode / the copy repeated back to back)"
+        "(NMSE: the first round's; 'last': the last timed round's, warm-started where a codec "
+        "keeps state; ratios: time / a partition-sized copy timed in every round, its inputs as "
+        "cold as the codec's; 'vs cached': encode + decode / the copy repeated back to back)"
     )
     return "\n".join(lines)
 

@@ -164,6 +164,9 @@ class Codec(ABC):
     * ``blockwise``: coordinates per block that summarizes, encodes and decodes independently
       of every other block (one summary entry per block); a round may then cut a partition into
       pieces of whole blocks and stream them, with the whole partition's values bit for bit.
+    * ``stages``: how many MAX and SUM rounds one round takes (1; PowerSGD: 2). A codec of
+      several stages derives each stage's inputs with ``stage_input`` and the partition's
+      average with ``finish``; its wire facts hold for every stage.
 
     Thread safety, a property every codec keeps: one codec object may run rounds from several
     threads at once (a plan's shard streams share the worker's codec), as long as each thread's
@@ -177,6 +180,10 @@ class Codec(ABC):
     lane_fields: tuple[str, str] | None = None
     linear_decode: bool = False
     blockwise: int | None = None
+    stages: int = 1
+    # Whether the codec carries its own error feedback (an option of its constructor) instead
+    # of the generic wrapper's, which assumes one encode per round.
+    keeps_own_feedback: bool = False
 
     def __init__(self, workers: int = 1):
         if workers < 1:
@@ -202,6 +209,31 @@ class Codec(ABC):
     def summary_bits(self) -> int:
         """Wire bits of one summary entry (float32 unless a codec sends less)."""
         return 32
+
+    # -- layouts and stages (codecs that work per tensor, in several sums) ---------------------
+    def describe(self, key: Hashable, shapes: Sequence[tuple[int, ...]]) -> None:
+        """The shapes of the tensors whose flattened gradients, end to end, make up the flat
+        buffers of ``key``. Codecs that work per tensor (PowerSGD's matrices) use them; the
+        others see coordinates only and ignore them."""
+        return None
+
+    def partitions(self, key: Hashable, total: int, size: int) -> list[tuple[int, int]] | None:
+        """[start, end) partitions of a flat buffer of ``key`` (``total`` coordinates), where a
+        codec cuts them itself; None: the round's partitions of ``size`` coordinates."""
+        return None
+
+    def stage_input(self, x: torch.Tensor, ctx: CodecContext, stage: int,
+                    previous: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
+        """What a codec of several stages sums at ``stage`` for the prepared partition ``x``:
+        stage 0's from x alone (``previous`` None; never None itself), a later stage's from
+        ``previous``, the average of the one before; None: the partition is done."""
+        raise NotImplementedError(f"codec {self.name!r} runs in one stage")
+
+    def finish(self, x: torch.Tensor, ctx: CodecContext,
+               averages: Sequence[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """The average of prepared partition ``x`` from the averages of the stages it took
+        part in (a codec of several stages; its error feedback is kept here)."""
+        raise NotImplementedError(f"codec {self.name!r} runs in one stage")
 
     @abstractmethod
     def encode(
