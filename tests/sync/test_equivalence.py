@@ -44,7 +44,7 @@ SERVICES = {  # name: (profile, aggregators)
 }
 POLICY = RetryPolicy(timeout=0.01, max_timeout=0.05, give_up_after=30.0)
 DSE_PARTITION = 1 << 13  # a decode-sum-encode piece is one datagram (the UDP client's default)
-STATEFUL = {"thc", "topk", "dgc", "powersgd"}  # error feedback (thc, topk, powersgd), momentum
+STATEFUL = {"thc", "thc-uniform", "topk", "dgc", "powersgd"}  # error feedback, momentum (dgc)
 
 
 # The tensors each flat gradient holds (what a DDP bucket or GradientSync describes): matrices,
@@ -54,16 +54,24 @@ LAYOUTS = {1000: [(20, 40), (100,), (10, 10)],
            SIZES[1]: [(1024, 1024), (2048,), (1024, 2048), (10_297,)]}  # fmt: skip
 
 
-def built(name: str, size: int) -> Codec:
-    codec = make_codec(name, workers=WORKERS)
-    codec.describe(KEY, LAYOUTS[size])
+# Options that change a codec's rounding but not its wire: run through the matrix as codecs
+VARIANTS = {"thc+correlated": ("thc", {"correlated": True}),
+            "thc-uniform+correlated": ("thc-uniform", {"correlated": True})}  # fmt: skip
+NAMES = (*CODEC_NAMES, *VARIANTS)
+
+
+def built(name: str, size: int | None = None, workers: int = WORKERS) -> Codec:
+    base, options = VARIANTS.get(name, (name, {}))
+    codec = make_codec(base, workers=workers, **options)
+    if size is not None:
+        codec.describe(KEY, LAYOUTS[size])
     return codec
 
 
 def steps_for(name: str, size: int) -> int:
     """3 steps where state carries over or the tensor is small; the large tensor's stateless
     rounds repeat nothing the first step does not show."""
-    return STEPS if name in STATEFUL or size < PARTITION_ELEMENTS else 1
+    return STEPS if name.partition("+")[0] in STATEFUL or size < PARTITION_ELEMENTS else 1
 
 
 def gradient(worker: int, step: int, size: int) -> torch.Tensor:
@@ -74,7 +82,7 @@ def gradient(worker: int, step: int, size: int) -> torch.Tensor:
 def partition_for(name: str, service: bool) -> int:
     """What ``Aggregator.partition_size`` gives: 2**20, or one datagram's worth for payloads a
     parameter server decodes (all-reduce needs no such limit)."""
-    dse = make_codec(name).lane_fields is None
+    dse = built(name, workers=1).lane_fields is None
     return DSE_PARTITION if service and dse else PARTITION_ELEMENTS
 
 
@@ -91,7 +99,7 @@ def over_service(name: str, service: str, size: int) -> dict[int, list[torch.Ten
     """Every worker's averages over the rounds through the service's jobs."""
     profile, count = SERVICES[service]
     network = MemoryNetwork(seed=5)
-    fmt = wire_format(make_codec(name, workers=WORKERS), seed=SEED)
+    fmt = wire_format(built(name), seed=SEED)
     elements = lanes_fitting(max(fmt.in_bits, fmt.out_bits)) if fmt.lanes else DSE_PARTITION
     addresses = tuple(("10.0.1.1", 5000 + w) for w in range(WORKERS))
     aggregators = {("10.0.0.1", 48864 + p): DataPlane(profile()) for p in range(count)}
@@ -120,15 +128,15 @@ def assert_identical(got: list[torch.Tensor], want: list[torch.Tensor], what: st
 
 
 def integer_only(name: str) -> bool:
-    return make_codec(name).aggregation.integer_only
+    return built(name, workers=1).aggregation.integer_only
 
 
 @pytest.mark.parametrize("size", SIZE_PARAMS)
 @pytest.mark.parametrize("service", list(SERVICES))
-@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_services_give_the_reference_average_bit_for_bit(name, service, size):
     if service.startswith("switch") and not integer_only(name):
-        fmt = wire_format(make_codec(name, workers=WORKERS))
+        fmt = wire_format(built(name))
         spec = JobSpec(7, (("10.0.1.1", 5000),), 8, 256, fmt.op)
         with pytest.raises(Exception, match="integer operations only"):
             DataPlane(switch_profile()).register(spec)  # a switch adds integers, nothing else
@@ -151,7 +159,7 @@ def allreduce_rounds(rank: int, world: int, names, sizes) -> dict:
             for step in range(steps_for("none", size))
         ]
         for name in names:
-            codec = built(name, size)
+            codec = built(name, size, workers=world)
             out[name, size] = [
                 aggregator.synchronize(gradient(rank, step, size), codec, key=KEY, step=step,
                                        seed=SEED)
@@ -162,9 +170,9 @@ def allreduce_rounds(rank: int, world: int, names, sizes) -> dict:
 
 @pytest.mark.slow
 def test_allreduce_over_gloo_gives_the_reference_average_bit_for_bit():
-    results = run_distributed(allreduce_rounds, WORKERS, CODEC_NAMES, SIZES, timeout=600)
+    results = run_distributed(allreduce_rounds, WORKERS, NAMES, SIZES, timeout=600)
     for size in SIZES:
-        for name in CODEC_NAMES:
+        for name in NAMES:
             want = reference(name, size, partition_for(name, service=False))
             for rank, result in enumerate(results):
                 what = f"{name} over all-reduce, worker {rank}, {size} coordinates"

@@ -133,6 +133,9 @@ def _measure_all(inputs, codecs, args, clock) -> list[CodecRow]:
         vectors = _make_inputs(kind, args.workers, args.size, args.seed)
         for name in codecs:
             _progress(f"{kind}: {name}")
+            if args.error_feedback and _refuses_feedback(name):
+                print(f"{name}: skipped, it refuses error feedback", file=sys.stderr)
+                continue
             rows.append(
                 measure_codec(
                     name,
@@ -148,6 +151,12 @@ def _measure_all(inputs, codecs, args, clock) -> list[CodecRow]:
         print(format_table([r for r in rows if r.input == kind]))
         print()
     return rows
+
+
+def _refuses_feedback(name: str) -> bool:
+    from ..codecs import make_codec
+
+    return make_codec(name, error_feedback=False).feedback_refusal is not None
 
 
 def _codec_options(text: str, codecs: list[str]) -> dict[str, dict]:

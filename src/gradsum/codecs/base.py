@@ -91,6 +91,23 @@ class CodecContext:
         """``count`` float32 draws from U[0, 1) from this worker's own stream."""
         return draw_uniform(self.worker_seed(), count, device, out)
 
+    def stratified_uniform(
+        self, count: int, workers: int, device: torch.device | str = "cpu",
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """``count`` U[0, 1) draws of this worker, stratified across ``workers`` coordinate by
+        coordinate (correlated rounding, Suresh et al. 2022): a random stratum shared by every
+        worker of the round, shifted by the worker's rank mod ``workers``, so the workers take
+        distinct strata, plus this worker's private jitter within its stratum. Each worker's
+        draws are U[0, 1) (rounding stays unbiased); together they cover [0, 1) evenly."""
+        out = self.uniform(count, device, out)  # the private jitter
+        shared = draw_uniform(_derive_seed("stratum", self.seed, self.step, self.partition),
+                              count, device)  # fmt: skip
+        strata = shared.mul_(workers).floor_().add_(self.worker % workers).remainder_(workers)
+        # (n - 1 + jitter) / n rounds to 1.0 in float32 for jitter within 2**-24 of 1; a
+        # threshold of 1.0 would never round a coordinate up from probability 1
+        return out.add_(strata).div_(workers).clamp_(max=1.0 - 2.0**-24)
+
     def shared_seed(self) -> int:
         """Fixed for the run (as in THC's reference code): a partition's rotation depends only
         on its length, so workers and steps agree and sign vectors are cached, not redrawn."""
@@ -184,6 +201,8 @@ class Codec(ABC):
     # Whether the codec carries its own error feedback (an option of its constructor) instead
     # of the generic wrapper's, which assumes one encode per round.
     keeps_own_feedback: bool = False
+    # Why error feedback must not wrap this codec (None: it may).
+    feedback_refusal: str | None = None
 
     def __init__(self, workers: int = 1):
         if workers < 1:

@@ -14,7 +14,7 @@ from .plain import FP16, NoCompression
 from .qsgd import QSGD
 from .sparse import DGC, TopK
 from .terngrad import TernGrad
-from .thc.codec import THC, UniformTHC
+from .thc.codec import THC, UniformTHC, UnrotatedUniformTHC
 
 # name -> (class, error feedback on by default)
 _CODECS: dict[str, tuple[type[Codec], bool]] = {
@@ -22,7 +22,8 @@ _CODECS: dict[str, tuple[type[Codec], bool]] = {
     "fp16": (FP16, False),
     "bfp": (BlockFloatingPoint, False),
     "thc": (THC, True),
-    "thc-uniform": (UniformTHC, False),
+    "thc-uniform": (UniformTHC, True),  # error feedback as THC's
+    "thc-uniform-unrotated": (UnrotatedUniformTHC, False),
     "topk": (TopK, True),
     "dgc": (DGC, False),  # DGC accumulates locally by itself
     "terngrad": (TernGrad, False),
