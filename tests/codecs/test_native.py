@@ -220,8 +220,9 @@ def test_thc_nmse_through_the_native_path(native_only, workers):
 
 @pytest.mark.parametrize(
     ("name", "length"),
-    # a rotation shorter than 8 coordinates stays with torch; uniform THC has no rotation
-    [("thc", 13), ("thc", 1000), ("thc", 4096 + 3), ("thc-uniform", 1), ("thc-uniform", 4099)],
+    # a rotation shorter than 8 coordinates stays with torch; the unrotated uniform THC has none
+    [("thc", 13), ("thc", 1000), ("thc", 4096 + 3), ("thc-uniform", 13), ("thc-uniform", 4099),
+     ("thc-uniform-unrotated", 1), ("thc-uniform-unrotated", 4099)],
 )
 def test_odd_lengths_round_trip(native_only, name, length):
     codec = make_codec(name, workers=2, error_feedback=False)

@@ -31,12 +31,15 @@ class Recorder:
 
 
 def rounds(codec, inputs, keys):
-    """Each input through its own round (key), in order; the payloads and averages."""
-    recorder = Recorder()
+    """Each input through its own round (key), in order; every round's payloads (one per
+    stage of a codec's round) and its average."""
     round_ = CodecRound(codec, seed=3)
-    averages = [round_.run(x, recorder, worker=0, key=k, step=0)
-                for x, k in zip(inputs, keys, strict=True)]
-    return recorder.payloads, averages
+    payloads, averages = [], []
+    for x, k in zip(inputs, keys, strict=True):
+        recorder = Recorder()
+        averages.append(round_.run(x, recorder, worker=0, key=k, step=0))
+        payloads.append(recorder.payloads)
+    return payloads, averages
 
 
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
@@ -65,8 +68,10 @@ def test_concurrent_rounds_through_one_codec_give_the_sequential_payloads(name, 
         thread.join(120)
     assert len(results) == THREADS
     for indices, payloads, averages in results.values():
-        for i, payload, average in zip(indices, payloads, averages, strict=True):
-            assert payload.keys() == want_payloads[i].keys()
-            for field in payload:
-                assert torch.equal(payload[field], want_payloads[i][field]), (name, i, field)
+        for i, stages, average in zip(indices, payloads, averages, strict=True):
+            assert len(stages) == len(want_payloads[i])
+            for payload, want in zip(stages, want_payloads[i], strict=True):
+                assert payload.keys() == want.keys()
+                for field in payload:
+                    assert torch.equal(payload[field], want[field]), (name, i, field)
             assert torch.equal(average, want_averages[i]), (name, i)

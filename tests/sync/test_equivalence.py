@@ -15,7 +15,7 @@ around the same cores are tested in tests/net.
 import pytest
 import torch
 
-from gradsum.codecs import CODEC_NAMES, make_codec, run_round
+from gradsum.codecs import CODEC_NAMES, Codec, make_codec, run_round
 from gradsum.codecs.round import PARTITION_ELEMENTS, CodecRound
 from gradsum.dataplane import (
     Collective,
@@ -44,13 +44,34 @@ SERVICES = {  # name: (profile, aggregators)
 }
 POLICY = RetryPolicy(timeout=0.01, max_timeout=0.05, give_up_after=30.0)
 DSE_PARTITION = 1 << 13  # a decode-sum-encode piece is one datagram (the UDP client's default)
-STATEFUL = {"thc", "topk", "dgc"}  # error feedback by default (thc, topk), momentum (dgc)
+STATEFUL = {"thc", "thc-uniform", "topk", "dgc", "powersgd"}  # error feedback, momentum (dgc)
+
+
+# The tensors each flat gradient holds (what a DDP bucket or GradientSync describes): matrices,
+# a matrix larger than a partition, and vectors between them; codecs that work per tensor
+# (powersgd) split the buffer by them, the others ignore them.
+LAYOUTS = {1000: [(20, 40), (100,), (10, 10)],
+           SIZES[1]: [(1024, 1024), (2048,), (1024, 2048), (10_297,)]}  # fmt: skip
+
+
+# Options that change a codec's rounding but not its wire: run through the matrix as codecs
+VARIANTS = {"thc+correlated": ("thc", {"correlated": True}),
+            "thc-uniform+correlated": ("thc-uniform", {"correlated": True})}  # fmt: skip
+NAMES = (*CODEC_NAMES, *VARIANTS)
+
+
+def built(name: str, size: int | None = None, workers: int = WORKERS) -> Codec:
+    base, options = VARIANTS.get(name, (name, {}))
+    codec = make_codec(base, workers=workers, **options)
+    if size is not None:
+        codec.describe(KEY, LAYOUTS[size])
+    return codec
 
 
 def steps_for(name: str, size: int) -> int:
     """3 steps where state carries over or the tensor is small; the large tensor's stateless
     rounds repeat nothing the first step does not show."""
-    return STEPS if name in STATEFUL or size < PARTITION_ELEMENTS else 1
+    return STEPS if name.partition("+")[0] in STATEFUL or size < PARTITION_ELEMENTS else 1
 
 
 def gradient(worker: int, step: int, size: int) -> torch.Tensor:
@@ -61,12 +82,12 @@ def gradient(worker: int, step: int, size: int) -> torch.Tensor:
 def partition_for(name: str, service: bool) -> int:
     """What ``Aggregator.partition_size`` gives: 2**20, or one datagram's worth for payloads a
     parameter server decodes (all-reduce needs no such limit)."""
-    dse = make_codec(name).lane_fields is None
+    dse = built(name, workers=1).lane_fields is None
     return DSE_PARTITION if service and dse else PARTITION_ELEMENTS
 
 
 def reference(name: str, size: int, partition: int) -> list[torch.Tensor]:
-    codec = make_codec(name, workers=WORKERS)
+    codec = built(name, size)
     return [
         run_round(codec, [gradient(w, step, size) for w in range(WORKERS)], seed=SEED,
                   step=step, key=KEY, partition_elements=partition).average
@@ -78,7 +99,7 @@ def over_service(name: str, service: str, size: int) -> dict[int, list[torch.Ten
     """Every worker's averages over the rounds through the service's jobs."""
     profile, count = SERVICES[service]
     network = MemoryNetwork(seed=5)
-    fmt = wire_format(make_codec(name, workers=WORKERS), seed=SEED)
+    fmt = wire_format(built(name), seed=SEED)
     elements = lanes_fitting(max(fmt.in_bits, fmt.out_bits)) if fmt.lanes else DSE_PARTITION
     addresses = tuple(("10.0.1.1", 5000 + w) for w in range(WORKERS))
     aggregators = {("10.0.0.1", 48864 + p): DataPlane(profile()) for p in range(count)}
@@ -87,7 +108,7 @@ def over_service(name: str, service: str, size: int) -> dict[int, list[torch.Ten
         network.add_aggregator(address, aggregator)
 
     def worker(w: int) -> list[torch.Tensor]:
-        codec = make_codec(name, workers=WORKERS)
+        codec = built(name, size)
         handles = [JobHandle(a, 7, w, 8, elements, WORKERS) for a in aggregators]
         reducer = Collective(fmt, handles, network.transport(addresses[w]), policy=POLICY,
                              streaming=True)  # fmt: skip
@@ -107,15 +128,15 @@ def assert_identical(got: list[torch.Tensor], want: list[torch.Tensor], what: st
 
 
 def integer_only(name: str) -> bool:
-    return make_codec(name).aggregation.integer_only
+    return built(name, workers=1).aggregation.integer_only
 
 
 @pytest.mark.parametrize("size", SIZE_PARAMS)
 @pytest.mark.parametrize("service", list(SERVICES))
-@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_services_give_the_reference_average_bit_for_bit(name, service, size):
     if service.startswith("switch") and not integer_only(name):
-        fmt = wire_format(make_codec(name, workers=WORKERS))
+        fmt = wire_format(built(name))
         spec = JobSpec(7, (("10.0.1.1", 5000),), 8, 256, fmt.op)
         with pytest.raises(Exception, match="integer operations only"):
             DataPlane(switch_profile()).register(spec)  # a switch adds integers, nothing else
@@ -138,7 +159,7 @@ def allreduce_rounds(rank: int, world: int, names, sizes) -> dict:
             for step in range(steps_for("none", size))
         ]
         for name in names:
-            codec = make_codec(name, workers=world)
+            codec = built(name, size, workers=world)
             out[name, size] = [
                 aggregator.synchronize(gradient(rank, step, size), codec, key=KEY, step=step,
                                        seed=SEED)
@@ -149,9 +170,9 @@ def allreduce_rounds(rank: int, world: int, names, sizes) -> dict:
 
 @pytest.mark.slow
 def test_allreduce_over_gloo_gives_the_reference_average_bit_for_bit():
-    results = run_distributed(allreduce_rounds, WORKERS, CODEC_NAMES, SIZES, timeout=600)
+    results = run_distributed(allreduce_rounds, WORKERS, NAMES, SIZES, timeout=600)
     for size in SIZES:
-        for name in CODEC_NAMES:
+        for name in NAMES:
             want = reference(name, size, partition_for(name, service=False))
             for rank, result in enumerate(results):
                 what = f"{name} over all-reduce, worker {rank}, {size} coordinates"

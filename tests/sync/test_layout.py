@@ -72,3 +72,13 @@ def test_gradient_sync_writes_every_slice_back_and_honours_after_backward():
         sync.close()
         for p, e in zip(params, expected, strict=True):
             assert torch.equal(p.grad, e), name
+
+
+def test_cut_shapes_keeps_whole_tensors_and_flattens_parts():
+    from gradsum.sync.layout import cut_shapes
+
+    shapes = [(4, 5), (3,), (2, 3, 4)]  # 20, 3, 24 elements
+    assert cut_shapes(shapes, 0, 47) == [(4, 5), (3,), (2, 3, 4)]
+    assert cut_shapes(shapes, 10, 30) == [(10,), (3,), (7,)]
+    assert cut_shapes(shapes, 20, 23) == [(3,)]
+    assert cut_shapes(shapes, 5, 5) == []

@@ -41,6 +41,9 @@ class CodecRow:
     copy_ms: float  # a partition-sized copy into a kept buffer, timed in every round of the codec
     copy_hot_ms: float  # the same copy repeated back to back: source and target in cache
     clock: str = "thread-cpu"  # CPU time of one thread (1 torch thread), or "wall"
+    # NMSE of the last timed round: the same as ``nmse`` in distribution for stateless codecs,
+    # warmed up (same inputs, ``repeats`` rounds later) for a warm-started one (powersgd)
+    nmse_last: float = float("nan")
 
     @property
     def encode_decode_ratio(self) -> float:
@@ -71,7 +74,10 @@ def register(benches: argparse._SubParsersAction) -> None:
         help=f"comma-separated inputs among {', '.join(INPUT_KINDS)} (all)",
     )
     parser.add_argument(
-        "--codecs", default=",".join(CODEC_NAMES), help="comma-separated codecs (all)"
+        "--codecs",
+        default=",".join(CODEC_NAMES),
+        help="comma-separated codecs (all); NAME+option=value+... is a variant with options of "
+        "its own, e.g. thc,thc+correlated=true",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -103,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     from .inputs import INPUT_KINDS
 
     inputs = _choices(args.input, INPUT_KINDS, "--input")
-    codecs = _choices(args.codecs, CODEC_NAMES, "--codecs")
+    codecs = _variants(args.codecs, CODEC_NAMES)
     args.codec_options = _codec_options(args.options, codecs)
     clock = time.perf_counter if args.wall_clock else time.thread_time
     threads = torch.get_num_threads()
@@ -123,11 +129,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure_all(inputs, codecs, args, clock) -> list[CodecRow]:
+    from .inputs import input_shapes
+
     rows: list[CodecRow] = []
     for kind in inputs:
         vectors = _make_inputs(kind, args.workers, args.size, args.seed)
         for name in codecs:
             _progress(f"{kind}: {name}")
+            if args.error_feedback and _refuses_feedback(name):
+                print(f"{name}: skipped, it refuses error feedback", file=sys.stderr)
+                continue
             rows.append(
                 measure_codec(
                     name,
@@ -137,11 +148,38 @@ def _measure_all(inputs, codecs, args, clock) -> list[CodecRow]:
                     args.error_feedback,
                     clock,
                     args.codec_options.get(name, {}),
+                    input_shapes(kind, args.size),
                 )
             )
         print(format_table([r for r in rows if r.input == kind]))
         print()
     return rows
+
+
+def _refuses_feedback(name: str) -> bool:
+    from ..codecs import make_codec
+
+    return make_codec(name.partition("+")[0], error_feedback=False).feedback_refusal is not None
+
+
+def _variants(text: str, allowed: tuple[str, ...]) -> list[str]:
+    """``--codecs``: names, each optionally with options of its own (``thc+correlated=true``:
+    a row per variant, side by side with the plain codec)."""
+    from ..cli import UsageError
+    from ..codecs import codec_options, parse_options
+
+    chosen = [item.strip() for item in text.split(",") if item.strip()]
+    _choices(",".join(item.partition("+")[0] for item in chosen) or text, allowed, "--codecs")
+    for item in chosen:
+        name, _, rest = item.partition("+")
+        try:
+            options = parse_options(rest.replace("+", ","))
+        except ValueError as error:
+            raise UsageError(f"--codecs {item!r}: {error}") from None
+        unknown = sorted(set(options) - set(codec_options(name)))
+        if unknown:
+            raise UsageError(f"--codecs {item!r}: {name} has no option {', '.join(unknown)}")
+    return chosen
 
 
 def _codec_options(text: str, codecs: list[str]) -> dict[str, dict]:
@@ -197,14 +235,20 @@ def measure_codec(
     error_feedback: bool = False,
     clock: Callable[[], float] = time.thread_time,
     options: dict | None = None,
+    shapes: list[tuple[int, ...]] | None = None,
 ) -> CodecRow:
     """One warm-up round, then ``repeats`` timed rounds of the reference round (the round every
-    aggregator runs, with ``codec.aggregate`` as its SUM); NMSE from the first round."""
-    from ..codecs import make_codec, nmse
+    aggregator runs, with ``codec.aggregate`` as its SUM); NMSE from the first round.
+    ``shapes``: the tensors the input holds (codecs that work per tensor split it by them)."""
+    from ..codecs import make_codec, nmse, parse_options
     from ..codecs.round import PhaseClock, run_round
 
     workers = len(inputs)
-    codec = make_codec(name, workers=workers, error_feedback=error_feedback, **(options or {}))
+    base, _, variant = name.partition("+")  # a variant's own options (``thc+correlated=true``)
+    options = {**parse_options(variant.replace("+", ",")), **(options or {})}
+    codec = make_codec(base, workers=workers, error_feedback=error_feedback, **options)
+    if shapes:
+        codec.describe(None, shapes)
     samples: dict[str, list[float]] = {"encode": [], "aggregate": [], "decode": [], "copy": []}
     # The copy is timed in every round, on a tensor the codec never touches (so its cache state
     # is like the inputs', each touched once a round): load on a shared machine then moves the
@@ -212,7 +256,7 @@ def measure_codec(
     import torch
 
     probe, destination = torch.randn_like(inputs[0]), torch.empty_like(inputs[0])
-    first = None
+    first = result = None
     for step in range(repeats + 1):
         start = clock()
         destination.copy_(probe)
@@ -238,6 +282,7 @@ def measure_codec(
         size=average.numel(),
         homomorphic=codec.homomorphic,
         nmse=nmse(average, inputs),
+        nmse_last=nmse(result.average, inputs),
         bits_up=bits_up + summary_bits,
         bits_down=bits_down + summary_bits,
         encode_ms=_median_ms(samples["encode"]),
@@ -275,27 +320,29 @@ def format_table(rows: list[CodecRow]) -> str:
     if not rows:
         return ""
     head = rows[0]
+    width = max(12, *(len(r.codec) for r in rows))
     copy = statistics.median(r.copy_ms for r in rows)
     hot = statistics.median(r.copy_hot_ms for r in rows)
     lines = [
         f"input={head.input}  workers={head.workers}  size={head.size}  "
         f"copy={copy:.3f} ms in the rounds, {hot:.3f} ms back to back (cached)  "
         f"[{'wall clock' if head.clock == 'wall' else 'CPU time of one thread'}]",
-        f"{'codec':<12} {'homo':>4} {'bits up':>8} {'down':>6} {'NMSE':>10} "
+        f"{'codec':<{width}} {'homo':>4} {'bits up':>8} {'down':>6} {'NMSE':>10} {'last':>9} "
         f"{'encode ms':>15} {'aggregate ms':>15} {'decode ms':>15} {'enc+dec':>8} "
         f"{'vs cached':>9}",
     ]
     for r in rows:
         lines.append(
-            f"{r.codec:<12} {'yes' if r.homomorphic else 'no':>4} {r.bits_up:>8.2f} "
-            f"{r.bits_down:>6.2f} {r.nmse:>10.3g} "
+            f"{r.codec:<{width}} {'yes' if r.homomorphic else 'no':>4} {r.bits_up:>8.2f} "
+            f"{r.bits_down:>6.2f} {r.nmse:>10.3g} {r.nmse_last:>9.3g} "
             f"{_timed(r.encode_ms, r.copy_ms):>15} {_timed(r.aggregate_ms, r.copy_ms):>15} "
             f"{_timed(r.decode_ms, r.copy_ms):>15} {r.encode_decode_ratio:>7.1f}x "
             f"{r.encode_decode_hot_ratio:>8.1f}x"
         )
     lines.append(
-        "(ratios: time / a partition-sized copy timed in every round, its inputs as cold as the "
-        "codec's; 'vs cached': encode + decode / the copy repeated back to back)"
+        "(NMSE: the first round's; 'last': the last timed round's, warm-started where a codec "
+        "keeps state; ratios: time / a partition-sized copy timed in every round, its inputs as "
+        "cold as the codec's; 'vs cached': encode + decode / the copy repeated back to back)"
     )
     return "\n".join(lines)
 

@@ -23,6 +23,34 @@ def make_inputs(kind: str, workers: int, size: int, seed: int = 0) -> list[torch
     raise ValueError(f"unknown input {kind!r}; choose one of {', '.join(INPUT_KINDS)}")
 
 
+def input_shapes(kind: str, size: int) -> list[tuple[int, ...]] | None:
+    """The tensors an input of ``size`` coordinates holds, for codecs that work per tensor
+    (``Codec.describe``): the MLP's parameters for real gradients, cut (or tiled) like the
+    gradient itself, a cut matrix kept as its whole rows; None for synthetic inputs."""
+    if kind != "real":
+        return None
+    shapes, left = [], size
+    while left > 0:
+        for shape in DIGITS_MLP_SHAPES:
+            count = shape[0] * (shape[1] if len(shape) > 1 else 1)
+            if count <= left:
+                shapes.append(shape)
+            elif len(shape) > 1 and left >= shape[1]:
+                rows = left // shape[1]
+                shapes.append((rows, shape[1]))
+                if left - rows * shape[1]:
+                    shapes.append((left - rows * shape[1],))
+            elif left:
+                shapes.append((left,))
+            left -= min(count, left)
+            if not left:
+                break
+    return shapes
+
+
+DIGITS_MLP_SHAPES = ((1024, 64), (1024,), (1024, 1024), (1024,), (10, 1024), (10,))
+
+
 def _lognormal(workers: int, size: int, seed: int) -> list[torch.Tensor]:
     """Heavy-tailed magnitudes exp(N(0, 1)) with random signs."""
     import torch

@@ -32,6 +32,8 @@ DEFAULT_METHODS = (
     "ps:none",
     "ps:thc",
     "ps:topk",
+    "allreduce:powersgd",
+    "switch:powersgd",
 )
 
 

@@ -91,6 +91,23 @@ class CodecContext:
         """``count`` float32 draws from U[0, 1) from this worker's own stream."""
         return draw_uniform(self.worker_seed(), count, device, out)
 
+    def stratified_uniform(
+        self, count: int, workers: int, device: torch.device | str = "cpu",
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """``count`` U[0, 1) draws of this worker, stratified across ``workers`` coordinate by
+        coordinate (correlated rounding, Suresh et al. 2022): a random stratum shared by every
+        worker of the round, shifted by the worker's rank mod ``workers``, so the workers take
+        distinct strata, plus this worker's private jitter within its stratum. Each worker's
+        draws are U[0, 1) (rounding stays unbiased); together they cover [0, 1) evenly."""
+        out = self.uniform(count, device, out)  # the private jitter
+        shared = draw_uniform(_derive_seed("stratum", self.seed, self.step, self.partition),
+                              count, device)  # fmt: skip
+        strata = shared.mul_(workers).floor_().add_(self.worker % workers).remainder_(workers)
+        # (n - 1 + jitter) / n rounds to 1.0 in float32 for jitter within 2**-24 of 1; a
+        # threshold of 1.0 would never round a coordinate up from probability 1
+        return out.add_(strata).div_(workers).clamp_(max=1.0 - 2.0**-24)
+
     def shared_seed(self) -> int:
         """Fixed for the run (as in THC's reference code): a partition's rotation depends only
         on its length, so workers and steps agree and sign vectors are cached, not redrawn."""
@@ -164,6 +181,9 @@ class Codec(ABC):
     * ``blockwise``: coordinates per block that summarizes, encodes and decodes independently
       of every other block (one summary entry per block); a round may then cut a partition into
       pieces of whole blocks and stream them, with the whole partition's values bit for bit.
+    * ``stages``: how many MAX and SUM rounds one round takes (1; PowerSGD: 2). A codec of
+      several stages derives each stage's inputs with ``stage_input`` and the partition's
+      average with ``finish``; its wire facts hold for every stage.
 
     Thread safety, a property every codec keeps: one codec object may run rounds from several
     threads at once (a plan's shard streams share the worker's codec), as long as each thread's
@@ -177,6 +197,12 @@ class Codec(ABC):
     lane_fields: tuple[str, str] | None = None
     linear_decode: bool = False
     blockwise: int | None = None
+    stages: int = 1
+    # Whether the codec carries its own error feedback (an option of its constructor) instead
+    # of the generic wrapper's, which assumes one encode per round.
+    keeps_own_feedback: bool = False
+    # Why error feedback must not wrap this codec (None: it may).
+    feedback_refusal: str | None = None
 
     def __init__(self, workers: int = 1):
         if workers < 1:
@@ -202,6 +228,31 @@ class Codec(ABC):
     def summary_bits(self) -> int:
         """Wire bits of one summary entry (float32 unless a codec sends less)."""
         return 32
+
+    # -- layouts and stages (codecs that work per tensor, in several sums) ---------------------
+    def describe(self, key: Hashable, shapes: Sequence[tuple[int, ...]]) -> None:
+        """The shapes of the tensors whose flattened gradients, end to end, make up the flat
+        buffers of ``key``. Codecs that work per tensor (PowerSGD's matrices) use them; the
+        others see coordinates only and ignore them."""
+        return None
+
+    def partitions(self, key: Hashable, total: int, size: int) -> list[tuple[int, int]] | None:
+        """[start, end) partitions of a flat buffer of ``key`` (``total`` coordinates), where a
+        codec cuts them itself; None: the round's partitions of ``size`` coordinates."""
+        return None
+
+    def stage_input(self, x: torch.Tensor, ctx: CodecContext, stage: int,
+                    previous: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
+        """What a codec of several stages sums at ``stage`` for the prepared partition ``x``:
+        stage 0's from x alone (``previous`` None; never None itself), a later stage's from
+        ``previous``, the average of the one before; None: the partition is done."""
+        raise NotImplementedError(f"codec {self.name!r} runs in one stage")
+
+    def finish(self, x: torch.Tensor, ctx: CodecContext,
+               averages: Sequence[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """The average of prepared partition ``x`` from the averages of the stages it took
+        part in (a codec of several stages; its error feedback is kept here)."""
+        raise NotImplementedError(f"codec {self.name!r} runs in one stage")
 
     @abstractmethod
     def encode(

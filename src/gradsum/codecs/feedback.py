@@ -172,8 +172,16 @@ class TransformedErrorFeedback(ErrorFeedback):
         return f"TransformedErrorFeedback({self.inner!r})"
 
 
+class FeedbackRefused(ValueError):
+    """Error feedback was asked for a codec it makes diverge (``Codec.feedback_refusal``)."""
+
+
 def feedback_for(codec: Codec) -> ErrorFeedback:
     """The error feedback a codec runs best with: in its transformed domain where it has one."""
+    if codec.feedback_refusal is not None:
+        raise FeedbackRefused(
+            f"codec {codec.name!r} refuses error feedback: {codec.feedback_refusal}"
+        )
     if isinstance(codec, FeedbackTransform):
         return TransformedErrorFeedback(codec)
     return ErrorFeedback(codec)

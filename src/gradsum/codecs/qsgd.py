@@ -15,9 +15,17 @@ from .decoding import DecodingCodec
 
 class QSGD(DecodingCodec):
     name = "qsgd"
+    feedback_refusal = (
+        "QSGD is unbiased with a variance proportional to its input's norm (up to "
+        "min(d / s^2, sqrt(d) / s) times the input's energy: 3.2x at s = 7, buckets of 512), so "
+        "error feedback, which feeds it its own error, grows that error step after step (NMSE "
+        "1.2 -> 2,000 in 20 steps, i.i.d. input, 4 workers); run qsgd without error feedback, or "
+        "a contractive codec (topk, thc) with it"
+    )
 
-    def __init__(self, workers: int = 1, levels: int = 7, bucket_size: int = 512):
-        super().__init__(workers)
+    def __init__(self, workers: int = 1, levels: int = 7, bucket_size: int = 512,
+                 server_feedback: bool | None = None):  # fmt: skip
+        super().__init__(workers, server_feedback)
         if levels < 1:
             raise ValueError(f"qsgd levels must be >= 1, got {levels}")
         if bucket_size < 1:

@@ -8,12 +8,13 @@ from collections.abc import Callable
 from .base import Codec
 from .bfp import BlockFloatingPoint
 from .feedback import feedback_for
+from .lowrank import PowerSGD
 from .names import CODEC_NAMES
 from .plain import FP16, NoCompression
 from .qsgd import QSGD
 from .sparse import DGC, TopK
 from .terngrad import TernGrad
-from .thc.codec import THC, UniformTHC
+from .thc.codec import THC, UniformTHC, UnrotatedUniformTHC
 
 # name -> (class, error feedback on by default)
 _CODECS: dict[str, tuple[type[Codec], bool]] = {
@@ -21,11 +22,13 @@ _CODECS: dict[str, tuple[type[Codec], bool]] = {
     "fp16": (FP16, False),
     "bfp": (BlockFloatingPoint, False),
     "thc": (THC, True),
-    "thc-uniform": (UniformTHC, False),
+    "thc-uniform": (UniformTHC, True),  # error feedback as THC's
+    "thc-uniform-unrotated": (UnrotatedUniformTHC, False),
     "topk": (TopK, True),
     "dgc": (DGC, False),  # DGC accumulates locally by itself
     "terngrad": (TernGrad, False),
     "qsgd": (QSGD, False),
+    "powersgd": (PowerSGD, True),  # its own error feedback (an option)
 }
 
 if tuple(_CODECS) != CODEC_NAMES:  # names.py lists them for command lines without torch
@@ -44,8 +47,11 @@ def make_codec(name: str, workers: int = 1, error_feedback: bool | None = None, 
             f"codec {name!r} has no option {', '.join(unknown)}; "
             f"its options are {', '.join(accepted) or '(none)'}"
         )
-    codec = cls(workers=workers, **options)
     use_feedback = feedback_default if error_feedback is None else error_feedback
+    if cls.keeps_own_feedback:
+        options.setdefault("error_feedback", use_feedback)
+        return cls(workers=workers, **options)
+    codec = cls(workers=workers, **options)
     return feedback_for(codec) if use_feedback else codec
 
 

@@ -16,6 +16,13 @@ estimator with the same random streams:
   in any order; a transport that streams encodes the next piece while earlier ones are in
   flight and decodes a piece as soon as its sum is in.
 
+A codec of several stages (``codec.stages > 1``: PowerSGD sums P = MQ, then Q = M^T P) runs
+the MAX and the SUM once per stage, each stage's inputs derived by ``codec.stage_input`` from
+the partition and the previous stage's average, and ``codec.finish`` makes the partition's
+average from every stage's. A reducer sees only more rounds of the same two operations, so
+every aggregator carries such a codec without knowing it; all workers run the same stages
+because which partitions take part in a stage depends only on the layout (``codec.partitions``).
+
 What the SUM of payloads is follows from ``codec.aggregation``: an integer or float sum of the
 lanes for homomorphic codecs, ``codec.aggregate`` (decode, sum, re-encode) otherwise. Whatever
 the transport, it is the value ``codec.aggregate`` defines; ``run_round`` runs the round
@@ -207,34 +214,45 @@ class CodecRound:
     def run(self, flat: torch.Tensor, reducer: Reducer, *, worker: int, key: Hashable,
             step: int) -> torch.Tensor:  # fmt: skip
         """The average over workers of ``flat`` (1-D float32), as the codec estimates it."""
-        prepared = self.prepare(flat, worker=worker, key=key, step=step)
-        if self.codec.needs_summary:
-            prepared.share(reducer.max(prepared.summaries))
-        phase = prepared.sum_phase(streamed=getattr(reducer, "streams", False))
-        reducer.sum(phase)
-        phase.check_complete()
-        return phase.out
+        prepared: Prepared | None = self.prepare(flat, worker=worker, key=key, step=step)
+        streamed = getattr(reducer, "streams", False)
+        while prepared is not None:
+            if self.codec.needs_summary:
+                prepared.share(reducer.max(prepared.summaries))
+            phase = prepared.sum_phase(streamed=streamed)
+            reducer.sum(phase)
+            phase.check_complete()
+            current, prepared = prepared, prepared.next_stage(phase)
+        return current.result(phase)
 
     def prepare(self, flat: torch.Tensor, *, worker: int, key: Hashable, step: int) -> Prepared:
         """Partition, precondition and summarize: everything before the MAX."""
         if flat.dim() != 1:
             raise ValueError(f"a round takes a flat gradient, got shape {tuple(flat.shape)}")
-        bounds = partition_bounds(flat.numel(), self.partition_elements)
+        codec = self.codec
+        bounds = codec.partitions(key, flat.numel(), self.partition_elements)
+        if bounds is None:
+            bounds = partition_bounds(flat.numel(), self.partition_elements)
         contexts = [
             CodecContext(self.seed, worker, step, partition_id(key, i), key=(key, i))
             for i in range(len(bounds))
         ]
-        codec = self.codec
         prepared = [
             codec.precondition(flat[a:b], ctx) for (a, b), ctx in zip(bounds, contexts, strict=True)
         ]
-        summaries = [codec.summarize(x, ctx) for x, ctx in zip(prepared, contexts, strict=True)]
-        return Prepared(self, flat, bounds, contexts, prepared, summaries)
+        if codec.stages == 1:
+            summaries = [codec.summarize(x, ctx) for x, ctx in zip(prepared, contexts, strict=True)]
+            return Prepared(self, flat, bounds, contexts, prepared, summaries)
+        stages = Stages(self, flat, bounds, contexts, prepared)
+        return stages.prepare([codec.stage_input(x, ctx, 0, None)
+                               for x, ctx in zip(prepared, contexts, strict=True)])  # fmt: skip
 
 
 @dataclass
 class Prepared:
-    """A round between its preliminary round and its SUM."""
+    """A round (or one stage of a codec's several) between its preliminary round and its SUM.
+    ``bounds`` place each input's average in the SUM's output; ``stages`` is the state of a
+    codec of several stages (None for one)."""
 
     round: CodecRound
     flat: torch.Tensor
@@ -242,9 +260,18 @@ class Prepared:
     contexts: list[CodecContext]
     inputs: list[torch.Tensor]
     summaries: list[torch.Tensor | None]
+    stages: Stages | None = None
 
     def __post_init__(self) -> None:
         self.shared: list[torch.Tensor | None] = [None] * len(self.bounds)
+
+    def next_stage(self, phase: SumPhase) -> Prepared | None:
+        """The next stage's round, once ``phase`` (this one's SUM) is complete; None: done."""
+        return None if self.stages is None else self.stages.advance(phase)
+
+    def result(self, phase: SumPhase) -> torch.Tensor:
+        """The round's average, after the last stage's ``phase``."""
+        return phase.out if self.stages is None else self.stages.finish()
 
     def share(self, shared: Sequence[torch.Tensor]) -> None:
         """The MAX round's result, one tensor per partition."""
@@ -254,8 +281,8 @@ class Prepared:
 
     def sum_phase(self, streamed: bool = False) -> SumPhase:
         """The SUM half; ``streamed``: a blockwise codec's partitions in pieces of whole blocks."""
-        count, device = self.flat.numel(), self.flat.device
-        if device.type == "cpu":
+        count, device = (self.bounds[-1][1] if self.bounds else 0), self.flat.device
+        if device.type == "cpu" and self.stages is None:
             out = _OUTPUTS.empty(count, torch.float32)
         else:
             out = torch.empty(count, dtype=torch.float32, device=device)
@@ -271,6 +298,57 @@ class Prepared:
                 end = min(size, offset + step)
                 pieces.append(Piece(start + offset, start + end, p, offset, ctx))
         return pieces
+
+
+class Stages:
+    """The state of a round of a codec of several stages, between its stages: every partition's
+    prepared input and the averages of the stages it took part in."""
+
+    def __init__(self, round_: CodecRound, flat: torch.Tensor, bounds: list[tuple[int, int]],
+                 contexts: list[CodecContext], inputs: list[torch.Tensor]):  # fmt: skip
+        self.round, self.codec = round_, round_.codec
+        self.flat, self.bounds, self.contexts, self.inputs = flat, bounds, contexts, inputs
+        self.averages: list[list[torch.Tensor]] = [[] for _ in bounds]
+        self.stage = 0
+        self._active: list[int] = []  # the partitions of the current stage
+        self._placed: list[tuple[int, int]] = []  # where their averages lie in its output
+
+    def prepare(self, stage_inputs: Sequence[torch.Tensor | None]) -> Prepared | None:
+        """This stage's round over the partitions whose ``stage_input`` is not None."""
+        self._active = [i for i, x in enumerate(stage_inputs) if x is not None]
+        if not self._active and self.stage > 0:
+            return None
+        inputs = [stage_inputs[i].reshape(-1) for i in self._active]
+        contexts = [self.contexts[i] for i in self._active]
+        ends = torch.tensor([x.numel() for x in inputs]).cumsum(0).tolist()
+        self._placed = list(zip([0, *ends[:-1]], ends, strict=True))
+        summaries = [self.codec.summarize(x, ctx) for x, ctx in zip(inputs, contexts, strict=True)]
+        return Prepared(self.round, self.flat, self._placed, contexts, inputs, summaries, self)
+
+    def advance(self, phase: SumPhase) -> Prepared | None:
+        """Keep this stage's averages; the next stage's round, or None after the last one."""
+        for i, (a, b) in zip(self._active, self._placed, strict=True):
+            self.averages[i].append(phase.out[a:b])
+        self.stage += 1
+        if self.stage >= self.codec.stages:
+            return None
+        active = set(self._active)  # a partition that sat out a stage is done
+        stage_inputs = [
+            self.codec.stage_input(self.inputs[i], self.contexts[i], self.stage,
+                                   self.averages[i][-1]) if i in active else None
+            for i in range(len(self.bounds))
+        ]  # fmt: skip
+        return self.prepare(stage_inputs)
+
+    def finish(self) -> torch.Tensor:
+        """Every partition's average (``codec.finish``), in place in the round's output."""
+        count, device = self.flat.numel(), self.flat.device
+        out = (_OUTPUTS.empty(count, torch.float32) if device.type == "cpu"
+               else torch.empty(count, dtype=torch.float32, device=device))  # fmt: skip
+        for (a, b), x, ctx, averages in zip(self.bounds, self.inputs, self.contexts,
+                                            self.averages, strict=True):  # fmt: skip
+            out[a:b] = self.codec.finish(x, ctx, averages)
+        return out
 
 
 class PhaseClock:
@@ -342,31 +420,44 @@ def run_round(
     collects the seconds of each phase (``gradsum bench codecs``)."""
     clock = clock or PhaseClock()
     rounds = CodecRound(codec, seed, partition_elements)
-    workers = []
+    workers: list[Prepared | None] = []
     for w, x in enumerate(inputs):
         with clock.phase("encode"):
             flat = x.reshape(-1).to(torch.float32)
             workers.append(rounds.prepare(flat, worker=w, key=key, step=step))
-    if codec.needs_summary:
-        with clock.phase("aggregate"):
-            summaries = zip(*(w.summaries for w in workers), strict=True)
-            shared = [combine_summaries(s) for s in summaries]
-        for prepared in workers:
-            prepared.share(shared)
-    phases = [prepared.sum_phase() for prepared in workers]
     chosen = range(len(inputs)) if contributors is None else contributors
+    # one stage: every worker decodes the same sums, so worker 0 decodes them for all; a codec
+    # of several stages derives each worker's next inputs from them, so every worker decodes
+    deciders = range(len(inputs)) if codec.stages > 1 else [0]
     pieces = []
-    for i in range(len(phases[0])):
-        payloads = []
-        for w in chosen:
-            with clock.phase("encode"):
-                payloads.append(phases[w].encode(i))
-        with clock.phase("aggregate"):
-            summed = codec.aggregate(payloads, phases[0].aggregator_context(i))
-        with clock.phase("decode"):
-            phases[0].deliver(i, summed)  # every worker decodes the same sum
-        pieces.append((payloads, summed, phases[0].shared_of(i)))
-    return RoundResult(phases[0].out, pieces)
+    while workers[0] is not None:
+        if codec.needs_summary:
+            with clock.phase("aggregate"):
+                summaries = zip(*(w.summaries for w in workers), strict=True)
+                shared = [combine_summaries(s) for s in summaries]
+            for prepared in workers:
+                prepared.share(shared)
+        phases = [prepared.sum_phase() for prepared in workers]
+        for i in range(len(phases[0])):
+            payloads = []
+            for w in chosen:
+                with clock.phase("encode"):
+                    payloads.append(phases[w].encode(i))
+            with clock.phase("aggregate"):
+                summed = codec.aggregate(payloads, phases[0].aggregator_context(i))
+            for w in deciders:
+                with clock.phase("decode") if w == 0 else contextlib.nullcontext():
+                    phases[w].deliver(i, summed)
+            pieces.append((payloads, summed, phases[0].shared_of(i)))
+        last = workers
+        with clock.phase("encode"):  # the next stage's inputs (per worker, as encodes are)
+            workers = [prepared.next_stage(phase)
+                       for prepared, phase in zip(workers, phases, strict=True)]  # fmt: skip
+    with clock.phase("decode"):
+        average = last[0].result(phases[0])
+    for w in deciders[1:]:  # each worker's own finish (its error feedback)
+        last[w].result(phases[w])
+    return RoundResult(average, pieces)
 
 
 def worker_contexts(

@@ -36,9 +36,10 @@ class TopK(DecodingCodec):
     """Keep the k = ceil(ratio * d) coordinates of largest magnitude (10% by default)."""
 
     name = "topk"
+    server_feedback_default = True  # the re-selection at a server drops what it drops again
 
-    def __init__(self, workers: int = 1, ratio: float = 0.1):
-        super().__init__(workers)
+    def __init__(self, workers: int = 1, ratio: float = 0.1, server_feedback: bool | None = None):
+        super().__init__(workers, server_feedback)
         self.ratio = _ratio(ratio)
 
     def kept(self, length: int) -> int:
@@ -65,6 +66,7 @@ class DGC(TopK):
     """
 
     name = "dgc"
+    server_feedback_default = False  # DGC's paper sums at an all-reduce; nothing re-selects
 
     def __init__(
         self,
@@ -72,8 +74,9 @@ class DGC(TopK):
         ratio: float = 0.1,
         momentum: float = 0.9,
         sample_ratio: float = 0.01,
+        server_feedback: bool | None = None,
     ):
-        super().__init__(workers, ratio)
+        super().__init__(workers, ratio, server_feedback)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"dgc momentum must be in [0, 1), got {momentum}")
         self.momentum = momentum

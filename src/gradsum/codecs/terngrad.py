@@ -1,8 +1,11 @@
 """TernGrad (Wen et al., NeurIPS 2017): unbiased ternary quantization with one scale per tensor.
 
-Each coordinate becomes s * sign(x) * Bernoulli(|x| / s) with s = max |x|, sent as 2 bits
-({-1, 0, +1} + 1) plus the float32 scale. The parameter server decodes, sums and ternarizes the
-sum again for the downstream.
+The gradient is first clipped at ``clip`` standard deviations (2.5 in the paper and in GRACE's
+implementation): without it the scale s is set by the largest outlier and almost every
+coordinate rounds to zero. Each coordinate of the clipped g then becomes s * sign(g) *
+Bernoulli(|g| / s) with s = max |g|, sent as 2 bits ({-1, 0, +1} + 1) plus the float32 scale.
+The parameter server decodes, sums and ternarizes the sum again (clipped the same way) for the
+downstream.
 """
 
 from __future__ import annotations
@@ -17,7 +20,17 @@ from .decoding import DecodingCodec
 class TernGrad(DecodingCodec):
     name = "terngrad"
 
+    def __init__(self, workers: int = 1, clip: float | None = 2.5,
+                 server_feedback: bool | None = None):  # fmt: skip
+        super().__init__(workers, server_feedback)
+        if clip is not None and clip <= 0:
+            raise ValueError(f"terngrad clip must be > 0 standard deviations or none, got {clip}")
+        self.clip = clip
+
     def compress(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+        if self.clip is not None and x.numel():
+            bound = self.clip * float(x.std(correction=0))
+            x = x.clamp(-bound, bound)
         scale = float(x.abs().max()) if x.numel() else 0.0
         keep_probability = x.abs().div_(scale) if scale > 0 else torch.zeros_like(x)
         draws = ctx.uniform(x.numel(), x.device)
@@ -29,3 +42,6 @@ class TernGrad(DecodingCodec):
     def decompress(self, payload: Payload) -> torch.Tensor:
         ternary = unpack_bits(payload.fields["ternary"], 2, payload.length)
         return ternary.to(torch.float32).sub_(1).mul_(payload.meta["scale"])
+
+    def __repr__(self) -> str:
+        return f"TernGrad(workers={self.workers}, clip={self.clip})"

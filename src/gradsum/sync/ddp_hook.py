@@ -64,6 +64,7 @@ def gradsum_hook(
         state.step += 1
     key = ("ddp-bucket", bucket.index(), buffer.numel())
     codec = state.codec_for(step)
+    codec.describe(key, [tuple(g.shape) for g in bucket.gradients()])
 
     def run() -> torch.Tensor:
         average = state.aggregator.synchronize(

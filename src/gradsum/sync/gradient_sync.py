@@ -156,7 +156,14 @@ class GradientSync:
                 block.copy_(average[offset : offset + block.numel()].view(block.shape))
                 offset += block.numel()
 
-        return self._sender.submit(group, flat, self.step).then(write_back)
+        shapes = [self._shape(s) for s in self._segments[group]]
+        return self._sender.submit(group, flat, self.step, shapes).then(write_back)
+
+    def _shape(self, segment: Segment) -> tuple[int, ...]:
+        """A segment's shape for codecs that work per tensor: its parameter's, if whole."""
+        param = self.parameters[segment.param]
+        whole = segment.start == 0 and segment.stop == param.numel()
+        return tuple(param.shape) if whole else (segment.numel,)
 
     def wait(self) -> None:
         """Block until every group is aggregated and written back into ``param.grad``."""

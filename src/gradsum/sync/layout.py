@@ -58,3 +58,17 @@ class BufferLayout:
                 pieces.append(Segment(self._params[k], a - base, b - base))
             k += 1
         return tuple(pieces)
+
+
+def cut_shapes(shapes: Sequence[tuple[int, ...]], start: int, stop: int) -> list[tuple[int, ...]]:
+    """The tensors that elements ``[start, stop)`` of a buffer of ``shapes`` (flattened, end to
+    end) hold: whole tensors keep their shape, a part of one is 1-D. What a codec that works per
+    tensor is told of a part (``Codec.describe``)."""
+    pieces, base = [], 0
+    for shape in shapes:
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        a, b = max(start, base), min(stop, base + count)
+        if b > a:
+            pieces.append(tuple(shape) if (a, b) == (base, base + count) else (b - a,))
+        base += count
+    return pieces

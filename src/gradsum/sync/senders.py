@@ -26,7 +26,7 @@ identical on every worker) and return a future with the group's average.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -34,6 +34,7 @@ from ..codecs import Codec
 from ..schedule.plan import Plan
 from .aggregator import Aggregator
 from .comm import CommunicationThread
+from .layout import cut_shapes
 
 
 class SerialSender:
@@ -42,12 +43,18 @@ class SerialSender:
         self.seed, self.partition_elements = seed, partition_elements
         self._thread = CommunicationThread("gradsum-sync")
 
-    def submit(self, group: int, flat: torch.Tensor, step: int) -> torch.futures.Future:
+    def submit(self, group: int, flat: torch.Tensor, step: int,
+               shapes: Sequence[tuple[int, ...]] = ()) -> torch.futures.Future:  # fmt: skip
+        """``shapes``: the tensors ``flat`` holds, for codecs that work per tensor."""
+        key = ("group", group, flat.numel())
+        if shapes:
+            self.codec.describe(key, shapes)
+
         def run() -> torch.Tensor:
             return self.aggregator.synchronize(
                 flat,
                 self.codec,
-                key=("group", group, flat.numel()),
+                key=key,
                 step=step,
                 seed=self.seed,
                 partition_elements=self.partition_elements,
@@ -79,12 +86,13 @@ class ShardSender:
         self._credit = threading.Condition()
         self._in_flight = 0
 
-    def submit(self, group: int, flat: torch.Tensor, step: int) -> torch.futures.Future:
+    def submit(self, group: int, flat: torch.Tensor, step: int,
+               shapes: Sequence[tuple[int, ...]] = ()) -> torch.futures.Future:  # fmt: skip
         result: torch.futures.Future = torch.futures.Future()
 
         def dispatch() -> None:
             try:
-                self._dispatch(group, flat, step, result)
+                self._dispatch(group, flat, step, result, shapes)
             except BaseException as error:
                 result.set_exception(error)
 
@@ -92,7 +100,7 @@ class ShardSender:
         return result
 
     def _dispatch(self, index: int, flat: torch.Tensor, step: int,
-                  result: torch.futures.Future) -> None:  # fmt: skip
+                  result: torch.futures.Future, shapes=()) -> None:  # fmt: skip
         group = self.plan.groups[index]
         nbytes = 4 * flat.numel()
         self._acquire(nbytes, index)
@@ -103,14 +111,17 @@ class ShardSender:
         for k, part in enumerate(parts):
             done = threading.Event()
             gate = None if self.plan.interleave or self.window else previous
-            run = self._part_job(index, k, part, flat, out, group.start, gate, step)
+            run = self._part_job(index, k, part, flat, out, group.start, gate, step, shapes)
             future = self._streams[part.shard].submit(run)
             future.add_done_callback(_signal(done, finished))
             previous = done
 
-    def _part_job(self, index, k, part, flat, out, base, gate, step) -> Callable[[], None]:
+    def _part_job(self, index, k, part, flat, out, base, gate, step,
+                  shapes=()) -> Callable[[], None]:  # fmt: skip
         a, b = part.start - base, part.stop - base
         key = ("part", index, k)
+        if shapes:
+            self.codec.describe(key, cut_shapes(shapes, a, b))
 
         def run() -> None:
             if gate is not None and not gate.wait(self.timeout):

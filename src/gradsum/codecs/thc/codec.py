@@ -33,8 +33,9 @@ from ..bits import bits_for, pack_bits, unpack_bits
 from ..buffers import Recycler
 from . import native
 from .hadamard import Rotation, padded_length
-from .tables import clamp_threshold, solve_table
+from .tables import clamp_threshold, correlated_clamp, solve_table
 
+CORRELATED_GRANULARITY = 31
 UPSTREAM = "indices"
 DOWNSTREAM = "sums"
 ROTATIONS_KEPT = 256
@@ -89,8 +90,10 @@ class GridCodec(Codec):
 
     lane_fields = (UPSTREAM, DOWNSTREAM)
 
-    def __init__(self, workers: int, bits: int, table: Sequence[int]):
+    def __init__(self, workers: int, bits: int, table: Sequence[int], correlated: bool = False):
         super().__init__(workers)
+        # correlated rounding: thresholds stratified across workers (``stratified_uniform``)
+        self.correlated = correlated
         if bits not in range(1, 9):
             raise ValueError(f"THC bits must be in 1..8, got {bits}")
         self.bits = bits
@@ -173,12 +176,13 @@ class GridCodec(Codec):
         lookups = self._tables(x.device)
         seed = ctx.worker_seed()
         g = self.granularity
-        packed = native.encode(
-            x, rotation, a, c, g, lookups.cell_entries, seed, self.bits, empty=self._recycler.empty
-        )
+        packed = None
+        if not self.correlated:  # the kernel draws independent thresholds of its own
+            packed = native.encode(x, rotation, a, c, g, lookups.cell_entries, seed, self.bits,
+                                   empty=self._recycler.empty)  # fmt: skip
         if packed is None:
             check_finite(x)
-            y = x.mul(a) if rotation is None else rotation.forward(x).mul_(a)
+            y = x.mul(a) if rotation is None else self._rotated(x, rotation).mul_(a)
             indices = self._round_to_table(y.add_(c).clamp_(0, g), ctx)
             packed = pack_bits(indices, self.bits, check=False)
         return Payload({UPSTREAM: packed}, x.numel() if length is None else length)
@@ -203,6 +207,10 @@ class GridCodec(Codec):
                 return rotation.inverse(y)
         return y[: payload.length] if trim else y
 
+    def _rotated(self, x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+        rotated = native.rotate(x, rotation)
+        return rotation.forward(x) if rotated is None else rotated
+
     def _round_to_table(self, u: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         """Unbiased stochastic rounding of grid positions u in [0, g] to table indices (uint8).
 
@@ -217,7 +225,10 @@ class GridCodec(Codec):
         torch.index_select(lookups.low_of_cell, 0, cell, out=low)
         torch.index_select(lookups.inverse_width_of_cell, 0, cell, out=up_probability)
         up_probability.mul_(torch.sub(u, low, out=low))
-        ctx.uniform(u.numel(), u.device, out=draws)
+        if self.correlated:
+            ctx.stratified_uniform(u.numel(), self.workers, u.device, out=draws)
+        else:
+            ctx.uniform(u.numel(), u.device, out=draws)
         torch.lt(draws, up_probability, out=rounds_up)
         torch.index_select(lookups.interval_of_cell, 0, cell, out=indices)
         return indices.add_(rounds_up)
@@ -259,15 +270,26 @@ class THC(GridCodec):
         self,
         workers: int = 1,
         bits: int = 4,
-        granularity: int = 30,
-        p: float = 1 / 32,
+        granularity: int | None = None,
+        p: float | None = None,
         rotation_block: int | None = None,
+        correlated: bool = False,
     ):
-        super().__init__(workers, bits, solve_table(bits, granularity, p))
+        # Correlated rounding's table: 31 grid steps (n * 31 sums need the bits n * 30 do at
+        # every n, so the wire is THC's) and the clamp that minimises its error.
+        if granularity is None:
+            granularity = CORRELATED_GRANULARITY if correlated else 30
+        if p is None:
+            p = correlated_clamp(bits, granularity, workers) if correlated else 1 / 32
+        super().__init__(workers, bits, self._table(bits, granularity, p), correlated)
         self.p = p
         self.threshold = clamp_threshold(p)
         self.rotation_block = rotation_block
         self._rotations: OrderedDict[tuple, Rotation] = OrderedDict()  # least recently used first
+
+    @staticmethod
+    def _table(bits: int, granularity: int, p: float) -> tuple[int, ...]:
+        return solve_table(bits, granularity, p)
 
     def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         flat = x.reshape(-1).to(torch.float32)
@@ -334,7 +356,7 @@ class THC(GridCodec):
         a, c = self._grid_scale(max_norm, w.numel()), self.granularity / 2
         error = self._recycler.empty(w.numel(), torch.float32) if w.device.type == "cpu" else None
         lookups = self._tables(w.device)
-        packed = native.encode(
+        packed = None if self.correlated else native.encode(
             w, None, a, c, self.granularity, lookups.cell_entries, ctx.worker_seed(), self.bits,
             error=error, empty=self._recycler.empty,
         )  # fmt: skip
@@ -377,18 +399,43 @@ class THC(GridCodec):
     def __repr__(self) -> str:
         return (
             f"THC(workers={self.workers}, bits={self.bits}, granularity={self.granularity}, "
-            f"p={self.p:g}, rotation_block={self.rotation_block})"
+            f"p={self.p:g}, rotation_block={self.rotation_block}, correlated={self.correlated})"
         )
 
 
-class UniformTHC(GridCodec):
-    """Uniform THC (Algorithm 1): the grid is [global min, global max] in 2**b - 1 steps."""
+class UniformTHC(THC):
+    """Uniform THC as its authors define and run it (Algorithm 1; their ``INCACompressor``):
+    THC's randomized Hadamard rotation and max-norm scaling, a clamp at t = Phi^-1(1 - p/2)
+    (their ``norm.isf(1e-4)`` = 3.72 standard deviations: p = 2e-4), and 2**b uniform levels
+    over [-t, t], rounded stochastically; the aggregator sums the level indices themselves."""
 
     name = "thc-uniform"
     aggregation = Aggregation.INTEGER_SUM
 
-    def __init__(self, workers: int = 1, bits: int = 4):
-        super().__init__(workers, bits, range(1 << bits))
+    def __init__(self, workers: int = 1, bits: int = 4, p: float = 2e-4,
+                 rotation_block: int | None = None, correlated: bool = False):  # fmt: skip
+        super().__init__(workers, bits, (1 << bits) - 1, p, rotation_block, correlated)
+
+    @staticmethod
+    def _table(bits: int, granularity: int, p: float) -> tuple[int, ...]:
+        return tuple(range(1 << bits))
+
+    def __repr__(self) -> str:
+        return (f"UniformTHC(workers={self.workers}, bits={self.bits}, p={self.p:g}, "
+                f"rotation_block={self.rotation_block}, correlated={self.correlated})")  # fmt: skip
+
+
+class UnrotatedUniformTHC(GridCodec):
+    """Uniform THC without the rotation: the grid is [global min, global max] in 2**b - 1 steps.
+    Not the authors' method (outliers set the range: on heavy tails almost every coordinate
+    rounds to the middle levels); kept, under a name that says so, to show what the rotation
+    buys."""
+
+    name = "thc-uniform-unrotated"
+    aggregation = Aggregation.INTEGER_SUM
+
+    def __init__(self, workers: int = 1, bits: int = 4, correlated: bool = False):
+        super().__init__(workers, bits, range(1 << bits), correlated)
 
     def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         check_finite(x)
@@ -413,7 +460,7 @@ class UniformTHC(GridCodec):
 
     def _range(self, shared: torch.Tensor | None) -> tuple[float, float]:
         if shared is None or shared.numel() != 2:
-            raise ValueError("thc-uniform needs the preliminary round's [max, -min]")
+            raise ValueError(f"{self.name} needs the preliminary round's [max, -min]")
         high, negative_low = (float(v) for v in shared)
         return -negative_low, high + negative_low
 
