@@ -37,7 +37,14 @@ from typing import Protocol
 
 import torch
 
-from .base import Codec, CodecContext, Payload, aggregator_context, combine_summaries
+from .base import (
+    Codec,
+    CodecContext,
+    DeviceChecks,
+    Payload,
+    aggregator_context,
+    combine_summaries,
+)
 from .buffers import Recycler
 
 PARTITION_ELEMENTS = 1 << 20
@@ -205,14 +212,23 @@ class CodecRound:
     partition_elements: int = PARTITION_ELEMENTS
 
     def run(self, flat: torch.Tensor, reducer: Reducer, *, worker: int, key: Hashable,
-            step: int) -> torch.Tensor:  # fmt: skip
-        """The average over workers of ``flat`` (1-D float32), as the codec estimates it."""
-        prepared = self.prepare(flat, worker=worker, key=key, step=step)
-        if self.codec.needs_summary:
-            prepared.share(reducer.max(prepared.summaries))
-        phase = prepared.sum_phase(streamed=getattr(reducer, "streams", False))
-        reducer.sum(phase)
+            step: int, checks: DeviceChecks | None = None) -> torch.Tensor:  # fmt: skip
+        """The average over workers of ``flat`` (1-D float32), as the codec estimates it.
+
+        ``checks``: where the round's checks of device values (finiteness, the shared scalars)
+        go, for the caller to read once (``raise_if_failed``) when it is ready to wait for the
+        device; without it the round reads them itself before it returns."""
+        own = checks is None
+        checks = DeviceChecks() if own else checks
+        with checks.deferring():
+            prepared = self.prepare(flat, worker=worker, key=key, step=step)
+            if self.codec.needs_summary:
+                prepared.share(reducer.max(prepared.summaries))
+            phase = prepared.sum_phase(streamed=getattr(reducer, "streams", False))
+            reducer.sum(phase)
         phase.check_complete()
+        if own:
+            checks.raise_if_failed()
         return phase.out
 
     def prepare(self, flat: torch.Tensor, *, worker: int, key: Hashable, step: int) -> Prepared:
@@ -340,7 +356,15 @@ def run_round(
     whose payloads reach the aggregator (partial aggregation); all workers take part in the
     preliminary round and all decode the same sums, so the result is worker 0's. ``clock``
     collects the seconds of each phase (``gradsum bench codecs``)."""
-    clock = clock or PhaseClock()
+    checks = DeviceChecks()
+    with checks.deferring():
+        result = _run_round(codec, inputs, seed, step, key, contributors, partition_elements,
+                            clock or PhaseClock())  # fmt: skip
+    checks.raise_if_failed()
+    return result
+
+
+def _run_round(codec, inputs, seed, step, key, contributors, partition_elements, clock):
     rounds = CodecRound(codec, seed, partition_elements)
     workers = []
     for w, x in enumerate(inputs):

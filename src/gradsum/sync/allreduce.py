@@ -4,7 +4,8 @@ It is the round's ``Reducer`` over collectives:
 
 * ``max``: one MAX all-reduce of every partition's summary;
 * ``sum`` for integer-homomorphic codecs (thc, thc-uniform, bfp): one SUM all-reduce of the
-  integers an aggregator would add (THC: table values, in uint8 while n*g <= 255) --
+  integers an aggregator would add (THC: table values, in uint8 while n*g <= 255, float16 integers
+  while n*g < 2048, int32 beyond) --
   compressed all the way through the ring; for ``none``: a float SUM all-reduce, whose order of
   additions is the library's (so the last bit may differ from a sum in worker order), or with
   ``deterministic`` a sum in worker order, exactly what a parameter server and the reference
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs import Aggregation, Codec, Payload
-from ..codecs.integers import from_integers, sum_dtype, to_integers
+from ..codecs.integers import check_workers, from_integers, sum_dtype, to_integers
 from ..codecs.round import SumPhase
 from .aggregator import Aggregator
 
@@ -65,6 +66,7 @@ class AllReduceAggregator(Aggregator):
 
     def _sum_integers(self, phase: SumPhase) -> None:
         codec = phase.codec
+        check_workers(codec, self.world_size)  # before anything is summed
         payloads = phase.payloads()
         integers = [to_integers(codec, p) for p in payloads]
         flat = torch.cat(integers).to(sum_dtype(codec))
