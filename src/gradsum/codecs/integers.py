@@ -3,11 +3,11 @@
 An all-reduce (or any summing transport) needs the exact integers an aggregator would add:
 ``to_integers`` gives them for one upstream payload (THC: table values of the indices; uniform
 THC: the values; bfp: the int32 values), and ``from_integers`` wraps a sum of them, as it is,
-into the downstream payload the codec decodes (``Payload.unpacked``: no repacking). ``sum_dtype`` is the
-narrowest dtype that holds every sum exactly, chosen up front from the configured worker count,
-so no sum is checked on the hot path (``check_workers`` refuses more contributors than that).
-All of it is read from the codec's declared wire facts (``lane_fields``, ``lane_widths``,
-``integer_op``), so a new integer codec needs nothing here.
+into the downstream payload the codec decodes (``Payload.unpacked``: no repacking).
+``sum_dtype`` is the narrowest dtype that holds every sum exactly, chosen up front from the
+configured worker count, so no sum is checked on the hot path (``check_workers`` refuses more
+contributors than that). All of it is read from the codec's declared wire facts
+(``lane_fields``, ``lane_widths``, ``integer_op``), so a new integer codec needs nothing here.
 """
 
 from __future__ import annotations

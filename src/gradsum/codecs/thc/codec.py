@@ -470,11 +470,14 @@ def _divide(a: Scalar, b: Scalar) -> Scalar:
     bit; here both sides are tensors."""
     if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
         return a / b
-    like = a if isinstance(a, torch.Tensor) else b
-    as_tensor = lambda v: v if isinstance(v, torch.Tensor) else torch.full(  # noqa: E731
-        (), v, dtype=torch.float64, device=like.device
-    )
-    return torch.div(as_tensor(a), as_tensor(b))
+    device = (a if isinstance(a, torch.Tensor) else b).device
+
+    def tensor(v: Scalar) -> torch.Tensor:
+        if isinstance(v, torch.Tensor):
+            return v
+        return torch.full((), v, dtype=torch.float64, device=device)
+
+    return torch.div(tensor(a), tensor(b))
 
 
 def _float32(value: Scalar) -> Scalar:
