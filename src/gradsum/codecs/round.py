@@ -119,6 +119,12 @@ class SumPhase:
         self._prepared, self._shared = prepared, shared
         self._payloads: list[Payload | None] = [None] * len(pieces)
         self._delivered = [False] * len(pieces)
+        # the round's deferred checks, also where a transport encodes or decodes on a thread
+        # of its own (contexts are per thread)
+        self._checks = DeviceChecks.current()
+
+    def _deferring(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self._checks is None else self._checks.deferring()
 
     def __len__(self) -> int:
         return len(self.pieces)
@@ -140,10 +146,11 @@ class SumPhase:
         if payload is None:
             piece = self.pieces[index]
             x, shared = self._inputs(piece)
-            if into is None:
-                payload = self.codec.encode(x, piece.context, shared)
-            else:
-                payload = self.codec.encode_into(x, piece.context, shared, into)
+            with self._deferring():
+                if into is None:
+                    payload = self.codec.encode(x, piece.context, shared)
+                else:
+                    payload = self.codec.encode_into(x, piece.context, shared, into)
             self._payloads[index] = payload
         elif into is not None:
             raise RuntimeError(f"piece {index} was encoded before its send buffer was given")
@@ -158,7 +165,8 @@ class SumPhase:
             raise RuntimeError(f"piece {index} of the round was delivered twice")
         piece = self.pieces[index]
         shared = self.shared_of(index)
-        decode(self.codec, summed, piece.context, shared, self.out[piece.start : piece.stop])
+        with self._deferring():
+            decode(self.codec, summed, piece.context, shared, self.out[piece.start : piece.stop])
         self._delivered[index] = True
         self._payloads[index] = None  # its buffers may be reused
 
