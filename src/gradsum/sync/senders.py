@@ -34,6 +34,7 @@ from ..codecs import Codec
 from ..schedule.plan import Plan
 from .aggregator import Aggregator
 from .comm import CommunicationThread
+from .streams import CommStream
 
 
 class SerialSender:
@@ -43,6 +44,8 @@ class SerialSender:
         self._thread = CommunicationThread("gradsum-sync")
 
     def submit(self, group: int, flat: torch.Tensor, step: int) -> torch.futures.Future:
+        handoff = CommStream.of(flat.device).handoff([flat])  # on the producer's stream
+
         def run() -> torch.Tensor:
             return self.aggregator.synchronize(
                 flat,
@@ -53,7 +56,7 @@ class SerialSender:
                 partition_elements=self.partition_elements,
             )
 
-        return self._thread.submit(run)
+        return self._thread.submit(run, handoff)
 
     def close(self) -> None:
         self._thread.close()
@@ -80,11 +83,12 @@ class ShardSender:
         self._in_flight = 0
 
     def submit(self, group: int, flat: torch.Tensor, step: int) -> torch.futures.Future:
-        result: torch.futures.Future = torch.futures.Future()
+        handoff = CommStream.of(flat.device).handoff([flat])  # on the producer's stream
+        result = handoff.stream.future()
 
         def dispatch() -> None:
             try:
-                self._dispatch(group, flat, step, result)
+                self._dispatch(group, flat, step, result, handoff)
             except BaseException as error:
                 result.set_exception(error)
 
@@ -92,19 +96,21 @@ class ShardSender:
         return result
 
     def _dispatch(self, index: int, flat: torch.Tensor, step: int,
-                  result: torch.futures.Future) -> None:  # fmt: skip
+                  result: torch.futures.Future, handoff) -> None:  # fmt: skip
         group = self.plan.groups[index]
         nbytes = 4 * flat.numel()
         self._acquire(nbytes, index)
-        out = torch.empty(flat.numel(), dtype=torch.float32)
+        out = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
         parts = self.plan.part_order(group, self.worker)
-        finished = _Countdown(len(parts), lambda error: self._finish(nbytes, out, result, error))
+        finished = _Countdown(
+            len(parts), lambda error: self._finish(nbytes, out, result, error, handoff.stream)
+        )
         previous: threading.Event | None = None
         for k, part in enumerate(parts):
             done = threading.Event()
             gate = None if self.plan.interleave or self.window else previous
             run = self._part_job(index, k, part, flat, out, group.start, gate, step)
-            future = self._streams[part.shard].submit(run)
+            future = self._streams[part.shard].submit(run, handoff)
             future.add_done_callback(_signal(done, finished))
             previous = done
 
@@ -137,12 +143,13 @@ class ShardSender:
                 )
             self._in_flight += nbytes
 
-    def _finish(self, nbytes, out, result, error) -> None:
+    def _finish(self, nbytes, out, result, error, stream: CommStream) -> None:
         with self._credit:
             self._in_flight -= nbytes
             self._credit.notify_all()
         if error is None:
-            result.set_result(out)
+            with stream.running(None):  # every part ran on this stream: its events cover them
+                result.set_result(out)
         else:
             result.set_exception(error)
 
