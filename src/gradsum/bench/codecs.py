@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..devices import DEVICE_NAMES
 from .cli import parse_size, positive_int
 
 if TYPE_CHECKING:  # torch loads when a benchmark runs, not when `gradsum --help` parses
@@ -40,7 +41,7 @@ class CodecRow:
     decode_ms: float  # one worker
     copy_ms: float  # a partition-sized copy into a kept buffer, timed in every round of the codec
     copy_hot_ms: float  # the same copy repeated back to back: source and target in cache
-    clock: str = "thread-cpu"  # CPU time of one thread (1 torch thread), or "wall"
+    clock: str = "thread-cpu"  # CPU time of one thread (1 torch thread), "wall", "cuda-events"
     # NMSE of the last timed round: the same as ``nmse`` in distribution for stateless codecs,
     # warmed up (same inputs, ``repeats`` rounds later) for a warm-started one (powersgd)
     nmse_last: float = float("nan")
@@ -97,6 +98,11 @@ def register(benches: argparse._SubParsersAction) -> None:
         action="store_true",
         help="wrap codecs in error feedback as training does (adds a reconstruct to encode)",
     )
+    parser.add_argument(
+        "--device", choices=DEVICE_NAMES, default=None,
+        help="where the rounds run (default: cuda when present, else cpu); on a GPU the phases "
+        "are timed with CUDA events on the device's timeline",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the rows as a JSON list here")
     parser.add_argument("--plot", type=Path, help="write a PNG of NMSE and time ratios here")
     parser.set_defaults(run=run)
@@ -111,7 +117,12 @@ def run(args: argparse.Namespace) -> int:
     inputs = _choices(args.input, INPUT_KINDS, "--input")
     codecs = _variants(args.codecs, CODEC_NAMES)
     args.codec_options = _codec_options(args.options, codecs)
+    from ..devices import resolve_device
+
+    args.device = resolve_device(getattr(args, "device", None))
     clock = time.perf_counter if args.wall_clock else time.thread_time
+    if args.device == "cuda":
+        clock = cuda_event_clock()
     threads = torch.get_num_threads()
     if not args.wall_clock:
         torch.set_num_threads(1)  # all work on this thread, so its CPU time is all the work
@@ -133,7 +144,8 @@ def _measure_all(inputs, codecs, args, clock) -> list[CodecRow]:
 
     rows: list[CodecRow] = []
     for kind in inputs:
-        vectors = _make_inputs(kind, args.workers, args.size, args.seed)
+        made = _make_inputs(kind, args.workers, args.size, args.seed)
+        vectors = [v.to(args.device) for v in made]
         for name in codecs:
             _progress(f"{kind}: {name}")
             if args.error_feedback and _refuses_feedback(name):
@@ -290,8 +302,27 @@ def measure_codec(
         decode_ms=_median_ms(samples["decode"]),
         copy_ms=_median_ms(samples["copy"]),
         copy_hot_ms=copy_hot_ms,
-        clock="wall" if clock is time.perf_counter else "thread-cpu",
+        clock=getattr(clock, "name", "wall" if clock is time.perf_counter else "thread-cpu"),
     )
+
+
+def cuda_event_clock() -> Callable[[], float]:
+    """Seconds on the current CUDA device's timeline: each reading records an event on the
+    current stream and waits for it, so the difference of two readings is the GPU time of the
+    work queued between them (a CPU clock would time only the launches)."""
+    import torch
+
+    base = torch.cuda.Event(enable_timing=True)
+    base.record()
+
+    def clock() -> float:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        event.synchronize()
+        return base.elapsed_time(event) / 1000.0
+
+    clock.name = "cuda-events"
+    return clock
 
 
 def cached_copy_ms(x: torch.Tensor, repeats: int, clock: Callable[[], float]) -> float:

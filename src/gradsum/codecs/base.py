@@ -23,10 +23,12 @@ How the aggregator may combine payloads is declared by ``Codec.aggregation``:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -132,6 +134,8 @@ def draw_uniform(
     device = torch.device(device)
     if out is None:
         out = torch.empty(count, dtype=torch.float32, device=device)
+    if device.type == "meta":  # shapes without values (tests trace device paths on it)
+        return out
     if device.type == "cpu":
         np.random.Generator(np.random.PCG64(seed)).random(out=out.numpy(), dtype=np.float32)
     else:
@@ -155,6 +159,10 @@ class Payload:
     contributors: int = 1
     meta: dict[str, float] = field(default_factory=dict)
     counts: torch.Tensor | None = None
+    unpacked: bool = False
+    """The downstream lane field holds one integer per lane (uint8, float16 or int32, as a
+    summing transport added them) instead of lanes packed in the codec's declared width: the
+    decode reads them as they are, nothing is repacked."""
 
     @property
     def nbytes(self) -> int:
@@ -326,6 +334,73 @@ def check_finite(x: torch.Tensor, what: str = "gradient") -> None:
             f"{what} of {x.numel()} coordinates contains NaN or Inf (first at indices {bad}); "
             "refusing to compress it"
         )
+
+
+class DeviceChecks:
+    """Checks whose outcome stays on the tensors' device until someone reads it once.
+
+    Reading a device value on the host waits for the device (a host sync), so a round that
+    checks its inputs as it goes cannot run ahead of the GPU. Inside ``deferring()``, the
+    ``require`` checks of the code a round runs AND their conditions into one 0-d flag instead;
+    ``raise_if_failed`` reads it once and, only when it is false, finds the check that failed
+    (each check's ``fail`` raises its own clear error, or returns when the flag was a false
+    alarm, such as a finite sum that overflowed) and raises that error.
+    """
+
+    _active: contextvars.ContextVar[DeviceChecks | None] = contextvars.ContextVar(
+        "gradsum_device_checks", default=None
+    )
+
+    def __init__(self) -> None:
+        self._flag: torch.Tensor | None = None
+        self._checks: list[tuple[torch.Tensor, Callable[[], None]]] = []
+
+    @classmethod
+    def current(cls) -> DeviceChecks | None:
+        """The checks of the innermost ``deferring()`` of this thread, if any."""
+        return cls._active.get()
+
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[DeviceChecks]:
+        token = self._active.set(self)
+        try:
+            yield self
+        finally:
+            self._active.reset(token)
+
+    def add(self, ok: torch.Tensor, fail: Callable[[], None]) -> None:
+        ok = ok.reshape(())
+        self._flag = ok if self._flag is None else torch.logical_and(self._flag, ok)
+        self._checks.append((ok, fail))
+
+    def raise_if_failed(self) -> None:
+        """One read of the flag (the only host sync); the failed check's error if it is false."""
+        flag, checks = self._flag, self._checks
+        self._flag, self._checks = None, []
+        if flag is None or bool(flag):
+            return
+        for ok, fail in checks:  # the error path: reading each condition costs nothing here
+            if not bool(ok):
+                fail()
+
+
+def require(ok: torch.Tensor, fail: Callable[[], None]) -> None:
+    """``fail()`` (which raises) unless the 0-d bool ``ok`` holds: now, or deferred into the
+    current ``DeviceChecks`` (no host sync) when a round defers its checks."""
+    checks = DeviceChecks.current()
+    if checks is None:
+        if not bool(ok):
+            fail()
+    else:
+        checks.add(ok, fail)
+
+
+def require_finite(x: torch.Tensor, what: str = "gradient") -> None:
+    """``check_finite`` that a deferring round keeps on the device (see ``DeviceChecks``)."""
+    if DeviceChecks.current() is None:
+        check_finite(x, what)
+    else:
+        require(torch.isfinite(x.sum()), lambda: check_finite(x, what))
 
 
 def check_same_length(payloads: Sequence[Payload]) -> int:

@@ -29,8 +29,8 @@ from .base import (
     IntegerOp,
     Payload,
     WidthOverflowError,
-    check_finite,
     check_same_length,
+    require_finite,
 )
 
 EXPONENT_FLOOR = -126
@@ -63,7 +63,7 @@ class BlockFloatingPoint(Codec):
         fast = bfp_native.summarize(x, self.block_size)
         if fast is not None:
             return fast
-        check_finite(x)
+        require_finite(x)
         low, high = torch.aminmax(self._blocks(x.reshape(-1).to(torch.float32)), dim=1)
         block_max = torch.maximum(high, low.neg_())
         exponents = torch.frexp(block_max).exponent.to(torch.float32)
@@ -78,7 +78,7 @@ class BlockFloatingPoint(Codec):
         )
         if fast is not None:
             return Payload({"values": fast}, x.numel())
-        check_finite(x)
+        require_finite(x)
         scale = torch.exp2(self._shifts(shared, x.numel())).unsqueeze(1)
         scaled = torch.mul(self._blocks(x.reshape(-1).to(torch.float32)), scale)
         # Exponents from the same gradient keep |scaled| < limit by construction; clamping makes

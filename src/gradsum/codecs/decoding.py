@@ -19,7 +19,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from .base import Aggregation, Codec, CodecContext, Payload, check_finite, check_same_length
+from .base import Aggregation, Codec, CodecContext, Payload, check_same_length, require_finite
 
 
 class DecodingCodec(Codec):
@@ -45,7 +45,7 @@ class DecodingCodec(Codec):
     def encode(
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> Payload:
-        check_finite(x)
+        require_finite(x)
         return self.compress(x.reshape(-1).to(torch.float32), ctx)
 
     def aggregate(self, payloads: Sequence[Payload], ctx: CodecContext) -> Payload:

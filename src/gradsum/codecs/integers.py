@@ -2,10 +2,12 @@
 
 An all-reduce (or any summing transport) needs the exact integers an aggregator would add:
 ``to_integers`` gives them for one upstream payload (THC: table values of the indices; uniform
-THC: the values; bfp: the int32 values), and ``from_integers`` wraps a sum of them back into the
-downstream payload the codec decodes. ``sum_dtype`` is the narrowest dtype that holds the sum.
-All of it is read from the codec's declared wire facts (``lane_fields``, ``lane_widths``,
-``integer_op``), so a new integer codec needs nothing here.
+THC: the values; bfp: the int32 values), and ``from_integers`` wraps a sum of them, as it is,
+into the downstream payload the codec decodes (``Payload.unpacked``: no repacking).
+``sum_dtype`` is the narrowest dtype that holds every sum exactly, chosen up front from the
+configured worker count, so no sum is checked on the hot path (``check_workers`` refuses more
+contributors than that). All of it is read from the codec's declared wire facts
+(``lane_fields``, ``lane_widths``, ``integer_op``), so a new integer codec needs nothing here.
 """
 
 from __future__ import annotations
@@ -14,13 +16,30 @@ import functools
 
 import torch
 
-from .base import Codec, Payload
-from .bits import pack_bits, unpack_bits
+from .base import Codec, Payload, WidthOverflowError
+from .bits import unpack_bits
+
+FLOAT16_EXACT_BITS = 11
+"""float16 holds every integer up to 2**11 = 2048 exactly, and a sum of non-negative integers
+never exceeds its total, so sums below 2**11 add exactly in float16 in any order (a ring's)."""
 
 
 def sum_dtype(codec: Codec) -> torch.dtype:
+    """uint8 while the sums fit 8 bits (THC at g = 30: up to 8 workers), float16 integers while
+    they stay below 2**11 (up to 68 workers), int32 beyond and for signed lanes (bfp)."""
     op = codec.integer_op()
-    return torch.uint8 if not op.signed and op.out_bits <= 8 else torch.int32
+    if op.signed or op.out_bits > FLOAT16_EXACT_BITS:
+        return torch.int32
+    return torch.uint8 if op.out_bits <= 8 else torch.float16
+
+
+def check_workers(codec: Codec, contributors: int) -> None:
+    """The sums' width is the configured workers'; more contributors could overflow it."""
+    if contributors > codec.workers:
+        raise WidthOverflowError(
+            f"{contributors} workers sum {codec.name} lanes sized for the {codec.workers} "
+            f"workers the codec was configured for; configure it with workers={contributors}"
+        )
 
 
 def to_integers(codec: Codec, payload: Payload) -> torch.Tensor:
@@ -36,9 +55,12 @@ def to_integers(codec: Codec, payload: Payload) -> torch.Tensor:
 
 
 def from_integers(codec: Codec, sums: torch.Tensor, length: int, contributors: int) -> Payload:
+    """The downstream payload of ``contributors`` workers' summed integers (``check_workers``
+    ran before the sum: they fit by construction)."""
     _, out_bits = codec.lane_widths()
-    packed = sums if out_bits == 32 else pack_bits(sums, out_bits)  # packing checks the width
-    return Payload({_fields(codec)[1]: packed}, length, contributors)
+    if out_bits == 32:  # whole int32 lanes: the packed form is the sums themselves
+        return Payload({_fields(codec)[1]: sums}, length, contributors)
+    return Payload({_fields(codec)[1]: sums}, length, contributors, unpacked=True)
 
 
 def _fields(codec: Codec) -> tuple[str, str]:

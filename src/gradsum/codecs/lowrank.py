@@ -32,7 +32,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from .base import Codec, CodecContext, Payload, _derive_seed, check_finite
+from .base import Codec, CodecContext, Payload, _derive_seed, require_finite
 from .bfp import BlockFloatingPoint
 from .plain import NoCompression
 
@@ -150,7 +150,7 @@ class PowerSGD(Codec):
             return x if stage == 0 else None
         matrix = x.view(shape)
         if stage == 0:
-            check_finite(x)
+            require_finite(x)
             return (matrix @ self._q(ctx, shape, x.device)).reshape(-1)
         p = orthogonalize(previous.view(shape[0], -1).clone())
         return (matrix.T @ p).reshape(-1)

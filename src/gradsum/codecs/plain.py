@@ -12,8 +12,9 @@ from .base import (
     CodecContext,
     Payload,
     WidthOverflowError,
-    check_finite,
     check_same_length,
+    require,
+    require_finite,
 )
 from .decoding import DecodingCodec
 
@@ -33,12 +34,12 @@ class NoCompression(Codec):
     def encode(
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> Payload:
-        check_finite(x)
+        require_finite(x)
         return Payload({"values": x.reshape(-1).to(torch.float32).clone()}, x.numel())
 
     def encode_into(self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None,
                     out: torch.Tensor) -> Payload:  # fmt: skip
-        check_finite(x)
+        require_finite(x)
         values = out.view(torch.float32)
         values.copy_(x.reshape(-1))
         return Payload({"values": values}, x.numel())
@@ -71,7 +72,7 @@ class FP16(DecodingCodec):
     def encode(
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> Payload:
-        check_finite(x)
+        require_finite(x)
         return self._checked(self.compress(x.reshape(-1).to(torch.float32), ctx), "gradient")
 
     def aggregate(self, payloads: Sequence[Payload], ctx: CodecContext) -> Payload:
@@ -82,6 +83,8 @@ class FP16(DecodingCodec):
 
     @staticmethod
     def _checked(payload: Payload, what: str) -> Payload:
-        if not bool(torch.isfinite(payload.fields["values"]).all()):
+        def fail() -> None:
             raise WidthOverflowError(f"{what} exceeds the fp16 range (|x| > 65504)")
+
+        require(torch.isfinite(payload.fields["values"]).all(), fail)
         return payload

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CodecContext, NonFiniteGradientError, Payload
+from .base import CodecContext, NonFiniteGradientError, Payload, require
 from .bits import bits_for, pack_bits, unpack_bits
 from .decoding import DecodingCodec
 
@@ -70,6 +70,8 @@ def _bucket_norms(buckets: torch.Tensor) -> torch.Tensor:
     peak = buckets.abs().amax(dim=1, keepdim=True)
     safe_peak = torch.where(peak > 0, peak, torch.ones_like(peak))
     norms = torch.linalg.vector_norm(buckets / safe_peak, dim=1) * peak.squeeze(1)
-    if not bool(torch.isfinite(norms).all()):
+    def fail() -> None:
         raise NonFiniteGradientError("qsgd: a bucket's L2 norm exceeds the float32 range")
+
+    require(torch.isfinite(norms).all(), fail)  # deferred inside a round (base.DeviceChecks)
     return norms

@@ -44,7 +44,14 @@ from typing import Protocol
 
 import torch
 
-from .base import Codec, CodecContext, Payload, aggregator_context, combine_summaries
+from .base import (
+    Codec,
+    CodecContext,
+    DeviceChecks,
+    Payload,
+    aggregator_context,
+    combine_summaries,
+)
 from .buffers import Recycler
 
 PARTITION_ELEMENTS = 1 << 20
@@ -119,6 +126,12 @@ class SumPhase:
         self._prepared, self._shared = prepared, shared
         self._payloads: list[Payload | None] = [None] * len(pieces)
         self._delivered = [False] * len(pieces)
+        # the round's deferred checks, also where a transport encodes or decodes on a thread
+        # of its own (contexts are per thread)
+        self._checks = DeviceChecks.current()
+
+    def _deferring(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self._checks is None else self._checks.deferring()
 
     def __len__(self) -> int:
         return len(self.pieces)
@@ -140,10 +153,11 @@ class SumPhase:
         if payload is None:
             piece = self.pieces[index]
             x, shared = self._inputs(piece)
-            if into is None:
-                payload = self.codec.encode(x, piece.context, shared)
-            else:
-                payload = self.codec.encode_into(x, piece.context, shared, into)
+            with self._deferring():
+                if into is None:
+                    payload = self.codec.encode(x, piece.context, shared)
+                else:
+                    payload = self.codec.encode_into(x, piece.context, shared, into)
             self._payloads[index] = payload
         elif into is not None:
             raise RuntimeError(f"piece {index} was encoded before its send buffer was given")
@@ -158,7 +172,8 @@ class SumPhase:
             raise RuntimeError(f"piece {index} of the round was delivered twice")
         piece = self.pieces[index]
         shared = self.shared_of(index)
-        decode(self.codec, summed, piece.context, shared, self.out[piece.start : piece.stop])
+        with self._deferring():
+            decode(self.codec, summed, piece.context, shared, self.out[piece.start : piece.stop])
         self._delivered[index] = True
         self._payloads[index] = None  # its buffers may be reused
 
@@ -212,18 +227,28 @@ class CodecRound:
     partition_elements: int = PARTITION_ELEMENTS
 
     def run(self, flat: torch.Tensor, reducer: Reducer, *, worker: int, key: Hashable,
-            step: int) -> torch.Tensor:  # fmt: skip
-        """The average over workers of ``flat`` (1-D float32), as the codec estimates it."""
-        prepared: Prepared | None = self.prepare(flat, worker=worker, key=key, step=step)
+            step: int, checks: DeviceChecks | None = None) -> torch.Tensor:  # fmt: skip
+        """The average over workers of ``flat`` (1-D float32), as the codec estimates it.
+
+        ``checks``: where the round's checks of device values (finiteness, the shared scalars)
+        go, for the caller to read once (``raise_if_failed``) when it is ready to wait for the
+        device; without it the round reads them itself before it returns."""
+        own = checks is None
+        checks = DeviceChecks() if own else checks
         streamed = getattr(reducer, "streams", False)
-        while prepared is not None:
-            if self.codec.needs_summary:
-                prepared.share(reducer.max(prepared.summaries))
-            phase = prepared.sum_phase(streamed=streamed)
-            reducer.sum(phase)
-            phase.check_complete()
-            current, prepared = prepared, prepared.next_stage(phase)
-        return current.result(phase)
+        with checks.deferring():
+            prepared: Prepared | None = self.prepare(flat, worker=worker, key=key, step=step)
+            while prepared is not None:
+                if self.codec.needs_summary:
+                    prepared.share(reducer.max(prepared.summaries))
+                phase = prepared.sum_phase(streamed=streamed)
+                reducer.sum(phase)
+                phase.check_complete()
+                current, prepared = prepared, prepared.next_stage(phase)
+            result = current.result(phase)
+        if own:
+            checks.raise_if_failed()
+        return result
 
     def prepare(self, flat: torch.Tensor, *, worker: int, key: Hashable, step: int) -> Prepared:
         """Partition, precondition and summarize: everything before the MAX."""
@@ -418,7 +443,15 @@ def run_round(
     whose payloads reach the aggregator (partial aggregation); all workers take part in the
     preliminary round and all decode the same sums, so the result is worker 0's. ``clock``
     collects the seconds of each phase (``gradsum bench codecs``)."""
-    clock = clock or PhaseClock()
+    checks = DeviceChecks()
+    with checks.deferring():
+        result = _run_round(codec, inputs, seed, step, key, contributors, partition_elements,
+                            clock or PhaseClock())  # fmt: skip
+    checks.raise_if_failed()
+    return result
+
+
+def _run_round(codec, inputs, seed, step, key, contributors, partition_elements, clock):
     rounds = CodecRound(codec, seed, partition_elements)
     workers: list[Prepared | None] = []
     for w, x in enumerate(inputs):

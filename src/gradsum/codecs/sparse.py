@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .base import CodecContext, Payload, check_finite
+from .base import CodecContext, Payload, require_finite
 from .decoding import DecodingCodec
 
 
@@ -85,7 +85,7 @@ class DGC(TopK):
 
     def precondition(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         flat = x.reshape(-1).to(torch.float32)
-        check_finite(flat)
+        require_finite(flat)
         key = ctx.state_key
         if key not in self._state:
             self._state[key] = (torch.zeros_like(flat), torch.zeros_like(flat))
@@ -102,7 +102,7 @@ class DGC(TopK):
     def encode(
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> Payload:
-        check_finite(x)
+        require_finite(x)
         flat = x.reshape(-1).to(torch.float32)
         indices = self._select(flat, ctx.worker_seed())
         if ctx.state_key in self._state:

@@ -33,6 +33,7 @@ from ..codecs.bits import packed_nbytes
 from ..codecs.round import PARTITION_ELEMENTS, SumPhase
 from . import payload_wire
 from .codec_wire import WireFormat, wire_format
+from .device_boundary import DeviceBoundary, pinned_empty
 from .geometry import chunk_lanes, packet_lanes
 from .jobspec import Address
 from .packet import MAX_PAYLOAD, Op
@@ -96,6 +97,7 @@ class Collective:
         self._next_packet = [0] * len(jobs)  # the aggregator's chunk ids (segments per chunk)
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._checked: set[int] = set()
+        self._boundaries: dict[torch.device, DeviceBoundary] = {}
 
     def partition_size(self, requested: int | None = None) -> int:
         """The partition a round through these jobs runs with: ``requested`` (2**20 by
@@ -106,16 +108,18 @@ class Collective:
     # -- the Reducer protocol --------------------------------------------------------------
     def max(self, summaries: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Every summary's elementwise max over workers, in one MAX round."""
-        flat = torch.cat([s.reshape(-1).to(torch.float32).cpu() for s in summaries])
-        ordered = float_to_ordered_int(flat).contiguous()
+        flat = torch.cat([s.reshape(-1).to(torch.float32) for s in summaries])
+        boundary = self._boundary(flat.device)
+        host = boundary.to_host(flat)
+        boundary.ready()
+        ordered = float_to_ordered_int(host).contiguous()
         result = torch.empty_like(ordered)
         layout = self._sharded(Op.MAX, ordered, result, ordered.numel(), 32, 32)
         self.run([(job, transfer) for job, transfer, _ in layout])
-        maxima = ordered_int_to_float(result)
+        maxima = boundary.to_device(ordered_int_to_float(result))
         out, offset = [], 0
         for summary in summaries:
-            out.append(maxima[offset : offset + summary.numel()].view(summary.shape)
-                       .to(summary.device))  # fmt: skip
+            out.append(maxima[offset : offset + summary.numel()].view(summary.shape))
             offset += summary.numel()
         return out
 
@@ -133,10 +137,12 @@ class Collective:
         for i in range(len(phase)):
             offsets.append(lanes)
             lanes += -(-phase.lanes(i) // 8) * 8  # every piece from a whole byte at any width
+        boundary = self._boundary(phase.out.device)
+        boundary.ready()  # the last round's sums have left the host buffers
         upstream = self._buffer("up", packed_nbytes(lanes, in_bits))
         result = self._buffer("sum", packed_nbytes(lanes, out_bits))
         shards = self._sharded(Op.SUM, upstream, result, lanes, in_bits, out_bits)
-        work = StreamedSum(phase, self.fmt, offsets, upstream, result, shards)
+        work = StreamedSum(phase, self.fmt, offsets, upstream, result, shards, boundary)
         pairs = [(job, transfer) for job, transfer, _ in shards]
         if self.streams:
             work.hold()
@@ -169,10 +175,12 @@ class Collective:
 
     # -- other codecs: one whole payload per piece, decoded at a server ------------------------
     def _sum_payloads(self, phase: SumPhase) -> None:
+        boundary = self._boundary(phase.out.device)
         blobs = []
         for i in range(len(phase)):
             ctx = phase.context(i)
-            blob = payload_wire.serialize(phase.encode(i), ctx.step, ctx.partition)
+            payload = boundary.payload_to_host(phase.encode(i))
+            blob = payload_wire.serialize(payload, ctx.step, ctx.partition)
             if len(blob) > MAX_PAYLOAD:
                 raise ValueError(
                     f"{phase.codec.name} payload of a {phase.pieces[i].length}-coordinate "
@@ -193,8 +201,8 @@ class Collective:
                 i = first + k
                 data = transfer.buffers.result(k)
                 contributors = int(transfer.contributors[k])
-                phase.deliver(i, payload_wire.deserialize(data, phase.pieces[i].length,
-                                                          contributors))  # fmt: skip
+                summed = payload_wire.deserialize(data, phase.pieces[i].length, contributors)
+                phase.deliver(i, boundary.payload_to_device(summed))
 
     # -- shared --------------------------------------------------------------------------------
     def _check_codec(self, codec: Codec) -> None:
@@ -225,13 +233,21 @@ class Collective:
         return transfer
 
     def _buffer(self, name: str, nbytes: int) -> torch.Tensor:
-        """A byte buffer reused between rounds of the same size (decode copies out of it)."""
+        """A host byte buffer reused between rounds of the same size (decode copies out of
+        it); pinned where a GPU copies to and from it."""
         key = (name, nbytes)
         if key not in self._buffers:
             if len(self._buffers) > 8:
                 self._buffers.clear()
-            self._buffers[key] = torch.empty(nbytes, dtype=torch.uint8)
+            self._buffers[key] = pinned_empty(nbytes)
         return self._buffers[key]
+
+    def _boundary(self, device: torch.device) -> DeviceBoundary:
+        """The copies between the round's device and the host buffers (``device_boundary``)."""
+        boundary = self._boundaries.get(device)
+        if boundary is None:
+            boundary = self._boundaries[device] = DeviceBoundary(device)
+        return boundary
 
 
 class StreamedSum:
@@ -244,8 +260,10 @@ class StreamedSum:
     """
 
     def __init__(self, phase: SumPhase, fmt: WireFormat, offsets: list[int],
-                 upstream: torch.Tensor, result: torch.Tensor, shards: list):  # fmt: skip
+                 upstream: torch.Tensor, result: torch.Tensor, shards: list,
+                 boundary: DeviceBoundary | None = None):  # fmt: skip
         self.phase, self.fmt, self.offsets = phase, fmt, offsets
+        self.boundary = boundary or DeviceBoundary("cpu")
         self.upstream, self.result, self.shards = upstream, result, shards
         self.encoded = self.decoded = 0
         self._dtype: torch.dtype | None = None  # a 32-bit lane's dtype (int32 or float32)
@@ -295,8 +313,17 @@ class StreamedSum:
         i, bits = self.encoded, self.fmt.in_bits
         start, used = self.offsets[i] * bits // 8, packed_nbytes(self.phase.lanes(i), bits)
         end = self.offsets[i + 1] * bits // 8 if i + 1 < len(self.offsets) else self._total(bits)
-        payload = self.phase.encode(i, into=self.upstream[start : start + used])
+        into = self.upstream[start : start + used]
+        if self.boundary.crosses:  # encoded on the device, only the packed lanes come down
+            payload = self.phase.encode(i)
+            field = payload.fields[self.phase.codec.lane_fields[0]]
+            if field.numel() * field.element_size() != used:
+                raise ValueError(f"{self.phase.codec.name}: {field.nbytes} lane bytes for {used}")
+            self.boundary.to_host(field, into=into)
+        else:
+            payload = self.phase.encode(i, into=into)
         self.upstream[start + used : end].zero_()  # padding lanes add nothing
+        self.boundary.ready()  # the lanes are in place before any chunk of them is released
         field = payload.fields[self.phase.codec.lane_fields[0]]
         if field.dtype.itemsize == 4:
             self._dtype = field.dtype
@@ -333,7 +360,7 @@ class StreamedSum:
         piece = self.phase.pieces[i]
         out_bits = self.fmt.out_bits
         start, end = self.offsets[i] * out_bits // 8, self._end(i, out_bits)
-        data = self.result[start:end]
+        data = self.boundary.to_device(self.result[start:end])  # decoded on the device
         if out_bits == 32:
             data = data.view(self._dtype or torch.int32)
         counts = self._counts(i)

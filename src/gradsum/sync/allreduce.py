@@ -4,27 +4,31 @@ It is the round's ``Reducer`` over collectives:
 
 * ``max``: one MAX all-reduce of every partition's summary;
 * ``sum`` for integer-homomorphic codecs (thc, thc-uniform, bfp): one SUM all-reduce of the
-  integers an aggregator would add (THC: table values, in uint8 while n*g <= 255) --
+  integers an aggregator would add (THC: table values, in uint8 while n*g <= 255, float16 integers
+  while n*g < 2048, int32 beyond) --
   compressed all the way through the ring; for ``none``: a float SUM all-reduce, whose order of
   additions is the library's (so the last bit may differ from a sum in worker order), or with
   ``deterministic`` a sum in worker order, exactly what a parameter server and the reference
   compute (an all-to-all, each worker adding its share in worker order, and an all-gather: the
   ring's bytes, but not the library's pipelined ring, so it is an option and not the default);
-* ``sum`` for codecs that are not homomorphic: an all-gather of every worker's serialized
-  payloads, which each worker combines with ``codec.aggregate`` exactly as a parameter server
-  would (decode, sum, re-encode, with the aggregator's randomness), so every aggregator gives
-  the same average.
+* ``sum`` for codecs that are not homomorphic: an all-gather of every worker's payloads as
+  one uint8 buffer on the gradient's device, which each worker combines with
+  ``codec.aggregate`` on the device exactly as a parameter server would (decode, sum,
+  re-encode, with the aggregator's randomness), so every aggregator gives the same average.
+  The payloads' sizes (known on the host: sparse codecs' differ between workers) go through a
+  Gloo control group of the aggregator's own, so no device value is read to lay them out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..codecs import Aggregation, Codec, Payload
-from ..codecs.integers import from_integers, sum_dtype, to_integers
+from ..codecs.integers import check_workers, from_integers, sum_dtype, to_integers
 from ..codecs.round import SumPhase
 from .aggregator import Aggregator
 
@@ -42,6 +46,7 @@ class AllReduceAggregator(Aggregator):
             )
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
         self.group = group
+        self.control = control_group(group)
         if deterministic is None:
             deterministic = torch.are_deterministic_algorithms_enabled()
         self.deterministic = deterministic
@@ -65,6 +70,7 @@ class AllReduceAggregator(Aggregator):
 
     def _sum_integers(self, phase: SumPhase) -> None:
         codec = phase.codec
+        check_workers(codec, self.world_size)  # before anything is summed
         payloads = phase.payloads()
         integers = [to_integers(codec, p) for p in payloads]
         flat = torch.cat(integers).to(sum_dtype(codec))
@@ -104,26 +110,101 @@ class AllReduceAggregator(Aggregator):
         return gathered[:count]
 
     def _gather_and_aggregate(self, phase: SumPhase) -> None:
-        from ..dataplane.payload_wire import deserialize, serialize
-
         payloads = phase.payloads()
-        blobs = [serialize(p) for p in payloads]
-        mine = torch.frombuffer(bytearray(_frame(blobs)), dtype=torch.uint8)
-        everyone = [_unframe(blob, len(blobs)) for blob in self._all_gather_bytes(mine)]
-        for i, payload in enumerate(payloads):
-            theirs = [deserialize(pieces[i], payload.length, 1) for pieces in everyone]
+        device = phase.out.device
+        mine = PayloadBytes.of(payloads, device)
+        sizes = self._all_gather_sizes(mine.sizes)
+        gathered = self._all_gather_bytes(mine.data, [PayloadBytes.total(s) for s in sizes])
+        everyone = [mine.like(data, s) for data, s in zip(gathered, sizes, strict=True)]
+        for i in range(len(payloads)):
+            theirs = [pieces[i] for pieces in everyone]
             phase.deliver(i, phase.codec.aggregate(theirs, phase.aggregator_context(i)))
 
-    def _all_gather_bytes(self, mine: torch.Tensor) -> list[bytes]:
-        size = torch.tensor([mine.numel()], dtype=torch.int64)
-        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
-        dist.all_gather(sizes, size, group=self.group)
-        longest = int(max(s.item() for s in sizes))
-        padded = torch.zeros(longest, dtype=torch.uint8)
+    def _all_gather_sizes(self, mine: list[int]) -> list[list[int]]:
+        """Every worker's byte sizes, through the Gloo control group (host integers)."""
+        size = torch.tensor(mine, dtype=torch.int64)
+        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.control)
+        return [s.tolist() for s in sizes]
+
+    def _all_gather_bytes(self, mine: torch.Tensor, totals: list[int]) -> list[torch.Tensor]:
+        """Every worker's bytes on this worker's device, padded to the longest for the
+        collective and cut back to each worker's own length."""
+        padded = torch.zeros(max(totals), dtype=torch.uint8, device=mine.device)
         padded[: mine.numel()] = mine
         gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(gathered, padded, group=self.group)
-        return [g[: int(s.item())].numpy().tobytes() for g, s in zip(gathered, sizes, strict=True)]
+        return [g[:total] for g, total in zip(gathered, totals, strict=True)]
+
+
+def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A Gloo group over ``group``'s ranks for host values (sizes, plans, checks): NCCL moves
+    device tensors only, and a host value sent through it would cost a copy each way. The same
+    group where it already is Gloo. Every rank must call this at once (it may create a group)."""
+    if "gloo" in str(dist.get_backend(group)):  # gloo, or "cuda:nccl,cpu:gloo"
+        return group
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    return dist.new_group(ranks=ranks, backend="gloo")
+
+
+@dataclass
+class PayloadBytes:
+    """A worker's payloads of one round as one uint8 buffer on its device, and back.
+
+    Every worker's payloads have the same fields and meta names in the same order (one codec),
+    so only the byte size of each field differs (a sparse codec's selected coordinates): those
+    sizes travel apart, as host integers. Meta values (scalars like TernGrad's scale) travel as
+    float64 and come back as 0-d device tensors. Each part starts on a multiple of 8 bytes, so
+    every field is a view of the buffer in its own dtype."""
+
+    template: list[Payload]
+    sizes: list[int]
+    data: torch.Tensor
+
+    @classmethod
+    def of(cls, payloads: Sequence[Payload], device: torch.device) -> PayloadBytes:
+        parts, sizes = [], []
+
+        def add(raw: torch.Tensor) -> None:
+            parts.append(raw.to(device))
+            sizes.append(raw.numel())
+            if raw.numel() % 8:
+                parts.append(torch.zeros(8 - raw.numel() % 8, dtype=torch.uint8, device=device))
+
+        for payload in payloads:
+            for tensor in payload.fields.values():
+                add(tensor.detach().reshape(-1).contiguous().view(torch.uint8))
+            if payload.meta:
+                values = [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(1)
+                          for v in payload.meta.values()]  # fmt: skip
+                add(torch.cat(values).view(torch.uint8))
+        data = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+        return cls(list(payloads), sizes, data)
+
+    @staticmethod
+    def total(sizes: Sequence[int]) -> int:
+        """The buffer's bytes for parts of these sizes."""
+        return sum(-(-size // 8) * 8 for size in sizes)
+
+    def like(self, data: torch.Tensor, sizes: list[int]) -> list[Payload]:
+        """Another worker's payloads from its bytes and sizes (one contributor each)."""
+        out, offset = [], 0
+        parts = iter(sizes)
+
+        def take(dtype: torch.dtype) -> torch.Tensor:
+            nonlocal offset
+            size = next(parts)
+            view = data[offset : offset + size].view(dtype)
+            offset += -(-size // 8) * 8
+            return view
+
+        for payload in self.template:
+            fields = {name: take(tensor.dtype) for name, tensor in payload.fields.items()}
+            meta = {}
+            if payload.meta:
+                meta = dict(zip(payload.meta, take(torch.float64).unbind(), strict=True))
+            out.append(Payload(fields, payload.length, 1, meta))
+        return out
 
 
 def _split_like(flat: torch.Tensor, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -132,20 +213,4 @@ def _split_like(flat: torch.Tensor, parts: Sequence[torch.Tensor]) -> list[torch
     for part in parts:
         pieces.append(flat[offset : offset + part.numel()].view(part.shape))
         offset += part.numel()
-    return pieces
-
-
-def _frame(blobs: Sequence[bytes]) -> bytes:
-    """Length-prefixed concatenation (u32 little-endian sizes)."""
-    return b"".join(len(b).to_bytes(4, "little") + b for b in blobs)
-
-
-def _unframe(data: bytes, count: int) -> list[bytes]:
-    pieces, offset = [], 0
-    for _ in range(count):
-        size = int.from_bytes(data[offset : offset + 4], "little")
-        pieces.append(data[offset + 4 : offset + 4 + size])
-        offset += 4 + size
-    if offset != len(data):
-        raise ValueError(f"gathered payload frame has {len(data) - offset} trailing bytes")
     return pieces

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .streams import Handoff
+
 _STOP = object()
 
 
@@ -23,12 +25,14 @@ class CommunicationThread:
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], Any]) -> torch.futures.Future:
-        """Run ``fn`` after every job submitted before; its result or error lands in the future."""
+    def submit(self, fn: Callable[[], Any], handoff: Handoff | None = None) -> torch.futures.Future:
+        """Run ``fn`` after every job submitted before; its result or error lands in the future.
+        ``handoff``: tensors from another stream that ``fn`` uses; it then runs on their
+        device's communication stream and the future is that device's (``streams.py``)."""
         if not self._thread.is_alive():
             raise RuntimeError("the communication thread has stopped")
-        future: torch.futures.Future = torch.futures.Future()
-        self._jobs.put((fn, future))
+        future = torch.futures.Future() if handoff is None else handoff.stream.future()
+        self._jobs.put((fn, future, handoff))
         return future
 
     def close(self, timeout: float = 10.0) -> None:
@@ -40,9 +44,13 @@ class CommunicationThread:
             job = self._jobs.get()
             if job is _STOP:
                 return
-            fn, future = job
+            fn, future, handoff = job
             try:
-                future.set_result(fn())
+                if handoff is None:
+                    future.set_result(fn())
+                else:
+                    with handoff.stream.running(handoff):
+                        future.set_result(fn())  # inside the stream: its events are the result's
             except BaseException as error:  # delivered to whoever waits on the future
                 future.set_exception(error)
 

@@ -8,7 +8,9 @@ the bucket on the state's communication thread, which compresses, aggregates and
 backward continues, and completes the future with the average. Codec state (error feedback, DGC)
 is keyed by (bucket index, bucket size), so DDP's bucket rebuild after the first step starts new
 state instead of mixing two buckets' errors. ``start_step`` uncompressed steps come first, as in
-PyTorch's PowerSGD hook, on every aggregator.
+PyTorch's PowerSGD hook, on every aggregator. On a GPU the round runs on a communication
+stream of its own after an event recorded behind backward's writes, and the future is CUDA-aware
+(``sync/streams.py``).
 """
 
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations at runtime.
@@ -21,6 +23,7 @@ from ..codecs import Codec, make_codec
 from ..codecs.round import PARTITION_ELEMENTS
 from .aggregator import Aggregator
 from .comm import CommunicationThread
+from .streams import CommStream, Handoff
 
 
 @dataclass
@@ -34,10 +37,10 @@ class GradsumHookState:
     _thread: CommunicationThread | None = field(default=None, repr=False)
     _warmup_codec: Codec | None = field(default=None, repr=False)
 
-    def submit(self, fn) -> torch.futures.Future:
+    def submit(self, fn, handoff: Handoff | None = None) -> torch.futures.Future:
         if self._thread is None:
             self._thread = CommunicationThread("gradsum-ddp-hook")
-        return self._thread.submit(fn)
+        return self._thread.submit(fn, handoff)
 
     def codec_for(self, step: int) -> Codec:
         """The codec of ``step``: uncompressed during the warm-up (fp32 where the aggregator
@@ -77,4 +80,6 @@ def gradsum_hook(
         )
         return buffer.copy_(average.view_as(buffer))
 
-    return state.submit(run)
+    # On a GPU: the round runs on the device's communication stream once backward's writes to
+    # the bucket are done, and the future is the device's (see sync/streams.py).
+    return state.submit(run, CommStream.of(buffer.device).handoff([buffer]))

@@ -35,6 +35,7 @@ from ..schedule.plan import Plan
 from .aggregator import Aggregator
 from .comm import CommunicationThread
 from .layout import cut_shapes
+from .streams import CommStream
 
 
 class SerialSender:
@@ -49,6 +50,7 @@ class SerialSender:
         key = ("group", group, flat.numel())
         if shapes:
             self.codec.describe(key, shapes)
+        handoff = CommStream.of(flat.device).handoff([flat])  # on the producer's stream
 
         def run() -> torch.Tensor:
             return self.aggregator.synchronize(
@@ -60,7 +62,7 @@ class SerialSender:
                 partition_elements=self.partition_elements,
             )
 
-        return self._thread.submit(run)
+        return self._thread.submit(run, handoff)
 
     def close(self) -> None:
         self._thread.close()
@@ -88,11 +90,13 @@ class ShardSender:
 
     def submit(self, group: int, flat: torch.Tensor, step: int,
                shapes: Sequence[tuple[int, ...]] = ()) -> torch.futures.Future:  # fmt: skip
-        result: torch.futures.Future = torch.futures.Future()
+        """``shapes``: the tensors ``flat`` holds, for codecs that work per tensor."""
+        handoff = CommStream.of(flat.device).handoff([flat])  # on the producer's stream
+        result = handoff.stream.future()
 
         def dispatch() -> None:
             try:
-                self._dispatch(group, flat, step, result, shapes)
+                self._dispatch(group, flat, step, result, handoff, shapes)
             except BaseException as error:
                 result.set_exception(error)
 
@@ -100,19 +104,21 @@ class ShardSender:
         return result
 
     def _dispatch(self, index: int, flat: torch.Tensor, step: int,
-                  result: torch.futures.Future, shapes=()) -> None:  # fmt: skip
+                  result: torch.futures.Future, handoff, shapes=()) -> None:  # fmt: skip
         group = self.plan.groups[index]
         nbytes = 4 * flat.numel()
         self._acquire(nbytes, index)
-        out = torch.empty(flat.numel(), dtype=torch.float32)
+        out = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
         parts = self.plan.part_order(group, self.worker)
-        finished = _Countdown(len(parts), lambda error: self._finish(nbytes, out, result, error))
+        finished = _Countdown(
+            len(parts), lambda error: self._finish(nbytes, out, result, error, handoff.stream)
+        )
         previous: threading.Event | None = None
         for k, part in enumerate(parts):
             done = threading.Event()
             gate = None if self.plan.interleave or self.window else previous
             run = self._part_job(index, k, part, flat, out, group.start, gate, step, shapes)
-            future = self._streams[part.shard].submit(run)
+            future = self._streams[part.shard].submit(run, handoff)
             future.add_done_callback(_signal(done, finished))
             previous = done
 
@@ -148,12 +154,13 @@ class ShardSender:
                 )
             self._in_flight += nbytes
 
-    def _finish(self, nbytes, out, result, error) -> None:
+    def _finish(self, nbytes, out, result, error, stream: CommStream) -> None:
         with self._credit:
             self._in_flight -= nbytes
             self._credit.notify_all()
         if error is None:
-            result.set_result(out)
+            with stream.running(None):  # every part ran on this stream: its events cover them
+                result.set_result(out)
         else:
             result.set_exception(error)
 

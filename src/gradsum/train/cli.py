@@ -8,6 +8,7 @@ import sys
 from typing import NoReturn
 
 from ..bench.cli import positive_int
+from ..devices import DEVICE_NAMES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -68,6 +69,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "frame, a chunk of them per UDP GSO send (default: datagrams of up to 64 KiB, which IP "
         "fragments)",
     )  # fmt: skip
+    parser.add_argument(
+        "--device", choices=DEVICE_NAMES, default=None,
+        help="where the model trains: one GPU per local rank, gradients over NCCL where the "
+        "aggregator is all-reduce (default: cuda when present, else cpu)",
+    )  # fmt: skip
     parser.set_defaults(run=run)
 
 
@@ -101,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         servers=[s.strip() for s in args.servers.split(",") if s.strip()],
         timeout=args.timeout,
         mtu=args.mtu,
+        device=_device(args.device),
     )
     from ..dataplane.geometry import MAX_MTU, MIN_MTU
 
@@ -136,6 +143,12 @@ def run(args: argparse.Namespace) -> int:
     if torchrun:
         _leave_without_teardown(0)
     return 0
+
+
+def _device(asked: str | None) -> str:
+    from ..devices import resolve_device
+
+    return resolve_device(asked)
 
 
 def _leave_without_teardown(status: int) -> NoReturn:

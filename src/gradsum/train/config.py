@@ -47,3 +47,4 @@ class TrainConfig:
     timeout: float = 120.0  # seconds any single wait may take
     mtu: int | None = None  # path MTU to the aggregators: packets of one frame (net/client.py)
     progress: bool = True
+    device: str = "cpu"  # "cuda": one GPU per local rank, NCCL for gradients (train/launch.py)

@@ -24,12 +24,25 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def backend_for(config: TrainConfig) -> str:
+    """Gloo on the CPU; on GPUs NCCL for device tensors and Gloo for the host values of the
+    control plane (sizes, digests, plans), in one default group."""
+    return "cuda:nccl,cpu:gloo" if config.device == "cuda" else "gloo"
+
+
+def use_local_gpu(config: TrainConfig, local_rank: int) -> None:
+    """One GPU per local rank, set before the process group so NCCL binds to it."""
+    if config.device == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
 def run_torchrun_worker(config: TrainConfig) -> dict:
     """This process's worker, rendezvousing through torchrun's environment; its error is
     raised as ``WorkerFailed`` with this worker's rank."""
     try:
+        use_local_gpu(config, int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(
-            "gloo", init_method="env://", timeout=timedelta(seconds=config.timeout)
+            backend_for(config), init_method="env://", timeout=timedelta(seconds=config.timeout)
         )
         try:
             return _train(config, dist.get_rank(), dist.get_world_size())
@@ -96,9 +109,11 @@ def _local_entry(config, addresses, rank, world, port, results) -> None:
         **{**config.__dict__, **addresses, "progress": config.progress and rank == 0}
     )
     try:
+        use_local_gpu(config, rank)
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=config.timeout)
-        )
+            backend_for(config), rank=rank, world_size=world,
+            timeout=timedelta(seconds=config.timeout),
+        )  # fmt: skip
         results[rank] = _train(local, rank, world)
     except KeyboardInterrupt:
         pass

@@ -39,7 +39,7 @@ def train_worker(config: TrainConfig, rank: int, world: int) -> dict:
     """Train on this worker's shard; returns rank 0's summary (other ranks: their param digest)."""
     torch.manual_seed(config.seed)  # the same initial weights on every worker
     dataset = load_dataset(config.dataset, config.data_dir, input_shape(config.model), config.seed)
-    model = build_model(config.model, dataset.num_classes)
+    model = build_model(config.model, dataset.num_classes).to(device_of(config))
     codec = make_codec(config.codec, workers=world, **parse_options(config.codec_options))
     aggregator = make_aggregator(config, rank, world, codec)
     try:
@@ -54,7 +54,7 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
         model.parameters(), lr=config.lr, momentum=momentum, weight_decay=config.weight_decay
     )
     options = {"threshold": config.fusion_elements} if config.scheduler == "fusion" else {}
-    batch = dataset.train.inputs[: config.batch_size]
+    batch = dataset.train.inputs[: config.batch_size].to(device_of(config))
     chosen = agree_on_plan(
         config.scheduler,
         model,
@@ -113,27 +113,35 @@ def _train_epoch(
         )
     batches = shard_batches(dataset.train, rank, world, config.batch_size, epoch, config.seed)
     progress = _progress_bar(steps, epoch, config) if rank == 0 else None
-    total_loss, correct, seen = 0.0, 0, 0
+    device = device_of(config)
+    # accumulated on the device (float64: the sum a Python float would make), read once
+    total_loss = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    seen = 0
     start = time.perf_counter()
     try:
-        for inputs, labels in batches:
+        for step, (inputs, labels) in enumerate(batches):
             if dataset.augment:
                 inputs = augment_images(inputs, augment)
+            inputs = inputs.to(device, non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=False)
             outputs = model(inputs)
             loss = torch.nn.functional.cross_entropy(outputs, labels)
             loss.backward()
             sync.wait()
             optimizer.step()
-            total_loss += loss.item() * len(labels)
-            correct += int((outputs.argmax(dim=1) == labels).sum())
+            total_loss += loss.detach().to(torch.float64) * len(labels)
+            correct += (outputs.argmax(dim=1) == labels).sum()
             seen += len(labels)
             if progress is not None:
                 progress.update(1)
-                progress.set_postfix(loss=f"{loss.item():.3f}")
+                if device.type == "cpu" or step % 50 == 0:  # on a GPU a read waits for it
+                    progress.set_postfix(loss=f"{loss.item():.3f}")
     finally:
         if progress is not None:  # also on an error, whose report then starts a line of its own
             progress.close()
+    total_loss, correct = float(total_loss), int(correct)  # the epoch's one read
     seconds = time.perf_counter() - start
     return EpochMetrics(
         epoch=epoch + 1,
@@ -145,20 +153,31 @@ def _train_epoch(
     )
 
 
+def device_of(config: TrainConfig) -> torch.device:
+    """The worker's device: its local GPU (set by the launcher) or the CPU."""
+    if config.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, split, batch_size: int = 512) -> float:
     model.eval()
-    correct = 0
+    device = next(model.parameters()).device
+    correct = torch.zeros((), dtype=torch.int64, device=device)
     for start in range(0, len(split), batch_size):
-        outputs = model(split.inputs[start : start + batch_size])
-        correct += int((outputs.argmax(dim=1) == split.labels[start : start + batch_size]).sum())
-    return correct / max(len(split), 1)
+        outputs = model(split.inputs[start : start + batch_size].to(device))
+        labels = split.labels[start : start + batch_size].to(device)
+        correct += (outputs.argmax(dim=1) == labels).sum()
+    return int(correct) / max(len(split), 1)
 
 
 def parameter_digest(model: torch.nn.Module) -> str:
+    """A hash of every parameter's bytes (copied to the host first: a device tensor has no
+    host bytes to hash)."""
     digest = hashlib.blake2b(digest_size=16)
     for parameter in model.parameters():
-        digest.update(parameter.detach().contiguous().numpy().tobytes())
+        digest.update(parameter.detach().contiguous().cpu().numpy().tobytes())
     return digest.hexdigest()
 
 

@@ -28,6 +28,8 @@ from ..base import (
     aggregator_context,
     check_finite,
     check_same_length,
+    require,
+    require_finite,
 )
 from ..bits import bits_for, pack_bits, unpack_bits
 from ..buffers import Recycler
@@ -158,14 +160,17 @@ class GridCodec(Codec):
                 return rows.view(-1)[:count]
             indices = unpack_bits(packed, self.bits, count)
             return torch.index_select(lookups.value_of_index, 0, indices)
-        return unpack_bits(payload.fields[DOWNSTREAM], self.sum_bits, count).to(torch.int32)
+        sums = payload.fields[DOWNSTREAM]
+        if payload.unpacked:  # a summing transport's integers, one per lane
+            return sums.reshape(-1)[:count].to(torch.int32)
+        return unpack_bits(sums, self.sum_bits, count).to(torch.int32)
 
     # -- worker side --------------------------------------------------------------------------
     def _encode_grid(
         self,
         x: torch.Tensor,
-        a: float,
-        c: float,
+        a: Scalar,
+        c: Scalar,
         ctx: CodecContext,
         rotation: Rotation | None,
         length: int | None = None,
@@ -181,14 +186,15 @@ class GridCodec(Codec):
             packed = native.encode(x, rotation, a, c, g, lookups.cell_entries, seed, self.bits,
                                    empty=self._recycler.empty)  # fmt: skip
         if packed is None:
-            check_finite(x)
+            require_finite(x)
+            a, c = _float32(a), _float32(c)
             y = x.mul(a) if rotation is None else self._rotated(x, rotation).mul_(a)
             indices = self._round_to_table(y.add_(c).clamp_(0, g), ctx)
             packed = pack_bits(indices, self.bits, check=False)
         return Payload({UPSTREAM: packed}, x.numel() if length is None else length)
 
     def _decode_grid(
-        self, payload: Payload, a: float, c: float, rotation: Rotation | None, trim: bool = True,
+        self, payload: Payload, a: Scalar, c: Scalar, rotation: Rotation | None, trim: bool = True,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """y = a*S + c for the payload's grid sums S, rotated back if a rotation is given;
@@ -196,12 +202,18 @@ class GridCodec(Codec):
         native kernel writes y when it holds all of it (no padding)."""
         count = self._coordinates(payload.length)
         y = None
-        if DOWNSTREAM in payload.fields:
-            sums, empty = payload.fields[DOWNSTREAM], self._recycler.empty
+        if DOWNSTREAM in payload.fields and isinstance(a, float):  # the CPU's native kernel
+            sums, width, empty = payload.fields[DOWNSTREAM], self.sum_bits, self._recycler.empty
+            if payload.unpacked:  # the kernel reads packed lanes of up to 16 bits
+                if sums.dtype == torch.uint8:
+                    width = 8
+                else:
+                    sums = pack_bits(sums.reshape(-1)[:count], width, check=False)
             if out is not None and out.numel() == count and out.is_contiguous():
                 empty = lambda n, dtype: out  # noqa: E731 (the caller's buffer)
-            y = native.decode(sums, self.sum_bits, count, a, c, rotation, empty=empty)
+            y = native.decode(sums, width, count, a, c, rotation, empty=empty)
         if y is None:
+            a, c = _float32(a), _float32(c)
             y = self._grid_values(payload, count).to(torch.float32).mul_(a).add_(c)
             if rotation is not None:
                 return rotation.inverse(y)
@@ -221,7 +233,9 @@ class GridCodec(Codec):
         lookups = self._tables(u.device)
         work = self._workspace(u.numel(), u.device)
         cell, low, up_probability, draws, rounds_up, indices = work
-        cell.copy_(u).clamp_(max=self.granularity - 1)  # u >= 0: conversion truncates = floor
+        # u >= 0: conversion truncates = floor (the lower clamp keeps a NaN's cell, which a
+        # deferred finiteness check reports after the round, inside the tables)
+        cell.copy_(u).clamp_(0, self.granularity - 1)
         torch.index_select(lookups.low_of_cell, 0, cell, out=low)
         torch.index_select(lookups.inverse_width_of_cell, 0, cell, out=up_probability)
         up_probability.mul_(torch.sub(u, low, out=low))
@@ -294,6 +308,12 @@ class THC(GridCodec):
     def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         flat = x.reshape(-1).to(torch.float32)
         norm = torch.linalg.vector_norm(flat)
+        if not _reads_scalars(flat):  # checked on the device, read after the round
+            # Finite coordinates whose squares overflow float32 take the float64 norm.
+            wide = torch.linalg.vector_norm(flat, dtype=torch.float64).to(torch.float32)
+            norm = torch.where(torch.isfinite(norm), norm, wide)
+            require(torch.isfinite(norm), lambda: self._norm_overflow(flat))
+            return norm.reshape(1)
         if not bool(torch.isfinite(norm)):
             check_finite(flat)  # a NaN/Inf coordinate: the error names it
             # Finite coordinates whose squares overflow float32: accumulate in float64.
@@ -303,6 +323,12 @@ class THC(GridCodec):
                     f"gradient L2 norm {float(norm):.3g} exceeds the float32 range"
                 )
         return norm.to(torch.float32).reshape(1)
+
+    @staticmethod
+    def _norm_overflow(flat: torch.Tensor) -> None:
+        check_finite(flat)  # a NaN/Inf coordinate: the error names it
+        norm = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
+        raise NonFiniteGradientError(f"gradient L2 norm {norm:.3g} exceeds the float32 range")
 
     def encode(
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
@@ -322,8 +348,8 @@ class THC(GridCodec):
         step = self._step(max_norm, rotation.padded)
         # y = (S / contributors - g/2) * step
         g = self.granularity
-        return self._decode_grid(payload, step / payload.contributors, -step * g / 2, rotation,
-                                 out=out)  # fmt: skip
+        return self._decode_grid(payload, _divide(step, payload.contributors), -step * g / 2,
+                                 rotation, out=out)  # fmt: skip
 
     def decode_into(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
                     out: torch.Tensor) -> None:  # fmt: skip
@@ -343,7 +369,7 @@ class THC(GridCodec):
         rotation = self._rotation(flat.numel(), ctx, flat.device)
         rotated = native.rotate(flat, rotation, add, empty=self._recycler.empty)
         if rotated is None:
-            check_finite(flat)
+            require_finite(flat)
             rotated = rotation.forward(flat)
             if add is not None:
                 rotated.add_(add)
@@ -367,15 +393,18 @@ class THC(GridCodec):
         step = self._step(max_norm, w.numel())
         return payload, w - self._decode_grid(own, step, -step * c, None, trim=False)
 
-    def _grid_scale(self, max_norm: float, padded: int) -> float:
+    def _grid_scale(self, max_norm: Scalar, padded: int) -> Scalar:
         """a in u = a*y + g/2: (clamp(s*y, -t, t) + t) * g / 2t = clamp(a*y + g/2, 0, g) with
         s = sqrt(padded) / max_norm, the scale that makes rotated coordinates ~N(0, 1)."""
-        scale = math.sqrt(padded) / max_norm if max_norm > 0 else 0.0
-        return scale * self.granularity / (2 * self.threshold)
+        if isinstance(max_norm, float):
+            scale = math.sqrt(padded) / max_norm if max_norm > 0 else 0.0
+            return scale * self.granularity / (2 * self.threshold)
+        scale = torch.where(max_norm > 0, _divide(math.sqrt(padded), max_norm), 0.0)
+        return _divide(scale * self.granularity, 2 * self.threshold)
 
-    def _step(self, max_norm: float, padded: int) -> float:
+    def _step(self, max_norm: Scalar, padded: int) -> Scalar:
         """The value of one grid step in the rotated domain."""
-        return (2 * self.threshold / self.granularity) * max_norm / math.sqrt(padded)
+        return _divide((2 * self.threshold / self.granularity) * max_norm, math.sqrt(padded))
 
     def _coordinates(self, length: int) -> int:
         return padded_length(length, self.rotation_block)
@@ -438,7 +467,7 @@ class UnrotatedUniformTHC(GridCodec):
         super().__init__(workers, bits, range(1 << bits), correlated)
 
     def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
-        check_finite(x)
+        require_finite(x)
         low, high = torch.aminmax(x.reshape(-1).to(torch.float32))
         return torch.stack([high, -low])
 
@@ -446,7 +475,10 @@ class UnrotatedUniformTHC(GridCodec):
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> Payload:
         low, span = self._range(shared)
-        a = self.granularity / span if span > 0 else 0.0
+        if isinstance(span, float):
+            a = self.granularity / span if span > 0 else 0.0
+        else:
+            a = torch.where(span > 0, _divide(self.granularity, span), 0.0)
         flat = x.reshape(-1).to(torch.float32).contiguous()
         return self._encode_grid(flat, a, -low * a, ctx, rotation=None)
 
@@ -454,20 +486,64 @@ class UnrotatedUniformTHC(GridCodec):
         self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> torch.Tensor:
         low, span = self._range(shared)
-        return self._decode_grid(
-            payload, span / self.granularity / payload.contributors, low, rotation=None
-        )
+        a = _divide(_divide(span, self.granularity), payload.contributors)
+        return self._decode_grid(payload, a, low, rotation=None)
 
-    def _range(self, shared: torch.Tensor | None) -> tuple[float, float]:
+    def _range(self, shared: torch.Tensor | None) -> tuple[Scalar, Scalar]:
         if shared is None or shared.numel() != 2:
             raise ValueError(f"{self.name} needs the preliminary round's [max, -min]")
-        high, negative_low = (float(v) for v in shared)
+        if _reads_scalars(shared):
+            high, negative_low = (float(v) for v in shared)
+        else:
+            high, negative_low = shared.to(torch.float64).unbind()
         return -negative_low, high + negative_low
 
 
-def _shared_scalar(shared: torch.Tensor | None, codec: str, what: str) -> float:
+Scalar = float | torch.Tensor
+"""A round's shared scalars (scales, offsets): Python floats where the CPU's native kernels take
+them, 0-d float64 tensors on the device everywhere else, so no value is read on the host."""
+
+
+def _reads_scalars(t: torch.Tensor) -> bool:
+    """Whether this tensor's round runs on the CPU's native kernels, which take Python floats
+    (reading a CPU value waits for nothing). Elsewhere (a GPU, or GRADSUM_NATIVE=0) scalars stay
+    0-d device tensors and checks are deferred (``codecs.base.DeviceChecks``)."""
+    return t.device.type == "cpu" and native.available()
+
+
+def _divide(a: Scalar, b: Scalar) -> Scalar:
+    """a / b with true division on any device: a CUDA tensor divided by a Python number is
+    multiplied by its reciprocal instead, which can differ from the CPU's quotient in the last
+    bit; here both sides are tensors."""
+    if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+        return a / b
+    device = (a if isinstance(a, torch.Tensor) else b).device
+
+    def tensor(v: Scalar) -> torch.Tensor:
+        if isinstance(v, torch.Tensor):
+            return v
+        return torch.full((), v, dtype=torch.float64, device=device)
+
+    return torch.div(tensor(a), tensor(b))
+
+
+def _float32(value: Scalar) -> Scalar:
+    """A float64 scalar tensor as the float32 the gradient's ops use (a Python float is
+    rounded the same way by torch when it multiplies a float32 tensor)."""
+    return value.to(torch.float32) if isinstance(value, torch.Tensor) else value
+
+
+def _shared_scalar(shared: torch.Tensor | None, codec: str, what: str) -> Scalar:
     if shared is None or shared.numel() != 1:
         raise ValueError(f"{codec} needs the preliminary round's {what} (one value)")
+    if not _reads_scalars(shared):
+        value = shared.reshape(()).to(torch.float64)
+
+        def fail() -> None:
+            raise ValueError(f"{codec}: invalid {what} {float(value)}")
+
+        require(torch.isfinite(value) & (value >= 0), fail)
+        return value
     value = float(shared.reshape(-1)[0])
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"{codec}: invalid {what} {value}")

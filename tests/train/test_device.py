@@ -1,0 +1,34 @@
+"""`gradsum train --device`: cuda when present, cpu as before, a clear error for cuda without
+CUDA (this machine and CI have none)."""
+
+import pytest
+import torch
+
+from gradsum.cli import main
+from gradsum.devices import resolve_device
+from gradsum.train.launch import backend_for
+from gradsum.train.loop import TrainConfig, device_of
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="about a machine without CUDA")
+
+
+@no_cuda
+def test_device_cuda_without_cuda_is_a_clear_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--device", "cuda", "--epochs", "1"])
+    assert exit_.value.code == 2
+    message = capsys.readouterr().err
+    assert "gradsum train: error: --device cuda: no CUDA device is available" in message
+    assert "use --device cpu" in message
+
+
+@no_cuda
+def test_the_default_device_is_the_cpu_without_cuda():
+    assert resolve_device(None) == "cpu" == resolve_device("cpu")
+
+
+def test_cpu_training_keeps_gloo_and_the_cpu():
+    config = TrainConfig(device="cpu")
+    assert backend_for(config) == "gloo"
+    assert device_of(config) == torch.device("cpu")
+    assert backend_for(TrainConfig(device="cuda")) == "cuda:nccl,cpu:gloo"
