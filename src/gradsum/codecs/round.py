@@ -207,7 +207,12 @@ class CodecRound:
     def run(self, flat: torch.Tensor, reducer: Reducer, *, worker: int, key: Hashable,
             step: int) -> torch.Tensor:  # fmt: skip
         """The average over workers of ``flat`` (1-D float32), as the codec estimates it."""
-        prepared = self.prepare(flat, worker=worker, key=key, step=step)
+        return self.reduce(self.prepare(flat, worker=worker, key=key, step=step), reducer)
+
+    def reduce(self, prepared: Prepared, reducer: Reducer) -> torch.Tensor:
+        """A prepared round's MAX, SUM and decode. May run again on the same ``prepared`` (a
+        transport redoes a round that its aggregator lost): encoding a partition again gives
+        the same payload and leaves the codec's state as the first encode did."""
         if self.codec.needs_summary:
             prepared.share(reducer.max(prepared.summaries))
         phase = prepared.sum_phase(streamed=getattr(reducer, "streams", False))

@@ -1,0 +1,99 @@
+"""Surviving a lost aggregator: a round redone on the same prepared inputs is the same round,
+and a switch killed mid-run (restarted on its port, or replaced by a standby) costs the
+workers a recovery, not a result."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from gradsum.codecs import make_codec
+from gradsum.codecs.round import CodecRound, run_round
+from gradsum.net.client import aggregator_stats
+from gradsum.net.loopback import DaemonProcess
+
+from .distributed import run_distributed
+from .recovery_workers import rounds_through_a_switch
+
+
+@pytest.mark.parametrize("codec_name", ["thc", "bfp"])
+def test_a_redone_round_gives_the_same_average_and_codec_state(codec_name):
+    """Encoding again (error feedback's memory written twice) leaves everything as once."""
+    elements = 3 * (1 << 18) + 1000  # several pieces and partitions, not a power of two
+    x = torch.randn(elements, generator=torch.Generator().manual_seed(3))
+    once, twice = (make_codec(codec_name, workers=2) for _ in range(2))
+    for codec in (once, twice):  # a step of history: memory to carry
+        run_round(codec, [x, x], seed=1, step=0, key="g", partition_elements=1 << 18)
+    rounds = CodecRound(once, 1, 1 << 18)
+    reference = rounds.run(x, _Peer(once, x), worker=0, key="g", step=1).clone()
+    redo = CodecRound(twice, 1, 1 << 18)
+    prepared = redo.prepare(x, worker=0, key="g", step=1)
+    reducer = _Peer(twice, x, lose_first=True)
+    with pytest.raises(ConnectionError):
+        redo.reduce(prepared, reducer)
+    assert torch.equal(redo.reduce(prepared, reducer), reference)
+    state_once, state_twice = once.state_dict(), twice.state_dict()
+    for key, memory in state_once.get("memory", {}).items():
+        assert torch.equal(state_twice["memory"][key], memory)
+
+
+class _Peer:
+    """Worker 0's reducer against a worker 1 that sends what worker 0 sends (worker 1's
+    payloads are worker 0's, so the sum is twice them); ``lose_first``: the first SUM fails
+    after half its pieces were delivered."""
+
+    def __init__(self, codec, x, lose_first=False):
+        self.codec, self.lose = codec, lose_first
+
+    def max(self, summaries):
+        return summaries
+
+    def sum(self, phase):
+        for i in range(len(phase)):
+            payload = phase.encode(i)
+            summed = self.codec.aggregate([payload, payload], phase.aggregator_context(i))
+            if self.lose and i == len(phase) // 2:
+                self.lose = False
+                raise ConnectionError("lost midway")
+            phase.deliver(i, summed)
+
+
+def _kill_when_busy(daemon, restart, after=0.5, timeout=60.0):
+    """``after`` seconds after a job is registered on the switch, kill -9 it and call
+    ``restart`` at once."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not aggregator_stats(daemon.address)["jobs"]:
+        time.sleep(0.05)
+    time.sleep(after)
+    daemon.kill()
+    restart()
+
+
+@pytest.mark.slow
+def test_a_switch_killed_mid_run_and_restarted_on_its_port_loses_no_round():
+    steps, elements = 12, 600_001
+    with DaemonProcess("switch") as daemon:
+        address = f"{daemon.address[0]}:{daemon.address[1]}"
+        undisturbed = run_distributed(rounds_through_a_switch, 2, [address], steps, elements)
+    with DaemonProcess("switch") as daemon:
+        address = f"{daemon.address[0]}:{daemon.address[1]}"
+        restarted = []
+        killer = threading.Thread(
+            target=_kill_when_busy,
+            args=(daemon, lambda: restarted.append(DaemonProcess("switch", bind=address))),
+        )
+        killer.start()
+        try:
+            disturbed = run_distributed(rounds_through_a_switch, 2, [address], steps, elements)
+        finally:
+            killer.join()
+            for d in restarted:
+                d.stop()
+    for before, after in zip(undisturbed, disturbed, strict=True):
+        assert before["recoveries"] == []
+        assert len(after["recoveries"]) >= 1, "the kill fell after the run"
+        for a, b in zip(before["averages"], after["averages"], strict=True):
+            assert torch.equal(a, b)
+    for a, b in zip(disturbed[0]["averages"], disturbed[1]["averages"], strict=True):
+        assert torch.equal(a, b)
