@@ -23,3 +23,31 @@ def rounds_through_a_switch(rank, world, addresses, steps, elements, standby=())
     finally:
         aggregator.close()
     return {"averages": averages, "recoveries": aggregator.recovery.recoveries}
+
+
+def a_worker_dies(rank, world, addresses, steps, elements, die_at):
+    """Rounds through a switch until worker 1 kills itself (SIGKILL) at step ``die_at``: what
+    the others raised, and how long after the last good round."""
+    import os
+    import signal
+    import time
+
+    from gradsum.failures import describe_failure
+
+    codec = make_codec("thc", workers=world)
+    settings = JobSettings(codec, "thc", {}, rank, world, silence=0.5, timeout=60.0)
+    aggregator = ServiceAggregator("switch", addresses, settings)
+    flat = torch.randn(elements, generator=torch.Generator().manual_seed(rank))
+    last = time.monotonic()
+    try:
+        try:
+            for step in range(steps):
+                if rank == 1 and step == die_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                aggregator.synchronize(flat, codec, key="g", step=step, seed=7)
+                last = time.monotonic()
+        finally:
+            aggregator.close()  # on the error: every worker tears the job down
+    except Exception as error:
+        return {"failure": describe_failure(error), "after": time.monotonic() - last}
+    return {"failure": None}

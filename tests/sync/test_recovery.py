@@ -12,9 +12,10 @@ from gradsum.codecs import make_codec
 from gradsum.codecs.round import CodecRound, run_round
 from gradsum.net.client import aggregator_stats
 from gradsum.net.loopback import DaemonProcess
+from gradsum.sync.recovery import DEAD_AFTER
 
 from .distributed import run_distributed
-from .recovery_workers import rounds_through_a_switch
+from .recovery_workers import a_worker_dies, rounds_through_a_switch
 
 
 @pytest.mark.parametrize("codec_name", ["thc", "bfp"])
@@ -103,3 +104,15 @@ def test_a_switch_killed_mid_run_hands_its_job_to_the_standby():
         assert result["recoveries"][0]["addresses"] == [list(standby.address)]
         for expected, got in zip(reference, result["averages"], strict=True):
             assert torch.equal(expected, got)
+
+
+@pytest.mark.slow
+def test_a_dead_worker_fails_the_others_in_bounded_time_naming_it_and_the_job_goes():
+    with DaemonProcess("switch") as switch:
+        address = f"{switch.address[0]}:{switch.address[1]}"
+        survivor, dead = run_distributed(a_worker_dies, 2, [address], 20, 100_000, 3)
+        assert aggregator_stats(switch.address)["jobs"] == {}  # torn down by the survivor
+    assert dead is None  # it never returned
+    name, message = survivor["failure"]
+    assert name == "WorkerLost" and message.startswith("worker 1 stopped"), survivor
+    assert survivor["after"] < DEAD_AFTER + 10  # silence, probes, heartbeats: bounded

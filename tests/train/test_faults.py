@@ -1,15 +1,19 @@
 """Training that survives faults: a switch killed mid-training and restarted on its port, a
 killed worker, a torchrun restart from the last checkpoint."""
 
+import multiprocessing
+import os
 import re
+import signal
 import threading
 import time
 
 import pytest
 
+from gradsum.failures import WorkerFailed
 from gradsum.net.client import ControlError, aggregator_stats
 from gradsum.net.loopback import DaemonProcess
-from gradsum.train.launch import run_local
+from gradsum.train.launch import _join, run_local
 from gradsum.train.loop import TrainConfig
 
 COMMON = {"aggregator": "switch", "codec": "thc", "workers": 2, "epochs": 1, "batch_size": 32,
@@ -83,3 +87,21 @@ def test_a_switch_killed_mid_training_and_restarted_on_its_port_changes_no_param
     assert redone, "no recovery: the kill fell outside training"
     assert served.get("control_register", 0) >= 1 and served["datagrams"] > 10
     assert disturbed["parameter_digest"] == undisturbed["parameter_digest"]
+
+
+def _killed():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_killed_before_it_could_report_is_named_by_the_launcher():
+    context = multiprocessing.get_context("fork")
+    processes = [context.Process(target=time.sleep, args=(30,)), context.Process(target=_killed)]
+    for process in processes:
+        process.start()
+    try:
+        with pytest.raises(WorkerFailed) as raised:
+            _join(processes, {}, TrainConfig())
+    finally:
+        processes[0].kill()
+        processes[0].join()
+    assert str(raised.value.failure) == "worker 1 failed: Killed: the process ended by SIGKILL"

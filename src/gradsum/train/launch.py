@@ -8,7 +8,9 @@ the aggregator addresses given by ``--switch``/``--servers``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 from datetime import timedelta
 
@@ -24,9 +26,23 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+class Terminated(Exception):
+    """The launcher stopped this worker (SIGTERM): another worker failed, or the run was
+    cancelled. Raised in the worker's main thread, so its jobs are torn down on the way out."""
+
+
+def _raise_on_sigterm() -> None:
+    def terminated(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends it at once
+        raise Terminated("stopped by the launcher (SIGTERM)")
+
+    signal.signal(signal.SIGTERM, terminated)
+
+
 def run_torchrun_worker(config: TrainConfig) -> dict:
     """This process's worker, rendezvousing through torchrun's environment; its error is
     raised as ``WorkerFailed`` with this worker's rank."""
+    _raise_on_sigterm()  # torchrun's agent stops the others when one fails: tear down first
     try:
         dist.init_process_group(
             "gloo", init_method="env://", timeout=timedelta(seconds=config.timeout)
@@ -62,9 +78,12 @@ def run_local(config: TrainConfig) -> dict:
         finally:
             for process in processes:
                 if process.is_alive():
-                    process.terminate()
+                    process.terminate()  # it tears its jobs down on the way out
             for process in processes:
                 process.join(5)
+                if process.is_alive():
+                    process.kill()
+                    process.join(5)
         return dict(results[0])
 
 
@@ -84,11 +103,22 @@ def _join(processes, results, config: TrainConfig) -> None:
     failed = [p.name for p in processes if p.exitcode not in (None, 0)]
     if failures:
         raise WorkerFailed(failures[0])
+    for rank, process in enumerate(processes):  # killed before it could say anything
+        if process.exitcode is not None and process.exitcode < 0 and rank not in results:
+            name = _signal_name(-process.exitcode)
+            raise WorkerFailed(Failure("Killed", f"the process ended by {name}", rank))
     if failed or 0 not in results:
         raise RuntimeError(f"workers {failed or 'all'} exited without a result")
 
 
+def _signal_name(number: int) -> str:
+    with contextlib.suppress(ValueError):
+        return signal.Signals(number).name
+    return f"signal {number}"
+
+
 def _local_entry(config, addresses, rank, world, port, results) -> None:
+    _raise_on_sigterm()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # Workers share this machine's cores: more intra-op threads than cores only thrash.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
