@@ -48,11 +48,32 @@ def run_torchrun_worker(config: TrainConfig) -> dict:
             "gloo", init_method="env://", timeout=timedelta(seconds=config.timeout)
         )
         try:
+            config = resumed_after_restart(config, dist.get_rank())
             return _train(config, dist.get_rank(), dist.get_world_size())
         finally:
             dist.destroy_process_group()
     except Exception as error:
         raise WorkerFailed(Failure.of(error, int(os.environ["RANK"]))) from error
+
+
+def resumed_after_restart(config: TrainConfig, rank: int) -> TrainConfig:
+    """Under torchrun ``--max-restarts``, a restarted worker group (TORCHELASTIC_RESTART_COUNT
+    above 0) resumes from its ``--checkpoint`` when every worker has its part of the same
+    epoch's; otherwise (it failed before its first checkpoint) it starts from the beginning.
+    The jobs of the attempt before were torn down by its workers as the agent stopped them
+    (SIGTERM), and the new attempt registers its own."""
+    from dataclasses import replace
+
+    from .loop import checkpoint_epoch
+
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if not restarted or not config.checkpoint or config.resume:
+        return config
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, checkpoint_epoch(config.checkpoint, rank))
+    if None in everyone or len(set(everyone)) != 1:
+        return config  # no checkpoint every worker has: from the beginning
+    return replace(config, resume=config.checkpoint)
 
 
 def run_local(config: TrainConfig) -> dict:
