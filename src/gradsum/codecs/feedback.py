@@ -162,7 +162,7 @@ class TransformedErrorFeedback(ErrorFeedback):
     ) -> Payload:
         if ctx.state_key not in self._lengths:
             raise RuntimeError(f"encode of {ctx.state_key!r} without its precondition")
-        length = self._lengths.pop(ctx.state_key)
+        length = self._lengths[ctx.state_key]  # kept: a redone round encodes again
         if length is None:
             return super().encode(x, ctx, shared)
         payload, self.memory[ctx.state_key] = self.inner.encode_transformed(x, length, ctx, shared)

@@ -235,20 +235,32 @@ class CodecRound:
         device; without it the round reads them itself before it returns."""
         own = checks is None
         checks = DeviceChecks() if own else checks
-        streamed = getattr(reducer, "streams", False)
         with checks.deferring():
-            prepared: Prepared | None = self.prepare(flat, worker=worker, key=key, step=step)
-            while prepared is not None:
-                if self.codec.needs_summary:
-                    prepared.share(reducer.max(prepared.summaries))
-                phase = prepared.sum_phase(streamed=streamed)
-                reducer.sum(phase)
-                phase.check_complete()
-                current, prepared = prepared, prepared.next_stage(phase)
-            result = current.result(phase)
+            prepared = self.prepare(flat, worker=worker, key=key, step=step)
+            result = self.reduce(prepared, reducer)
         if own:
             checks.raise_if_failed()
         return result
+
+    def reduce(self, prepared: Prepared, reducer: Reducer) -> torch.Tensor:
+        """A prepared round's MAX, SUM and decode, stage after stage. May run again on the same
+        ``prepared`` (a transport redoes a round that its aggregator lost): encoding a partition
+        again gives the same payload and leaves the codec's state as the first encode did, and a
+        codec of several stages starts again from its first."""
+        if prepared.stages is not None:
+            prepared.stages.rewind()
+        streamed = getattr(reducer, "streams", False)
+        current: Prepared | None = prepared
+        while True:
+            if self.codec.needs_summary:
+                current.share(reducer.max(current.summaries))
+            phase = current.sum_phase(streamed=streamed)
+            reducer.sum(phase)
+            phase.check_complete()
+            following = current.next_stage(phase)
+            if following is None:
+                return current.result(phase)
+            current = following
 
     def prepare(self, flat: torch.Tensor, *, worker: int, key: Hashable, step: int) -> Prepared:
         """Partition, precondition and summarize: everything before the MAX."""
@@ -286,13 +298,15 @@ class Prepared:
     inputs: list[torch.Tensor]
     summaries: list[torch.Tensor | None]
     stages: Stages | None = None
+    stage: int = 0  # which of the codec's stages this round is
+    active: list[int] | None = None  # the partitions taking part in it (a codec of stages)
 
     def __post_init__(self) -> None:
         self.shared: list[torch.Tensor | None] = [None] * len(self.bounds)
 
     def next_stage(self, phase: SumPhase) -> Prepared | None:
         """The next stage's round, once ``phase`` (this one's SUM) is complete; None: done."""
-        return None if self.stages is None else self.stages.advance(phase)
+        return None if self.stages is None else self.stages.advance(self, phase)
 
     def result(self, phase: SumPhase) -> torch.Tensor:
         """The round's average, after the last stage's ``phase``."""
@@ -334,36 +348,39 @@ class Stages:
         self.round, self.codec = round_, round_.codec
         self.flat, self.bounds, self.contexts, self.inputs = flat, bounds, contexts, inputs
         self.averages: list[list[torch.Tensor]] = [[] for _ in bounds]
-        self.stage = 0
-        self._active: list[int] = []  # the partitions of the current stage
-        self._placed: list[tuple[int, int]] = []  # where their averages lie in its output
 
-    def prepare(self, stage_inputs: Sequence[torch.Tensor | None]) -> Prepared | None:
-        """This stage's round over the partitions whose ``stage_input`` is not None."""
-        self._active = [i for i, x in enumerate(stage_inputs) if x is not None]
-        if not self._active and self.stage > 0:
+    def rewind(self) -> None:
+        """Forget the averages of earlier stages: the round starts again from its first."""
+        self.averages = [[] for _ in self.bounds]
+
+    def prepare(self, stage_inputs: Sequence[torch.Tensor | None],
+                stage: int = 0) -> Prepared | None:  # fmt: skip
+        """Stage ``stage``'s round over the partitions whose ``stage_input`` is not None."""
+        active = [i for i, x in enumerate(stage_inputs) if x is not None]
+        if not active and stage > 0:
             return None
-        inputs = [stage_inputs[i].reshape(-1) for i in self._active]
-        contexts = [self.contexts[i] for i in self._active]
+        inputs = [stage_inputs[i].reshape(-1) for i in active]
+        contexts = [self.contexts[i] for i in active]
         ends = torch.tensor([x.numel() for x in inputs]).cumsum(0).tolist()
-        self._placed = list(zip([0, *ends[:-1]], ends, strict=True))
+        placed = list(zip([0, *ends[:-1]], ends, strict=True))  # their averages in the output
         summaries = [self.codec.summarize(x, ctx) for x, ctx in zip(inputs, contexts, strict=True)]
-        return Prepared(self.round, self.flat, self._placed, contexts, inputs, summaries, self)
+        return Prepared(self.round, self.flat, placed, contexts, inputs, summaries, self,
+                        stage, active)  # fmt: skip
 
-    def advance(self, phase: SumPhase) -> Prepared | None:
-        """Keep this stage's averages; the next stage's round, or None after the last one."""
-        for i, (a, b) in zip(self._active, self._placed, strict=True):
+    def advance(self, done: Prepared, phase: SumPhase) -> Prepared | None:
+        """Keep stage ``done``'s averages; the next stage's round, or None after the last."""
+        for i, (a, b) in zip(done.active, done.bounds, strict=True):
             self.averages[i].append(phase.out[a:b])
-        self.stage += 1
-        if self.stage >= self.codec.stages:
+        stage = done.stage + 1
+        if stage >= self.codec.stages:
             return None
-        active = set(self._active)  # a partition that sat out a stage is done
+        active = set(done.active)  # a partition that sat out a stage is done
         stage_inputs = [
-            self.codec.stage_input(self.inputs[i], self.contexts[i], self.stage,
+            self.codec.stage_input(self.inputs[i], self.contexts[i], stage,
                                    self.averages[i][-1]) if i in active else None
             for i in range(len(self.bounds))
         ]  # fmt: skip
-        return self.prepare(stage_inputs)
+        return self.prepare(stage_inputs, stage)
 
     def finish(self) -> torch.Tensor:
         """Every partition's average (``codec.finish``), in place in the round's output."""

@@ -99,6 +99,20 @@ class Collective:
         self._checked: set[int] = set()
         self._boundaries: dict[torch.device, DeviceBoundary] = {}
 
+    def restart(self, jobs: Sequence[JobHandle], run: RunTransfers | None = None) -> None:
+        """The jobs were registered afresh (an aggregator restarted, or a standby replaced it):
+        every stream's chunks are numbered from 0 again, round trips are learnt anew, and
+        ``jobs`` (the same geometry, perhaps other addresses) carry the rounds from now on."""
+        if len(jobs) != len(self.jobs):
+            raise ValueError(f"{len(jobs)} jobs cannot replace {len(self.jobs)}")
+        self.jobs = list(jobs)
+        self.run = run or self.run
+        for j in self.jobs:
+            self.stats.setdefault((j.address, j.job), StreamStats())
+        self._round_trips = {(j.address, j.job): RoundTrip() for j in self.jobs}
+        self._next_chunk = [0] * len(self.jobs)
+        self._next_packet = [0] * len(self.jobs)
+
     def partition_size(self, requested: int | None = None) -> int:
         """The partition a round through these jobs runs with: ``requested`` (2**20 by
         default), at most ``partition_limit`` where a server decodes whole payloads."""

@@ -55,6 +55,38 @@ class ControlError(RuntimeError):
         self.code = code
 
 
+class AggregatorLost(ConnectionError):
+    """An aggregator of a job stopped answering, or no longer holds the job (it restarted): the
+    job's rounds cannot go on until it is registered again (``sync.recovery``)."""
+
+    def __init__(self, address: Address, job: int, reason: str):
+        super().__init__(f"aggregator {address[0]}:{address[1]} lost job {job}: {reason}")
+        self.address, self.job, self.reason = address, job, reason
+
+
+LIVENESS_SILENCE = 3.0  # seconds without a result before a round asks its aggregators
+PROBE_TIMEOUT = 1.0  # how long a liveness probe waits for its reply
+
+
+def probe_job(address: Address, job: int, timeout: float = PROBE_TIMEOUT) -> str | None:
+    """Why ``job`` cannot go on at ``address`` (no reply, or the job is not registered), or
+    None: the aggregator answers and holds the job. The probe is one small control request
+    (STATS naming the job), retried within ``timeout``."""
+    try:
+        reply = control_request(address, Kind.STATS_REQUEST, job, timeout=timeout,
+                                retry_every=timeout / 4)  # fmt: skip
+    except ControlError as error:
+        if error.code == "no_reply":
+            return f"no reply to a liveness probe in {timeout:g} s"
+        if error.code == "unknown_job":
+            return "the job is not registered there (the aggregator restarted?)"
+        return None  # it answers; whatever it refused, it is alive
+    jobs = reply.get("jobs")
+    if isinstance(jobs, dict) and str(job) not in jobs and job not in jobs:
+        return "the job is not registered there (the aggregator restarted?)"
+    return None
+
+
 def control_request(
     address: Address, kind: Kind, job: int, body: dict | None = None, *, timeout: float = 5.0,
     retry_every: float = 0.2,
@@ -120,11 +152,20 @@ def aggregator_stats(address: Address, timeout: float = 5.0) -> dict:
 
 class UdpTransport:
     """Runs transfers to completion over one socket with real timers; results may also arrive
-    on ``group_sockets`` (the jobs' multicast groups)."""
+    on ``group_sockets`` (the jobs' multicast groups).
 
-    def __init__(self, sock: socket.socket, wait_limit: float = 60.0, group_sockets: Sequence = ()):
+    Liveness: after ``silence`` seconds without a result, ``watchdog(addresses)`` is called
+    with the aggregators still owing results (default: ``probe_job`` each, raising
+    ``AggregatorLost`` for one that is gone or lost the job), and again after every further
+    ``silence`` seconds; whatever it raises ends the run. A silence it lets pass (a slow peer,
+    a busy aggregator) goes on up to ``wait_limit``."""
+
+    def __init__(self, sock: socket.socket, wait_limit: float = 60.0, group_sockets: Sequence = (),
+                 *, silence: float = LIVENESS_SILENCE, watchdog=None):  # fmt: skip
         self.sock = sock
         self.wait_limit = wait_limit  # longest silence before a run fails, whatever the policy
+        self.silence = silence
+        self.watchdog = watchdog  # None: probe the aggregators (``probe_jobs``)
         # Groups first: when they are joined, nearly every result arrives there.
         self._receivers = [*group_sockets, sock]
         self._header = bytearray(HEADER_SIZE)
@@ -149,12 +190,14 @@ class UdpTransport:
         pending = [t for _, t in pairs if not t.done]
         next_check = now
         last_progress = now
+        alive = _Liveness(self, pairs)
         while pending:
             if any([self._receive_one(r, routes, peers) for r in self._receivers]):
                 last_progress = time.monotonic()
             elif work is None or not work.pending:
                 self._wait(pending, last_progress)
             now = time.monotonic()
+            alive.check(pending, last_progress, now)
             if work is not None and work.pending:
                 for transfer, chunk in work.step(now):
                     self._send(transfer, chunk, peers[id(transfer)])
@@ -178,6 +221,7 @@ class UdpTransport:
         pending = [r for r, t in enumerate(transfers) if not t.done]
         next_check = last_progress = now
         route_of = {id(t): r for r, t in enumerate(transfers)}
+        alive = _Liveness(self, pairs)
         while pending:
             busy = work is not None and work.pending  # then only take what is queued
             events = routes.receive(fds, 0.0 if busy else min(max(0.0, next_check - now), 0.05))
@@ -204,6 +248,7 @@ class UdpTransport:
                 deadlines = [d for r in pending if (d := transfers[r].next_deadline()) is not None]
                 next_check = min(deadlines, default=now + 0.01)
             routes.send(fd, out)
+            alive.check([transfers[r] for r in pending], last_progress, now)
             if now - last_progress > self.wait_limit:
                 waiting = ", ".join(transfers[r].stream.what for r in pending)
                 raise TimeoutError(f"no result from {waiting} for {self.wait_limit:.0f} s")
@@ -265,6 +310,32 @@ class UdpTransport:
                 return  # the timer resends
 
 
+def probe_jobs(jobs: Sequence[tuple[Address, int]]) -> None:
+    """Raise ``AggregatorLost`` for the first (aggregator, job) that cannot go on."""
+    for address, job in jobs:
+        reason = probe_job(address, job)
+        if reason is not None:
+            raise AggregatorLost(address, job, reason)
+
+
+class _Liveness:
+    """One run's silence clock: asks the transport's watchdog about the aggregators that owe
+    results once every ``silence`` seconds without one."""
+
+    def __init__(self, transport: UdpTransport, pairs):
+        self.transport = transport
+        self.peers = {id(t): (job.address, t.job) for job, t in pairs}
+        self.asked = float("-inf")
+
+    def check(self, pending: Sequence[Transfer], last_progress: float, now: float) -> None:
+        silence = self.transport.silence
+        if not silence or now - max(last_progress, self.asked) < silence:
+            return
+        owing = list(dict.fromkeys(self.peers[id(t)] for t in pending))
+        (self.transport.watchdog or probe_jobs)(owing)
+        self.asked = time.monotonic()
+
+
 class SwitchClient:
     """One worker's connection to one or more aggregators (switches or servers) for a job.
 
@@ -290,6 +361,7 @@ class SwitchClient:
         policy: RetryPolicy | None = None,
         multicast: bool = False,
         mtu: int | None = None,
+        silence: float = LIVENESS_SILENCE,
     ):
         self.aggregators = [_address(a) for a in aggregators]
         self.job, self.worker, self.workers = job, worker, workers
@@ -310,28 +382,47 @@ class SwitchClient:
             raise ValueError("multicast results need IPv4 aggregators")
         self.multicast = multicast
         self.group_sockets = []
-        try:
-            if self.multicast:
-                for address in self.aggregators:
-                    group = multicast_group(address, job)
-                    self.group_sockets.append(open_group_socket(group, self.address[0]))
-        except OSError:
-            self.close()
-            raise
+        self.silence = silence
         if self.segments > 1:  # the switch answers a chunk in one GSO send: read it as one
-            for sock in (self.sock, *self.group_sockets):
-                enable_gro(sock)
-        self.transport = UdpTransport(self.sock, group_sockets=self.group_sockets)
-        handles = [
-            JobHandle(a, job, worker, slots, self.elements, workers, self.segments)
-            for a in self.aggregators
-        ]
-        self.collective = Collective(self.format, handles, self.transport.run, policy=policy,
-                                     streaming=True)  # fmt: skip
+            enable_gro(self.sock)
+        self.transport = self._connect()
+        self.collective = Collective(self.format, self._handles(), self.transport.run,
+                                     policy=policy, streaming=True)  # fmt: skip
+        self.registered: tuple[tuple, dict] | None = None  # what ``register`` was given
         # ``allreduce``'s round: the codec's per-worker randomness follows the global rank (the
         # job's worker id is local to an aggregator; they differ under a hierarchy of switches)
         self.seed, self.rank = seed, worker if rank is None else rank
         self._steps = itertools.count()
+
+    def _connect(self) -> UdpTransport:
+        """The transport to ``self.aggregators``, with their multicast groups joined."""
+        try:
+            if self.multicast:
+                for address in self.aggregators:
+                    group = multicast_group(address, self.job)
+                    self.group_sockets.append(open_group_socket(group, self.address[0]))
+                    if self.segments > 1:
+                        enable_gro(self.group_sockets[-1])
+        except OSError:
+            self.close()
+            raise
+        watchdog = getattr(self, "transport", None) and self.transport.watchdog
+        return UdpTransport(self.sock, group_sockets=self.group_sockets, silence=self.silence,
+                            watchdog=watchdog or None)  # fmt: skip
+
+    def _handles(self) -> list[JobHandle]:
+        geometry = (self.slots, self.elements, self.workers, self.segments)
+        return [JobHandle(a, self.job, self.worker, *geometry) for a in self.aggregators]
+
+    def relocate(self, aggregators: Sequence[Address | str]) -> None:
+        """The job was registered afresh (an aggregator restarted, or a standby took over):
+        talk to ``aggregators`` from now on, with every stream numbered from chunk 0 again."""
+        for sock in self.group_sockets:
+            sock.close()
+        self.group_sockets = []
+        self.aggregators = [_address(a) for a in aggregators]
+        self.transport = self._connect()
+        self.collective.restart(self._handles(), self.transport.run)
 
     def job_spec(
         self, worker_addresses: Sequence[Address], aggregator: Address | None = None, **extra
@@ -351,7 +442,22 @@ class SwitchClient:
 
     def register(self, worker_addresses: Sequence[Address], **extra) -> None:
         """Register this job on every aggregator (call from one worker)."""
+        self.registered = (tuple(worker_addresses), dict(extra))
         for address in self.aggregators:
+            register_job(address, self.job_spec(worker_addresses, address, **extra))
+
+    def register_afresh(self, aggregators: Sequence[Address], worker_addresses=None,
+                        **extra) -> None:  # fmt: skip
+        """Register the job with empty slots on ``aggregators`` (its chunks numbered from 0
+        again), replacing whatever job of this id they hold (a stale one of this job's
+        earlier life). Defaults: the addresses and options of the last ``register``."""
+        if worker_addresses is None:
+            if self.registered is None:
+                raise RuntimeError(f"job {self.job} was never registered from this worker")
+            worker_addresses, extra = self.registered
+        for address in aggregators:
+            address = _address(address)
+            teardown_job(address, self.job)
             register_job(address, self.job_spec(worker_addresses, address, **extra))
 
     def teardown(self) -> None:

@@ -26,9 +26,10 @@ class DaemonProcess:
     with ``--pipelines N``: ``addresses``; ``address`` is the first)."""
 
     def __init__(
-        self, kind: str, *flags: str, startup_timeout: float = 30.0, env: dict | None = None
-    ):
-        command = [sys.executable, "-c", _CLI, kind, "--bind", "127.0.0.1:0", *flags]
+        self, kind: str, *flags: str, startup_timeout: float = 30.0, env: dict | None = None,
+        bind: str = "127.0.0.1:0",
+    ):  # fmt: skip
+        command = [sys.executable, "-c", _CLI, kind, "--bind", bind, *flags]
         self.kind = kind
         self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
@@ -68,6 +69,11 @@ class DaemonProcess:
             _, self.stderr = self.process.communicate(timeout=timeout)
             raise TimeoutError(f"gradsum {self.kind} ignored SIGTERM for {timeout} s") from None
         return self.stderr
+
+    def kill(self) -> None:
+        """SIGKILL: the daemon dies at once, with every job it held (fault tests)."""
+        self.process.kill()
+        self.process.communicate(timeout=10)
 
     def cpu_seconds(self) -> float | None:
         """CPU time (user + system) the daemon and its pipelines have used so far; None where

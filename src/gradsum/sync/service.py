@@ -9,8 +9,10 @@ slots, lost packets retransmitted).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -32,6 +34,8 @@ class JobSettings:
     world: int
     seed: int = 0
     mtu: int | None = None  # packets of one frame, sent a chunk at a time (net/client.py)
+    silence: float = 3.0  # seconds without a result before a round checks its aggregators
+    timeout: float = 120.0  # how long a recovery waits for the other workers
 
 
 def connect_jobs(
@@ -56,6 +60,7 @@ def connect_jobs(
             seed=settings.seed,
             rank=settings.rank,
             mtu=settings.mtu,
+            silence=settings.silence,
         )
         client.codec = settings.codec
         clients.append(client)
@@ -68,12 +73,18 @@ def connect_jobs(
     return clients
 
 
-def disconnect_jobs(clients: Sequence, rank: int) -> None:
-    """Worker 0 removes the jobs; every worker closes its sockets."""
+def disconnect_jobs(clients: Sequence, rank: int, everyone: bool = False) -> None:
+    """Worker 0 removes the jobs (every worker, with ``everyone``: after a failure, worker 0
+    may be the one that is gone); every worker closes its sockets. An aggregator that does not
+    answer keeps its job: a teardown never hides what went wrong before it."""
+    from ..net.client import ControlError, teardown_job
+
     try:
-        if rank == 0:
+        if rank == 0 or everyone:
             for client in clients:
-                client.teardown()
+                for address in client.aggregators:
+                    with contextlib.suppress(ControlError, OSError):
+                        teardown_job(address, client.job, timeout=1.0 if everyone else 5.0)
     finally:
         for client in clients:
             client.close()
@@ -87,8 +98,9 @@ class ServiceAggregator(Aggregator):
     runs the same rounds in the same order, so all register together."""
 
     def __init__(self, kind: str, addresses: Sequence[str], settings: JobSettings,
-                 *, shards: bool = False):  # fmt: skip
+                 *, shards: bool = False, standby: Sequence[str] = ()):  # fmt: skip
         from ..net.udp import is_loopback, parse_bind
+        from .recovery import JobRecovery
 
         super().__init__(settings.rank, settings.world)
         self.name = kind
@@ -97,6 +109,18 @@ class ServiceAggregator(Aggregator):
         parsed = [parse_bind(address, flag) for address in addresses]
         if not parsed:
             raise ValueError(f"the {kind} aggregator needs at least one address ({flag})")
+        spares = [parse_bind(address, "--standby") for address in standby]
+        if spares and len(spares) != len(parsed):
+            raise ValueError(f"--standby names {len(spares)} aggregators for {len(parsed)} "
+                             f"given with {flag}: one standby each")  # fmt: skip
+        # each replaces the other: a standby lost in turn hands the job back
+        pairs = {
+            **dict(zip(parsed, spares, strict=False)),
+            **dict(zip(spares, parsed, strict=False)),
+        }
+        self.recovery = JobRecovery(settings.rank, settings.world, standby=pairs,
+                                    timeout=settings.timeout)  # fmt: skip
+        self._clients: dict[int, object] = {}  # id(collective) -> its client
         # One job per shard (a plan's parts), plus one spread over all of them for a whole
         # tensor outside any plan.
         self._groups = [[a] for a in parsed] + [parsed] if shards else [parsed]
@@ -117,7 +141,12 @@ class ServiceAggregator(Aggregator):
         key = repr(wire_format(codec, options, settings.seed))
         if key not in self._jobs:
             own = replace(settings, codec=codec, codec_name=codec.name, codec_options=options)
-            self._jobs[key] = connect_jobs(self._groups, own, multicast=self._multicast)
+            clients = connect_jobs(self._groups, own, multicast=self._multicast)
+            for client in clients:
+                client.transport.watchdog = self.recovery.watchdog(client)
+                client.rounds = 0  # rounds started through the job: where a recovery stands
+                self._clients[id(client.collective)] = client
+            self._jobs[key] = clients
         return self._jobs[key]
 
     @property
@@ -131,8 +160,38 @@ class ServiceAggregator(Aggregator):
     def partition_size(self, codec: Codec, requested: int | None) -> int:
         return self.reducer(codec).partition_size(requested)
 
+    def run_round(self, flat, codec, reducer, key, step, seed, partition_elements):
+        """The round, redone from its start (same prepared inputs, same random streams) on
+        the job registered afresh when its aggregator is lost (``sync.recovery``)."""
+        from ..codecs.base import DeviceChecks
+        from ..codecs.round import CodecRound
+        from ..net.client import AggregatorLost
+
+        client = self._clients[id(reducer)]
+        round_ = CodecRound(codec, seed, self.partition_size(codec, partition_elements))
+        checks = DeviceChecks()  # the round's device checks, read once at its end
+        with checks.deferring():
+            prepared = round_.prepare(flat, worker=self.rank, key=key, step=step)
+            position = client.rounds
+            client.rounds += 1
+            while True:
+                try:
+                    result = round_.reduce(prepared, reducer)
+                    break
+                except AggregatorLost as lost:
+                    self.recovery.recover(client, position, lost)
+        checks.raise_if_failed()
+        return result
+
     def close(self) -> None:
-        disconnect_jobs([c for clients in self._jobs.values() for c in clients], self.rank)
+        """Tear the jobs down: worker 0 after training, every worker when closing on an
+        error (the job must not outlive a failed run, whoever failed)."""
+        failing = sys.exc_info()[0] is not None
+        try:
+            disconnect_jobs([c for clients in self._jobs.values() for c in clients], self.rank,
+                            everyone=failing)  # fmt: skip
+        finally:
+            self.recovery.close()
 
 
 def _agree_on_job_id() -> int:

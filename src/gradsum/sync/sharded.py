@@ -23,8 +23,9 @@ from .service import JobSettings, ServiceAggregator
 class ShardedServiceAggregator(ServiceAggregator):
     name = "ps"
 
-    def __init__(self, addresses: Sequence[str], settings: JobSettings):
-        super().__init__("ps", addresses, settings, shards=True)
+    def __init__(self, addresses: Sequence[str], settings: JobSettings,
+                 standby: Sequence[str] = ()):  # fmt: skip
+        super().__init__("ps", addresses, settings, shards=True, standby=standby)
 
     @property
     def num_shards(self) -> int:

@@ -64,6 +64,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--timeout", type=float, default=defaults.timeout, help="seconds any wait may take"
     )
     parser.add_argument(
+        "--standby", default="",
+        help="comma-separated HOST:PORT of standby aggregators, one per --switch/--servers "
+        "address: a lost aggregator's jobs move to its standby (default: wait for it to come "
+        "back on its address)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--liveness", type=float, default=defaults.liveness, metavar="SECONDS",
+        help="seconds without a result before a round checks that its aggregators and the "
+        "other workers are alive (default %(default)s; 0: never)",
+    )  # fmt: skip
+    parser.add_argument(
         "--mtu", type=int, default=None,
         help="path MTU to the switch/servers, e.g. 9000 with jumbo frames: packets that fit one "
         "frame, a chunk of them per UDP GSO send (default: datagrams of up to 64 KiB, which IP "
@@ -108,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         mtu=args.mtu,
         device=_device(args.device),
+        standby=[s.strip() for s in args.standby.split(",") if s.strip()],
+        liveness=args.liveness,
     )
     from ..dataplane.geometry import MAX_MTU, MIN_MTU
 

@@ -45,6 +45,9 @@ class TrainConfig:
     switch: str | None = None  # HOST:PORT of a running switch (else one is started locally)
     servers: list[str] = field(default_factory=list)  # HOST:PORT of running PS shards
     timeout: float = 120.0  # seconds any single wait may take
+    # aggregators that take over a lost one's jobs, one per --switch/--servers address
+    standby: list[str] = field(default_factory=list)
+    liveness: float = 3.0  # seconds without a result before a round checks its aggregators
     mtu: int | None = None  # path MTU to the aggregators: packets of one frame (net/client.py)
     progress: bool = True
     device: str = "cpu"  # "cuda": one GPU per local rank, NCCL for gradients (train/launch.py)

@@ -8,7 +8,9 @@ the aggregator addresses given by ``--switch``/``--servers``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 from datetime import timedelta
 
@@ -36,20 +38,55 @@ def use_local_gpu(config: TrainConfig, local_rank: int) -> None:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
 
 
+class Terminated(Exception):
+    """The launcher stopped this worker (SIGTERM): another worker failed, or the run was
+    cancelled. Raised in the worker's main thread, so its jobs are torn down on the way out."""
+
+
+def _raise_on_sigterm() -> None:
+    def terminated(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends it at once
+        raise Terminated("stopped by the launcher (SIGTERM)")
+
+    signal.signal(signal.SIGTERM, terminated)
+
+
 def run_torchrun_worker(config: TrainConfig) -> dict:
     """This process's worker, rendezvousing through torchrun's environment; its error is
     raised as ``WorkerFailed`` with this worker's rank."""
+    _raise_on_sigterm()  # torchrun's agent stops the others when one fails: tear down first
     try:
         use_local_gpu(config, int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(
             backend_for(config), init_method="env://", timeout=timedelta(seconds=config.timeout)
         )
         try:
+            config = resumed_after_restart(config, dist.get_rank())
             return _train(config, dist.get_rank(), dist.get_world_size())
         finally:
             dist.destroy_process_group()
     except Exception as error:
         raise WorkerFailed(Failure.of(error, int(os.environ["RANK"]))) from error
+
+
+def resumed_after_restart(config: TrainConfig, rank: int) -> TrainConfig:
+    """Under torchrun ``--max-restarts``, a restarted worker group (TORCHELASTIC_RESTART_COUNT
+    above 0) resumes from its ``--checkpoint`` when every worker has its part of the same
+    epoch's; otherwise (it failed before its first checkpoint) it starts from the beginning.
+    The jobs of the attempt before were torn down by its workers as the agent stopped them
+    (SIGTERM), and the new attempt registers its own."""
+    from dataclasses import replace
+
+    from .loop import checkpoint_epoch
+
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if not restarted or not config.checkpoint or config.resume:
+        return config
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, checkpoint_epoch(config.checkpoint, rank))
+    if None in everyone or len(set(everyone)) != 1:
+        return config  # no checkpoint every worker has: from the beginning
+    return replace(config, resume=config.checkpoint)
 
 
 def run_local(config: TrainConfig) -> dict:
@@ -75,9 +112,12 @@ def run_local(config: TrainConfig) -> dict:
         finally:
             for process in processes:
                 if process.is_alive():
-                    process.terminate()
+                    process.terminate()  # it tears its jobs down on the way out
             for process in processes:
                 process.join(5)
+                if process.is_alive():
+                    process.kill()
+                    process.join(5)
         return dict(results[0])
 
 
@@ -97,11 +137,22 @@ def _join(processes, results, config: TrainConfig) -> None:
     failed = [p.name for p in processes if p.exitcode not in (None, 0)]
     if failures:
         raise WorkerFailed(failures[0])
+    for rank, process in enumerate(processes):  # killed before it could say anything
+        if process.exitcode is not None and process.exitcode < 0 and rank not in results:
+            name = _signal_name(-process.exitcode)
+            raise WorkerFailed(Failure("Killed", f"the process ended by {name}", rank))
     if failed or 0 not in results:
         raise RuntimeError(f"workers {failed or 'all'} exited without a result")
 
 
+def _signal_name(number: int) -> str:
+    with contextlib.suppress(ValueError):
+        return signal.Signals(number).name
+    return f"signal {number}"
+
+
 def _local_entry(config, addresses, rank, world, port, results) -> None:
+    _raise_on_sigterm()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # Workers share this machine's cores: more intra-op threads than cores only thrash.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

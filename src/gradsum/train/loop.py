@@ -254,15 +254,31 @@ def _save(config, rank, epoch, model, optimizer, codec, sync) -> None:
     """Model and optimizer from worker 0, plus every worker's own codec state (error feedback)."""
     if rank == 0:
         state = {"epoch": epoch, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
-        torch.save(state, config.checkpoint)
-    torch.save(
-        {"codec": codec.state_dict(), "step": sync.step}, _rank_file(config.checkpoint, rank)
-    )
+        _save_whole(state, Path(config.checkpoint))
+    own = {"codec": codec.state_dict(), "step": sync.step, "epoch": epoch}
+    _save_whole(own, _rank_file(config.checkpoint, rank))
+
+
+def _save_whole(state: dict, path: Path) -> None:
+    """Written beside and renamed into place: a worker killed while saving leaves the last
+    whole checkpoint, never a torn one."""
+    partial = path.with_name(path.name + ".partial")
+    torch.save(state, partial)
+    partial.replace(path)
+
+
+def checkpoint_epoch(path: str, rank: int) -> int | None:
+    """The epoch worker ``rank`` would resume after from checkpoint ``path``: None when its
+    files are missing or from different epochs (a worker killed between the two saves)."""
+    shared, own = Path(path), _rank_file(path, rank)
+    if not (shared.is_file() and own.is_file()):
+        return None
+    epochs = {torch.load(f, weights_only=False).get("epoch") for f in (shared, own)}
+    return epochs.pop() if len(epochs) == 1 and None not in epochs else None
 
 
 def _resume(config, rank, model, optimizer, codec, sync) -> int:
-    path = Path(config.resume)
-    rank_path = _rank_file(config.resume, rank)
+    path, rank_path = Path(config.resume), _rank_file(config.resume, rank)
     for needed in (path, rank_path):
         if not needed.is_file():
             raise FileNotFoundError(f"--resume {config.resume}: {needed} does not exist")
