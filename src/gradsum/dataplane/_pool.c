@@ -76,7 +76,8 @@ enum action { SEND_MULTICAST = 1, SEND_UNICAST = 2, SEND_STALE = 3, DROP = 4, ST
     X(OUT_OF_STEP, "dropped_out_of_step")                                                      \
     X(MISMATCH, "dropped_mismatch")                                                            \
     X(DUPLICATE, "dropped_duplicate")                                                          \
-    X(TOO_MANY, "dropped_too_many_contributors")
+    X(TOO_MANY, "dropped_too_many_contributors")                                              \
+    X(OVERFLOW, "dropped_overflow")
 #define AS_ENUM(id, name) C_##id,
 #define AS_NAME(id, name) name,
 enum counter { COUNTERS(AS_ENUM) NCOUNTERS };
@@ -96,6 +97,7 @@ typedef struct {
     uint32_t workers, slots, elements, max_contributors;
     int in_bits, out_bits, is_signed;
     int32_t table[256];   /* lane value of each index (unsigned jobs) */
+    int32_t max_lane;     /* the table's largest entry: what one contribution adds at most */
     struct sockaddr_in *addresses;
     struct sockaddr_in group;
     int has_group;
@@ -238,13 +240,19 @@ static void on_data(Pool *p, const struct gs_header *h, const uint8_t *payload, 
     if (h->chunk % (2 * (uint64_t)s) != h->slot + (uint64_t)h->version * s)
         return drop(p, o, C_BAD_CHUNK);
     if (h->elements < 1 || h->elements > p->elements) return drop(p, o, C_BAD_ELEMENTS);
-    if (h->contributors < 1 || h->contributors > p->max_contributors)
-        return drop(p, o, C_BAD_CONTRIBUTORS);
+    /* a worker's own packet carries 1; a partial sum (PRESUMMED) leaves 1 for each other */
+    int presummed = h->flags & PRESUMMED;
+    uint32_t most = presummed ? p->max_contributors - (p->workers - 1) : 1;
+    if (h->contributors < 1 || h->contributors > most) return drop(p, o, C_BAD_CONTRIBUTORS);
     if (h->flags & PARTIAL) return drop(p, o, C_BAD_FLAGS);
     if (h->op != OP_SUM && h->op != OP_MAX) return drop(p, o, C_BAD_OP);
-    int presummed = h->flags & PRESUMMED;
     int bits = h->op == OP_MAX ? 32 : presummed ? p->out_bits : p->in_bits;
     if (size != packed_nbytes(h->elements, bits)) return drop(p, o, C_WRONG_LENGTH);
+    if (presummed && h->op == OP_SUM && !p->is_signed) { /* else the sum could pass out_bits */
+        int64_t bound = (int64_t)p->max_lane * h->contributors;
+        for (uint32_t i = 0; i < h->elements; i++)
+            if (lane_at(payload, i, p->out_bits) > bound) return drop(p, o, C_OVERFLOW);
+    }
 
     size_t at = (size_t)h->version * s + h->slot;
     Round *r = p->rounds + at;
@@ -278,7 +286,8 @@ static void on_data(Pool *p, const struct gs_header *h, const uint8_t *payload, 
         p->counts[C_LATE]++;
         return reply_result(p, r, o, SEND_UNICAST, h->worker, h->slot, h->version);
     }
-    if (r->contributors + h->contributors > p->max_contributors) {
+    /* every worker still to come adds at least one: no room for them would wedge the round */
+    if (r->contributors + h->contributors + (p->workers - r->arrivals - 1) > p->max_contributors) {
         seen[h->worker] = 0;
         return drop(p, o, C_TOO_MANY);
     }
@@ -327,6 +336,12 @@ static void Pool_dealloc(Pool *p) {
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
+static void *resident(size_t size) {
+    void *memory = PyMem_Malloc(size);
+    if (memory != NULL) memset(memory, 0, size);
+    return memory;
+}
+
 /* Pool(job, slots, elements, max_contributors, in_bits, out_bits, signed, table, addresses,
         group, use_kernels, acc): acc a writable C-contiguous int32 buffer of 2*slots*elements */
 static int Pool_init(Pool *p, PyObject *args, PyObject *kw) {
@@ -368,6 +383,7 @@ static int Pool_init(Pool *p, PyObject *args, PyObject *kw) {
                 return -1;
             }
             p->table[k] = (int32_t)value;
+            if ((int32_t)value > p->max_lane) p->max_lane = (int32_t)value;
         }
     }
     size_t rounds = 2 * (size_t)slots;
@@ -380,8 +396,10 @@ static int Pool_init(Pool *p, PyObject *args, PyObject *kw) {
         return -1;
     }
     p->acc = p->acc_view.buf;
-    p->packed = PyMem_Calloc(rounds * p->packed_stride + 1, 1);
-    p->seen = PyMem_Calloc(rounds * (size_t)workers, 1);
+    /* written now, so the job's memory is resident from its registration (admission counts
+       it, native_pool.py's memory) rather than as slots are first used */
+    p->packed = resident(rounds * p->packed_stride + 1);
+    p->seen = resident(rounds * (size_t)workers);
     p->rounds = PyMem_Calloc(rounds, sizeof *p->rounds);
     if (!p->addresses || !p->packed || !p->seen || !p->rounds) {
         PyErr_NoMemory();
@@ -762,6 +780,10 @@ PyMODINIT_FUNC PyInit__pool(void) {
     Py_INCREF(&PoolType);
     if (PyModule_AddObject(m, "Pool", (PyObject *)&PoolType) < 0) {
         Py_DECREF(&PoolType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "ROUND_BYTES", (long)sizeof(Round)) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -63,12 +63,15 @@ class Op(enum.IntEnum):
 class Flag(enum.IntFlag):
     PRESUMMED = 1  # lanes are sums at the op's output width (a child switch's partial sum)
     PARTIAL = 2  # result completed at a deadline with fewer than all workers
+    SIGNED = 4  # control only: the message ends in an HMAC trailer (authentication.py)
 
 
-KNOWN_FLAGS = int(Flag.PRESUMMED | Flag.PARTIAL)
+KNOWN_FLAGS = int(Flag.PRESUMMED | Flag.PARTIAL | Flag.SIGNED)
+DATA_FLAGS = int(Flag.PRESUMMED | Flag.PARTIAL)  # what data, result and stale packets may set
 # Plain-int masks for per-packet tests: ``int & IntFlag`` builds a Flag object every time.
 PRESUMMED = int(Flag.PRESUMMED)
 PARTIAL = int(Flag.PARTIAL)
+SIGNED = int(Flag.SIGNED)
 
 
 class MalformedPacket(ValueError):
@@ -130,7 +133,8 @@ def parse_header(data: bytes | bytearray | memoryview) -> Header:
         raise MalformedPacket("bad_op", str(op))
     if version > 1:
         raise MalformedPacket("bad_version", str(version))
-    if flags & ~KNOWN_FLAGS or pad1 or pad2:
+    allowed = KNOWN_FLAGS if kind >= Kind.REGISTER else DATA_FLAGS
+    if flags & ~allowed or pad1 or pad2:
         raise MalformedPacket("reserved_bits", f"flags {flags:#x}")
     return Header(
         kind_member, job, worker, slot, version, op_member, flags, chunk, elements, contributors

@@ -12,6 +12,7 @@ import threading
 import time
 
 MIB = 1 << 20
+MAX_JOBS = 1024  # jobs of all admission secrets together
 
 
 def add_daemon_arguments(parser: argparse.ArgumentParser, job_memory_mib: int) -> None:
@@ -54,6 +55,29 @@ def add_daemon_arguments(parser: argparse.ArgumentParser, job_memory_mib: int) -
         help="slot memory of all jobs together (default %(default)s MiB)",
     )
     parser.add_argument(
+        "--admission-file",
+        metavar="PATH",
+        help="admission secrets, one per line (NAME SECRET, or SECRET): only requests signed "
+        "with one may register jobs or read the aggregator's statistics, and each secret "
+        "has its own --max-jobs and --max-memory. Default: $GRADSUM_ADMISSION_FILE, else the "
+        "one secret in $GRADSUM_ADMISSION_SECRET, else none (anyone may register: a warning)",
+    )
+    parser.add_argument(
+        "--max-jobs",
+        type=int,
+        default=256,
+        metavar="N",
+        help="jobs one admission secret (without secrets: everyone) may hold (default "
+        "%(default)s; all together at most 1024)",
+    )
+    parser.add_argument(
+        "--max-memory",
+        type=int,
+        metavar="MIB",
+        help="slot memory one admission secret (without secrets: everyone) may hold "
+        "(default: --memory)",
+    )
+    parser.add_argument(
         "--max-elements",
         type=int,
         default=1 << 24,
@@ -88,22 +112,37 @@ def add_daemon_arguments(parser: argparse.ArgumentParser, job_memory_mib: int) -
 
 def run_daemon(args: argparse.Namespace, make_profile) -> int:
     from ..cli import UsageError
+    from ..dataplane.authentication import load_secrets
     from ..dataplane.jobspec import JobSpec, SpecError
     from ..dataplane.plane import DataPlane, RequestRefused
     from .daemon import Daemon
-    from .udp import PortInUseError, open_socket, parse_bind, resolve
+    from .udp import PortInUseError, open_socket, parse_bind
 
     _check_flags(args, UsageError)
     try:
         bind = parse_bind(args.bind)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    profile = make_profile(args.job_memory * MIB, args.memory * MIB, args.max_elements)
+    tenant_memory = (args.max_memory or args.memory) * MIB
+    profile = make_profile(args.job_memory * MIB, args.memory * MIB, args.max_elements,
+                           max_jobs=max(args.max_jobs, MAX_JOBS), tenant_jobs=args.max_jobs,
+                           tenant_memory=tenant_memory)  # fmt: skip
+    try:
+        secrets = load_secrets(args.admission_file)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--admission-file: {error}") from None
+    if not secrets:
+        _report(
+            f"gradsum {profile.name}: WARNING: no admission secret (--admission-file, "
+            "$GRADSUM_ADMISSION_FILE or $GRADSUM_ADMISSION_SECRET): anyone who can reach this "
+            "port may register jobs and read the aggregator's statistics; run it on a trusted "
+            "network only"
+        )
     jobs = []
     for path in args.register:
         try:
             jobs += [JobSpec.from_json(body) for body in _job_bodies(path)]
-            _aggregator(profile, jobs, DataPlane, resolve)  # refuses what it cannot serve
+            _aggregator(profile, jobs, DataPlane)  # refuses what it cannot serve
         except (OSError, ValueError, SpecError, RequestRefused) as error:
             raise UsageError(f"--register {path}: {error}") from None
     sockets = _open_sockets(bind, args.pipelines, open_socket, PortInUseError, UsageError)
@@ -117,20 +156,20 @@ def run_daemon(args: argparse.Namespace, make_profile) -> int:
     for index in range(1, len(sockets)):
         pid = _fork_pipeline(index, sockets)
         if pid == 0:  # pipeline `index`'s own process: serve, and fork nothing more
-            return _serve(args, profile, _aggregator(profile, jobs, DataPlane, resolve),
+            return _serve(args, profile, _aggregator(profile, jobs, DataPlane, secrets),
                           sockets[index], Daemon, index)  # fmt: skip
         children.append(pid)
     for extra in sockets[1:]:
         extra.close()
     try:
-        return _serve(args, profile, _aggregator(profile, jobs, DataPlane, resolve), sockets[0],
+        return _serve(args, profile, _aggregator(profile, jobs, DataPlane, secrets), sockets[0],
                       Daemon, 0)  # fmt: skip
     finally:
         _stop_pipelines(children)
 
 
-def _aggregator(profile, jobs, DataPlane, resolve):
-    aggregator = DataPlane(profile, resolve=resolve)
+def _aggregator(profile, jobs, DataPlane, secrets=None):
+    aggregator = DataPlane(profile, secrets=secrets)
     for spec in jobs:
         aggregator.register(spec)
     return aggregator
@@ -212,6 +251,8 @@ def _check_flags(args, UsageError) -> None:
         ("--job-memory", args.job_memory),
         ("--memory", args.memory),
         ("--max-elements", args.max_elements),
+        ("--max-jobs", args.max_jobs),
+        ("--max-memory", args.max_memory or 1),
     ):
         if value < 1:
             raise UsageError(f"{flag} must be positive, got {value}")
