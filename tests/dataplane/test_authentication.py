@@ -108,6 +108,7 @@ def test_a_stranger_cannot_register_over_tear_down_reset_or_read_a_job():
     spec = int32_job(workers=2)
     ask(switch, message(Kind.REGISTER, 1, register_body(spec, secret=SECRET), key=SECRET),
         key=SECRET)  # fmt: skip
+    spec = switch.jobs[1].spec  # with its key, so the packets carry its data token
     send(switch, spec, 0, 0, [1] * 8)  # a half-full round
     attempts = {
         "register over": message(Kind.REGISTER, 1, register_body(int32_job(workers=3),
@@ -186,3 +187,26 @@ def test_unsigned_requests_never_get_a_reply_larger_than_themselves(secrets):
                 assert len(action.header) + len(action.payload) <= len(data)
 
     check()
+
+
+def test_a_packet_from_a_workers_address_without_the_token_cannot_change_a_sum():
+    from dataclasses import replace
+
+    import numpy as np
+
+    from .helpers import data_packet
+
+    spec = replace(int32_job(workers=2), key=KEY)
+    switch = DataPlane(switch_profile())
+    switch.register(spec)
+    for token in (0, 1, spec.token ^ (1 << 63)):
+        forged = bytearray(data_packet(spec, 1, 0, [1000] * 8))
+        forged[32:40] = token.to_bytes(8, "little")
+        (drop,) = switch.on_datagram(memoryview(bytes(forged)), spec.addresses[1], 0.0)
+        assert drop.reason == "bad_token"
+    send(switch, spec, 0, 0, [1] * 8)
+    *_, result = send(switch, spec, 1, 0, [2] * 8)
+    header = parse_header(result.header)
+    assert header.token == spec.token != 0
+    assert np.frombuffer(bytes(result.payload), "<i4").tolist() == [3] * 8
+    assert switch.jobs[1].pool.stats["dropped_bad_token"] == 3

@@ -212,10 +212,11 @@ def test_two_level_hierarchy_sums_through_the_parent_and_passes_the_result_down(
 
 
 def test_header_round_trip_and_payload_offset():
-    header = Header(Kind.DATA, 3, 4, 5, 1, Op.MAX, 0, 2**40, 16, 2)
+    header = Header(Kind.DATA, 3, 4, 5, 1, Op.MAX, 0, 2**40, 16, 2, 2**64 - 3)
     data = header.pack() + b"x" * 64
     assert parse_header(data) == header
-    assert len(header.pack()) == HEADER_SIZE == 32
+    assert len(header.pack()) == HEADER_SIZE == 40
+    assert data[32:40] == (2**64 - 3).to_bytes(8, "little")  # the token, protocol 2
 
 
 def test_a_group_must_be_an_ipv4_multicast_address_and_survives_the_json_round_trip():

@@ -76,3 +76,55 @@ def test_unsigned_requests_get_replies_no_larger_than_themselves(guarded):
             sock.sendto(request, guarded.address)
             reply = sock.recv(1 << 16)
             assert len(reply) <= len(request)
+
+
+def spoofed(data: bytes, source, destination) -> None:
+    """Send ``data`` over UDP from the forged ``source`` (a raw socket: needs root)."""
+    import struct
+
+    udp = struct.pack("!HHHH", source[1], destination[1], 8 + len(data), 0) + data
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0, 0, 64, socket.IPPROTO_UDP, 0,
+                     socket.inet_aton(source[0]), socket.inet_aton(destination[0]))  # fmt: skip
+    with socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW) as raw:
+        raw.sendto(ip + udp, destination)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="forging a source address needs a raw socket")
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native-pools", "python-pools"])
+def test_a_spoofed_source_without_the_token_cannot_change_a_sum(native):
+    import numpy as np
+
+    from gradsum.dataplane import Op
+    from gradsum.dataplane.packet import HEADER_SIZE, parse_header
+
+    env = {**os.environ, "GRADSUM_NATIVE": native}
+    with DaemonProcess("switch", env=env) as switch:
+        for key in (new_key(), None):
+            honest = Honest(switch.address, key=key)
+            try:
+                spec, c = honest.spec, honest.chunk
+                for token in (0, 12345, spec.token ^ 1):  # none, a guess, one bit off
+                    header = Header(Kind.DATA, HONEST_JOB, 1, c % 4, 0, Op.SUM, 0, c, 64, 1, token)
+                    forged = header.pack() + np.full(64, 1000, "<i4").tobytes()
+                    spoofed(forged, spec.addresses[1], switch.address)
+                if key is None:  # without a token the forgery takes worker 1's place
+                    honest.socks[0].sendto(_data(spec, 0, c), switch.address)
+                    data = honest.socks[0].recv(1 << 16)
+                    assert np.frombuffer(data[HEADER_SIZE:], "<i4")[0] != 2 * c
+                    assert parse_header(data).chunk == c
+                    continue
+                honest.round()  # exact: the forgeries were dropped
+                stats = job_stats(switch.address, HONEST_JOB, key=key)
+                assert stats["dropped_bad_token"] == 3
+                teardown_job(switch.address, HONEST_JOB, key=key)
+            finally:
+                honest.close()
+
+
+def _data(spec, worker, chunk):
+    import numpy as np
+
+    from gradsum.dataplane import Op
+
+    header = Header(Kind.DATA, spec.job, worker, chunk % 4, 0, Op.SUM, 0, chunk, 64, 1, spec.token)
+    return header.pack() + (np.arange(64, dtype="<i4") * (worker + 1) + chunk).tobytes()

@@ -10,6 +10,7 @@ import ipaddress
 from dataclasses import dataclass, field, replace
 
 from ..codecs.lanes import IntegerOp, packed_nbytes
+from .authentication import data_token
 from .packet import MAX_PAYLOAD, MAX_WORKERS
 
 Address = tuple[str, int]
@@ -100,6 +101,7 @@ class ParentLink:
     address: Address
     job: int
     worker: int
+    token: int = 0  # the parent job's data token, carried on the partial sums sent up
 
 
 @dataclass(frozen=True)
@@ -185,12 +187,19 @@ class JobSpec:
     def workers(self) -> int:
         return len(self.addresses)
 
+    @property
+    def token(self) -> int:
+        """The data token every packet of the job carries (0 for a job without a key)."""
+        return 0 if self.key is None else data_token(self.key)
+
     def to_json(self) -> dict:
         parent = None
         if self.parent is not None:
             host, port = self.parent.address
             parent = {"address": f"{host}:{port}", "job": self.parent.job}
             parent["worker"] = self.parent.worker
+            if self.parent.token:
+                parent["token"] = self.parent.token
         return {
             "job": self.job,
             "addresses": [f"{host}:{port}" for host, port in self.addresses],
@@ -327,12 +336,14 @@ def _ip_literal(address: object, field: str) -> Address:
 def _parent(body: object) -> ParentLink:
     if not isinstance(body, dict):
         raise SpecError("parent must be an object")
-    _known(body, frozenset({"address", "job", "worker"}), "parent.")
+    _known(body, frozenset({"address", "job", "worker", "token"}), "parent.")
     link = ParentLink(
         parse_ip_address(body.get("address"), "parent.address"),
         _int(body, "job", where="parent."),
         _int(body, "worker", where="parent."),
+        _int(body, "token", 0, where="parent."),
     )
+    _check_range("parent.token", link.token, 0, (1 << 64) - 1)
     _check_range("parent.job", link.job, 0, 0xFFFF)
     _check_range("parent.worker", link.worker, 0, MAX_WORKERS - 1)
     return link

@@ -59,7 +59,7 @@ class NativePool:
         self.acc = resident_zeros((2, spec.slots, spec.elements))  # as SlotPool's
         self.core = _pool.Pool(
             spec.job, spec.slots, spec.elements, spec.max_contributors, op.in_bits, op.out_bits,
-            op.signed, table, list(spec.addresses), spec.group, True, self.acc,
+            op.signed, table, list(spec.addresses), spec.group, True, self.acc, spec.token,
         )  # fmt: skip
 
     @staticmethod
@@ -75,7 +75,7 @@ class NativePool:
     def on_data(self, header: Header, payload: memoryview, now: float) -> list:
         stored, action, *rest = self.core.process(
             header.worker, header.slot, header.version, int(header.op), header.flags,
-            header.chunk, header.elements, header.contributors, payload,
+            header.chunk, header.elements, header.contributors, payload, header.token,
         )  # fmt: skip
         done = [Store(self.spec.job, header.slot, header.version, header.chunk)] if stored else []
         if action == DROP:

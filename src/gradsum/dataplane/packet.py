@@ -1,4 +1,4 @@
-"""The gradsum aggregation packet: a fixed 32-byte little-endian header, then the payload.
+"""The gradsum aggregation packet: a fixed 40-byte little-endian header, then the payload.
 
 One header serves data, results and control messages (see ``docs/protocol.md``)::
 
@@ -17,6 +17,8 @@ One header serves data, results and control messages (see ``docs/protocol.md``):
     24     4    elements      lanes in the payload (control: 0)
     28     2    contributors  workers summed into this payload
     30     2    reserved      must be 0
+    32     8    token         the job's data token (control: 0); a data packet, result or
+                              stale notice with another token is not the job's
 
 Little-endian because every host that runs the software aggregator is, so lanes go from the
 socket to numpy without byte swapping.
@@ -29,9 +31,9 @@ import struct
 from typing import NamedTuple
 
 MAGIC = b"GS"
-PROTOCOL = 1
-HEADER = struct.Struct("<2sBBHHIBBBBQIHH")
-HEADER_SIZE = HEADER.size  # 32
+PROTOCOL = 2  # 1: 32-byte headers without a token, unsigned control
+HEADER = struct.Struct("<2sBBHHIBBBBQIHHQ")
+HEADER_SIZE = HEADER.size  # 40
 MAX_DATAGRAM = 65507  # largest UDP payload over IPv4
 MAX_PAYLOAD = MAX_DATAGRAM - HEADER_SIZE
 ANY_WORKER = 0xFFFF  # worker field of a multicast result
@@ -93,6 +95,7 @@ class Header(NamedTuple):
     chunk: int = 0
     elements: int = 0
     contributors: int = 0
+    token: int = 0
 
     def pack(self) -> bytes:
         return HEADER.pack(
@@ -110,6 +113,7 @@ class Header(NamedTuple):
             self.elements,
             self.contributors,
             0,
+            self.token,
         )
 
 
@@ -121,7 +125,7 @@ def parse_header(data: bytes | bytearray | memoryview) -> Header:
         raise MalformedPacket("oversized", f"{len(data)} bytes > {MAX_DATAGRAM}")
     fields = HEADER.unpack_from(data)
     (magic, protocol, kind, job, worker, slot, version, op, flags, pad1, chunk) = fields[:11]
-    elements, contributors, pad2 = fields[11:]
+    elements, contributors, pad2, token = fields[11:]
     if magic != MAGIC:
         raise MalformedPacket("bad_magic", repr(magic))
     if protocol != PROTOCOL:
@@ -137,8 +141,9 @@ def parse_header(data: bytes | bytearray | memoryview) -> Header:
     if flags & ~allowed or pad1 or pad2:
         raise MalformedPacket("reserved_bits", f"flags {flags:#x}")
     return Header(
-        kind_member, job, worker, slot, version, op_member, flags, chunk, elements, contributors
-    )
+        kind_member, job, worker, slot, version, op_member, flags, chunk, elements, contributors,
+        token,
+    )  # fmt: skip
 
 
 # dict lookups instead of Kind(value)/Op(value): the enum constructors cost microseconds a packet

@@ -105,6 +105,7 @@ class SlotPool:
         # A worker sends contributors = 1; a child switch's partial sum (PRESUMMED) at most
         # what leaves one for each other worker.
         self._most_presummed = spec.max_contributors - (spec.workers - 1)
+        self.token = spec.token
 
     @staticmethod
     def memory(spec: JobSpec) -> int:
@@ -147,6 +148,8 @@ class SlotPool:
     def _checked(self, header: Header, payload: memoryview):
         """The op for this packet after every check its header and payload allow."""
         s, nbytes = self.slots, len(payload)
+        if header.token != self.token:
+            raise MalformedPacket("bad_token", "not the job's data token")
         if header.slot >= s:
             raise MalformedPacket("bad_slot", f"slot {header.slot} >= {s}")
         if header.chunk % (2 * s) != header.slot + header.version * s:
@@ -234,6 +237,8 @@ class SlotPool:
 
     def on_parent_result(self, header: Header, payload: memoryview) -> list:
         """The parent switch's result for a round this switch forwarded."""
+        if header.token != self.spec.parent.token:
+            return [self._drop("bad_token", "parent result")]
         if header.slot >= self.slots:
             return [self._drop("bad_slot", "parent result")]
         r = self.rounds[header.version][header.slot]
@@ -270,7 +275,7 @@ class SlotPool:
     def _result_header(self, kind: Kind, r: Round, worker: int, version: int, slot: int):
         return Header(
             kind, self.spec.job, worker, slot, version, r.op, r.flags, r.chunk, r.elements,
-            r.contributors,
+            r.contributors, self.token,
         ).pack()  # fmt: skip
 
     def _multicast(self, r: Round) -> Send:
@@ -284,7 +289,7 @@ class SlotPool:
     def _reply(self, kind: Kind, r: Round, asked: Header, what: str) -> Send:
         if kind is Kind.STALE:
             header = Header(Kind.STALE, self.spec.job, asked.worker, asked.slot, asked.version,
-                            asked.op, 0, asked.chunk).pack()  # fmt: skip
+                            asked.op, 0, asked.chunk, token=self.token).pack()  # fmt: skip
             return Send(what, (self.spec.addresses[asked.worker],), header)
         header = self._result_header(kind, r, asked.worker, asked.version, asked.slot)
         return Send(what, (self.spec.addresses[asked.worker],), header, r.result)
@@ -294,7 +299,7 @@ class SlotPool:
         v, i = self._where(r.chunk)
         # PRESUMMED for MAX too: a packet of several contributors is always a partial sum
         header = Header(Kind.DATA, parent.job, parent.worker, i, v, r.op, PRESUMMED, r.chunk,
-                        r.elements, r.contributors).pack()  # fmt: skip
+                        r.elements, r.contributors, parent.token).pack()  # fmt: skip
         self._count("forwards")
         return Send(actions.FORWARD, (parent.address,), header, r.result)
 

@@ -412,8 +412,9 @@ class SwitchClient:
             for sock in (self.sock, *self.group_sockets):
                 enable_gro(sock)
         self.transport = UdpTransport(self.sock, group_sockets=self.group_sockets)
+        token = 0 if key is None else authentication.data_token(key)
         handles = [
-            JobHandle(a, job, worker, slots, self.elements, workers, self.segments)
+            JobHandle(a, job, worker, slots, self.elements, workers, self.segments, token)
             for a in self.aggregators
         ]
         self.collective = Collective(self.format, handles, self.transport.run, policy=policy,

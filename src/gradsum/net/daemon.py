@@ -66,6 +66,7 @@ class Daemon:
         self.clock = clock
         self.stop = threading.Event()
         self.stats = DaemonStats()
+        self.last_turn = time.monotonic()
         self._buffer = bytearray(1 << 16)
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
@@ -76,6 +77,7 @@ class Daemon:
         what breaks a handler, and whatever still escapes (a send, the native loop) is counted
         as a handler error here and the loop goes on."""
         while not self.stop.is_set():
+            self.last_turn = time.monotonic()  # what /health reads (net/metrics.py)
             try:
                 self._serve_once()
             except Exception:  # the daemon outlives any one datagram
