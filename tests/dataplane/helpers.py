@@ -31,7 +31,7 @@ def data_packet(spec: JobSpec, worker: int, chunk: int, values, op=Op.SUM, flags
     lanes = np.asarray(values, dtype="<i4")
     s = spec.slots
     header = Header(Kind.DATA, spec.job, worker, chunk % s, (chunk // s) % 2, op, flags, chunk,
-                    lanes.size, contributors)  # fmt: skip
+                    lanes.size, contributors, spec.token)  # fmt: skip
     return header.pack() + lanes.tobytes()
 
 

@@ -11,7 +11,7 @@ import pytest
 from gradsum.codecs import make_codec, run_round
 from gradsum.dataplane import DataPlane, switch_profile
 from gradsum.dataplane.collective import JobHandle
-from gradsum.dataplane.packet import ANY_WORKER, Header, Kind, Op, parse_header
+from gradsum.dataplane.packet import ANY_WORKER, HEADER_SIZE, Header, Kind, Op, parse_header
 from gradsum.dataplane.stream import ChunkLayout
 from gradsum.dataplane.transfer import LaneBuffers, Transfer
 from gradsum.net import pump
@@ -73,8 +73,8 @@ def test_the_pump_places_expected_results_and_lets_everything_else_go():
         switch.settimeout(2)
         data, source = switch.recvfrom(1 << 16)
         assert source == worker.getsockname()
-        assert data[:32] == Header(Kind.DATA, 7, 1, 1, 0, Op.SUM, 0, 5, 8, 1).pack()
-        assert np.frombuffer(data[32:], np.int32).tolist() == list(range(8, 16))
+        assert data[:HEADER_SIZE] == Header(Kind.DATA, 7, 1, 1, 0, Op.SUM, 0, 5, 8, 1).pack()
+        assert np.frombuffer(data[HEADER_SIZE:], np.int32).tolist() == list(range(8, 16))
         switch.settimeout(0.2)
         with pytest.raises(TimeoutError):
             switch.recvfrom(1 << 16)
@@ -152,8 +152,9 @@ def test_a_chunk_of_several_packets_goes_in_one_send_and_is_placed_once_all_are_
             packet, lanes = 30 + i, 8 if i < 4 else 4
             want = Header(Kind.DATA, 2, 0, packet % slots, (packet // slots) % 2, Op.SUM, 0,
                           packet, lanes, 1)  # fmt: skip
-            assert data[:32] == want.pack()
-            assert np.frombuffer(data[32:], np.int32).tolist() == list(range(8 * i, 8 * i + lanes))
+            assert data[:HEADER_SIZE] == want.pack()
+            lanes_sent = np.frombuffer(data[HEADER_SIZE:], np.int32).tolist()
+            assert lanes_sent == list(range(8 * i, 8 * i + lanes))
 
         def result(packet, lanes=8):
             header = Header(Kind.RESULT, 2, ANY_WORKER, packet % slots, (packet // slots) % 2,

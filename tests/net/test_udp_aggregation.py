@@ -13,7 +13,7 @@ from gradsum.dataplane import ParentLink
 from gradsum.net.client import register_job
 from gradsum.net.loopback import DaemonProcess, WorkerTask, job_spec, run_workers, worker_input
 
-LENGTH = 40_000  # several chunks per worker with bfp's 16368 lanes per packet
+LENGTH = 40_000  # several chunks per worker with bfp's 16360 lanes per packet
 
 
 def expected(task: WorkerTask, steps: int) -> list[np.ndarray]:

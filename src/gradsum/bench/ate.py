@@ -69,6 +69,11 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.add_argument("--unicast-results", action="store_true",
                         help="the switch sends each worker its own copy of every result "
                         "(default: one multicast, replicated by the network)")  # fmt: skip
+    parser.add_argument("--integrity", nargs="+", default=["token"], choices=INTEGRITY,
+                        help="data-plane integrity of gradsum's jobs: token (a keyed job, "
+                        "every packet carries its data token; the default) or none (a job "
+                        "without a key, protocol 1's trust); several: each method with each, "
+                        "side by side (rows METHOD/MODE)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write one row per measurement")
     testbed = parser.add_argument_group(
         "across an emulated cluster (gradsum testbed; needs root and iproute2)"
@@ -127,17 +132,18 @@ def run(args: argparse.Namespace) -> int:
     args.sizes = args.sizes or [1 << 20, 1 << 22]
     args.methods = args.methods or list(METHODS)
     args.slots = args.slots or 32
+    runs = _runs(args.methods, args.integrity)
     rows = []
     for elements in args.sizes:
-        rounds: dict[str, list[Measurement]] = {method: [] for method in args.methods}
+        rounds: dict[str, list[Measurement]] = {label: [] for label, _, _ in runs}
         for index in range(args.rounds):
-            order = args.methods if index % 2 == 0 else args.methods[::-1]
-            for method in order:
+            order = runs if index % 2 == 0 else runs[::-1]
+            for label, method, mode in order:
                 of = f" (round {index + 1} of {args.rounds})" if args.rounds > 1 else ""
-                print(f"measuring {method} with {args.workers} workers, {elements} elements"
+                print(f"measuring {label} with {args.workers} workers, {elements} elements"
                       f"{of} ...", flush=True)  # fmt: skip
-                rounds[method].append(measure(method, args.workers, elements, args))
-        rows += [_row(method, args, elements, rounds[method]) for method in args.methods]
+                rounds[label].append(measure(method, args.workers, elements, args, mode))
+        rows += [_row(label, args, elements, rounds[label]) for label, _, _ in runs]
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as out:
@@ -151,20 +157,34 @@ class Measurement:
     cpu_seconds: float | None  # CPU of all processes per allreduce (None: not measurable)
 
 
-def measure(method: str, workers: int, elements: int, args) -> Measurement:
+INTEGRITY = ("token", "none")
+
+
+def _runs(methods: list[str], modes: list[str]) -> list[tuple[str, str, str]]:
+    """(row label, method, integrity) of each measurement: gloo once, the others per mode."""
+    runs = []
+    for method in methods:
+        for mode in (modes[:1] if METHODS[method][0] is None else modes):
+            several = len(modes) > 1 and METHODS[method][0] is not None
+            runs.append((f"{method}/{mode}" if several else method, method, mode))
+    return runs
+
+
+def measure(method: str, workers: int, elements: int, args, integrity: str = "token"):
     kind, codec = METHODS[method]
     if kind is None:
         per_worker, cpu = _gloo(workers, elements, args.steps, args.warmup)
     else:
-        per_worker, cpu = _gradsum(kind, codec, workers, elements, args)
+        per_worker, cpu = _gradsum(kind, codec, workers, elements, args, integrity)
     seconds = statistics.median(max(step) for step in zip(*per_worker, strict=True))
     return Measurement(seconds, cpu)
 
 
 def _gradsum(
-    kind: str, codec: str, workers: int, elements: int, args
+    kind: str, codec: str, workers: int, elements: int, args, integrity: str = "token"
 ) -> tuple[list[list[float]], float | None]:
     """Per worker its step seconds, and the CPU seconds of all processes per allreduce."""
+    from ..dataplane.authentication import new_key
     from ..net.loopback import DaemonProcess, WorkerTask, run_workers
 
     flags = ("--drop-rate", str(args.drop_rate)) if args.drop_rate else ()
@@ -173,7 +193,8 @@ def _gradsum(
         task = WorkerTask(daemon.addresses, job=1, workers=workers, codec=codec,
                           elements=elements, steps=args.steps, warmup=args.warmup,
                           slots=args.slots, keep_output=False,
-                          multicast=multicast(kind, args), mtu=args.mtu)  # fmt: skip
+                          multicast=multicast(kind, args), mtu=args.mtu,
+                          key=new_key() if integrity == "token" else None)  # fmt: skip
         before = daemon.cpu_seconds()
         results = run_workers(task, timeout=600)
         after = daemon.cpu_seconds()
@@ -269,14 +290,14 @@ def _row(method: str, args, elements: int, rounds: list[Measurement]) -> dict:
 def format_table(rows: list[dict]) -> str:
     gloo = {r["elements"]: r for r in rows if r["method"] == "gloo"}
     repeated = any(len(r.get("round_seconds", ())) > 1 for r in rows)
-    header = (f"{'method':<13} {'workers':>7} {'elements':>10} {'ms':>9} {'ATE/s':>10} "
+    header = (f"{'method':<18} {'workers':>7} {'elements':>10} {'ms':>9} {'ATE/s':>10} "
               f"{'vs gloo':>8} {'CPU ms':>8}")  # fmt: skip
     lines = [header + (f" {'rounds vs gloo':>15}" if repeated else "")]
     for r in rows:
         base = gloo.get(r["elements"])
         ratio = f"{r['ate_per_s'] / base['ate_per_s']:.2f}x" if base else "-"
         cpu = f"{r['cpu_ms']:.1f}" if r.get("cpu_ms") is not None else "-"
-        line = (f"{r['method']:<13} {r['workers']:>7} {r['elements']:>10} "
+        line = (f"{r['method']:<18} {r['workers']:>7} {r['elements']:>10} "
                 f"{1000 * r['seconds']:>9.1f} {r['ate_per_s'] / 1e6:>9.1f}M {ratio:>8} "
                 f"{cpu:>8}")  # fmt: skip
         if repeated:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from ..dataplane.packet import HEADER_SIZE
 from .ate import METHODS, multicast
 
 TESTBED_METHODS = ("gloo", "switch+bfp", "switch+thc", "server+thc", "server+topk")
@@ -36,7 +37,7 @@ DATAGRAM_BYTES = 1 << 16  # one window unit: a 64 KiB datagram, or a GSO chunk o
 # too (UdpRcvbufErrors at the switch with 4 workers x 19 slots in a 8 MiB buffer).
 DATAGRAM_TRUESIZE = 128 << 10
 BUFFER_HEADROOM = 2
-HEADER_BYTES = 32  # gradsum's packet header (docs/protocol.md)
+HEADER_BYTES = HEADER_SIZE  # gradsum's packet header (docs/protocol.md)
 PS_HOST = "ps0"
 SWITCH_HOST = "switch"
 

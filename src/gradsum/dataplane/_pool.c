@@ -6,7 +6,8 @@
  * parents); tests/dataplane/test_native_pool.py feeds both the same packets and compares every
  * action and counter. Two entry points:
  *
- *   Pool.process(worker, slot, version, op, flags, chunk, elements, contributors, payload)
+ *   Pool.process(worker, slot, version, op, flags, chunk, elements, contributors, payload,
+ *                token)
  *       sans-IO: one DATA packet whose job, worker and source the caller checked; returns the
  *       actions as tuples (see native_pool.py).
  *   serve(fd, pools, buffer, limit, drop_in, drop_out, rng) -> (handled, sent, failures,
@@ -76,7 +77,9 @@ enum action { SEND_MULTICAST = 1, SEND_UNICAST = 2, SEND_STALE = 3, DROP = 4, ST
     X(OUT_OF_STEP, "dropped_out_of_step")                                                      \
     X(MISMATCH, "dropped_mismatch")                                                            \
     X(DUPLICATE, "dropped_duplicate")                                                          \
-    X(TOO_MANY, "dropped_too_many_contributors")
+    X(TOO_MANY, "dropped_too_many_contributors")                                              \
+    X(OVERFLOW, "dropped_overflow")                                                            \
+    X(BAD_TOKEN, "dropped_bad_token")
 #define AS_ENUM(id, name) C_##id,
 #define AS_NAME(id, name) name,
 enum counter { COUNTERS(AS_ENUM) NCOUNTERS };
@@ -93,9 +96,11 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     uint16_t job;
+    uint64_t token;       /* the job's data token (authentication.data_token; 0: none) */
     uint32_t workers, slots, elements, max_contributors;
     int in_bits, out_bits, is_signed;
     int32_t table[256];   /* lane value of each index (unsigned jobs) */
+    int32_t max_lane;     /* the table's largest entry: what one contribution adds at most */
     struct sockaddr_in *addresses;
     struct sockaddr_in group;
     int has_group;
@@ -130,10 +135,10 @@ static int parse(const uint8_t *b, size_t size, struct gs_header *h) {
 
 static void pack_header(uint8_t *b, uint8_t kind, uint16_t job, uint16_t worker, uint32_t slot,
                         uint8_t version, uint8_t op, uint8_t flags, uint64_t chunk,
-                        uint32_t elements, uint16_t contributors) {
+                        uint32_t elements, uint16_t contributors, uint64_t token) {
     struct gs_header h = {.kind = kind, .version = version, .op = op, .flags = flags,
                           .job = job, .worker = worker, .contributors = contributors,
-                          .slot = slot, .elements = elements, .chunk = chunk};
+                          .slot = slot, .elements = elements, .chunk = chunk, .token = token};
     gs_pack(b, &h);
 }
 
@@ -146,7 +151,7 @@ static void reply_result(Pool *p, const Round *r, struct outcome *o, int action,
                          uint32_t slot, uint8_t version) {
     o->action = action, o->to_worker = worker;
     pack_header(o->header, GS_RESULT, p->job, worker, slot, version, r->op, r->flags,
-                (uint64_t)r->chunk, r->elements, (uint16_t)r->contributors);
+                (uint64_t)r->chunk, r->elements, (uint16_t)r->contributors, p->token);
     o->payload = r->result, o->payload_size = r->result_size;
 }
 
@@ -234,17 +239,24 @@ static void on_data(Pool *p, const struct gs_header *h, const uint8_t *payload, 
     o->action = o->stored = o->counter = 0, o->to_worker = 0;
     o->payload = NULL, o->payload_size = 0;
     uint32_t s = p->slots;
+    if (h->token != p->token) return drop(p, o, C_BAD_TOKEN); /* not the job's: a spoof */
     if (h->slot >= s) return drop(p, o, C_BAD_SLOT);
     if (h->chunk % (2 * (uint64_t)s) != h->slot + (uint64_t)h->version * s)
         return drop(p, o, C_BAD_CHUNK);
     if (h->elements < 1 || h->elements > p->elements) return drop(p, o, C_BAD_ELEMENTS);
-    if (h->contributors < 1 || h->contributors > p->max_contributors)
-        return drop(p, o, C_BAD_CONTRIBUTORS);
+    /* a worker's own packet carries 1; a partial sum (PRESUMMED) leaves 1 for each other */
+    int presummed = h->flags & PRESUMMED;
+    uint32_t most = presummed ? p->max_contributors - (p->workers - 1) : 1;
+    if (h->contributors < 1 || h->contributors > most) return drop(p, o, C_BAD_CONTRIBUTORS);
     if (h->flags & PARTIAL) return drop(p, o, C_BAD_FLAGS);
     if (h->op != OP_SUM && h->op != OP_MAX) return drop(p, o, C_BAD_OP);
-    int presummed = h->flags & PRESUMMED;
     int bits = h->op == OP_MAX ? 32 : presummed ? p->out_bits : p->in_bits;
     if (size != packed_nbytes(h->elements, bits)) return drop(p, o, C_WRONG_LENGTH);
+    if (presummed && h->op == OP_SUM && !p->is_signed) { /* else the sum could pass out_bits */
+        int64_t bound = (int64_t)p->max_lane * h->contributors;
+        for (uint32_t i = 0; i < h->elements; i++)
+            if (lane_at(payload, i, p->out_bits) > bound) return drop(p, o, C_OVERFLOW);
+    }
 
     size_t at = (size_t)h->version * s + h->slot;
     Round *r = p->rounds + at;
@@ -255,7 +267,7 @@ static void on_data(Pool *p, const struct gs_header *h, const uint8_t *payload, 
         p->counts[C_STALE]++;
         o->action = SEND_STALE, o->to_worker = h->worker;
         pack_header(o->header, GS_STALE, p->job, h->worker, h->slot, h->version, h->op, 0,
-                    h->chunk, 0, 0);
+                    h->chunk, 0, 0, p->token);
         return;
     }
     if (chunk > r->chunk) {
@@ -278,7 +290,8 @@ static void on_data(Pool *p, const struct gs_header *h, const uint8_t *payload, 
         p->counts[C_LATE]++;
         return reply_result(p, r, o, SEND_UNICAST, h->worker, h->slot, h->version);
     }
-    if (r->contributors + h->contributors > p->max_contributors) {
+    /* every worker still to come adds at least one: no room for them would wedge the round */
+    if (r->contributors + h->contributors + (p->workers - r->arrivals - 1) > p->max_contributors) {
         seen[h->worker] = 0;
         return drop(p, o, C_TOO_MANY);
     }
@@ -327,16 +340,24 @@ static void Pool_dealloc(Pool *p) {
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
+static void *resident(size_t size) {
+    void *memory = PyMem_Malloc(size);
+    if (memory != NULL) memset(memory, 0, size);
+    return memory;
+}
+
 /* Pool(job, slots, elements, max_contributors, in_bits, out_bits, signed, table, addresses,
-        group, use_kernels, acc): acc a writable C-contiguous int32 buffer of 2*slots*elements */
+        group, use_kernels, acc, token): acc a writable C-contiguous int32 buffer of
+        2*slots*elements; token the job's data token */
 static int Pool_init(Pool *p, PyObject *args, PyObject *kw) {
     int job, is_signed, use_kernels;
     unsigned slots, elements, max_contributors;
     int in_bits, out_bits;
     PyObject *table, *addresses, *group, *acc;
-    if (!PyArg_ParseTuple(args, "iIIIiipOOOpO", &job, &slots, &elements, &max_contributors,
+    unsigned long long token;
+    if (!PyArg_ParseTuple(args, "iIIIiipOOOpOK", &job, &slots, &elements, &max_contributors,
                           &in_bits, &out_bits, &is_signed, &table, &addresses, &group,
-                          &use_kernels, &acc))
+                          &use_kernels, &acc, &token))
         return -1;
     if (p->rounds != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "a Pool is initialised once");
@@ -351,6 +372,7 @@ static int Pool_init(Pool *p, PyObject *args, PyObject *kw) {
         return -1;
     }
     p->job = (uint16_t)job, p->workers = (uint32_t)workers, p->slots = slots;
+    p->token = (uint64_t)token;
     p->elements = elements, p->max_contributors = max_contributors;
     p->in_bits = in_bits, p->out_bits = out_bits, p->is_signed = is_signed;
     if (narrow) {
@@ -368,6 +390,7 @@ static int Pool_init(Pool *p, PyObject *args, PyObject *kw) {
                 return -1;
             }
             p->table[k] = (int32_t)value;
+            if ((int32_t)value > p->max_lane) p->max_lane = (int32_t)value;
         }
     }
     size_t rounds = 2 * (size_t)slots;
@@ -380,8 +403,10 @@ static int Pool_init(Pool *p, PyObject *args, PyObject *kw) {
         return -1;
     }
     p->acc = p->acc_view.buf;
-    p->packed = PyMem_Calloc(rounds * p->packed_stride + 1, 1);
-    p->seen = PyMem_Calloc(rounds * (size_t)workers, 1);
+    /* written now, so the job's memory is resident from its registration (admission counts
+       it, native_pool.py's memory) rather than as slots are first used */
+    p->packed = resident(rounds * p->packed_stride + 1);
+    p->seen = resident(rounds * (size_t)workers);
     p->rounds = PyMem_Calloc(rounds, sizeof *p->rounds);
     if (!p->addresses || !p->packed || !p->seen || !p->rounds) {
         PyErr_NoMemory();
@@ -412,10 +437,10 @@ static PyObject *outcome_tuple(const struct outcome *o) {
 
 static PyObject *Pool_process(Pool *p, PyObject *args) {
     unsigned worker, slot, version, op, flags, elements, contributors;
-    unsigned long long chunk;
+    unsigned long long chunk, token;
     Py_buffer payload;
-    if (!PyArg_ParseTuple(args, "IIIIIKIIy*", &worker, &slot, &version, &op, &flags, &chunk,
-                          &elements, &contributors, &payload))
+    if (!PyArg_ParseTuple(args, "IIIIIKIIy*K", &worker, &slot, &version, &op, &flags, &chunk,
+                          &elements, &contributors, &payload, &token))
         return NULL;
     if (worker >= p->workers || version > 1 || op > 0xFF || flags > 0xFF ||
         contributors > 0xFFFF) {
@@ -426,7 +451,7 @@ static PyObject *Pool_process(Pool *p, PyObject *args) {
     struct gs_header h = {.kind = GS_DATA, .version = (uint8_t)version, .op = (uint8_t)op,
                           .flags = (uint8_t)flags, .job = p->job, .worker = (uint16_t)worker,
                           .contributors = (uint16_t)contributors, .slot = slot,
-                          .elements = elements, .chunk = chunk};
+                          .elements = elements, .chunk = chunk, .token = token};
     struct outcome o;
     on_data(p, &h, payload.buf, (size_t)payload.len, &o);
     PyBuffer_Release(&payload);
@@ -471,7 +496,7 @@ static PyObject *Pool_uses_kernels(Pool *p, PyObject *unused) {
 
 static PyMethodDef Pool_methods[] = {
     {"process", (PyCFunction)Pool_process, METH_VARARGS,
-     "process(worker, slot, version, op, flags, chunk, elements, contributors, payload)"},
+     "process(worker, slot, version, op, flags, chunk, elements, contributors, payload, token)"},
     {"stats", (PyCFunction)Pool_stats, METH_NOARGS, "the counters slots.py would hold"},
     {"uses_kernels", (PyCFunction)Pool_uses_kernels, METH_NOARGS, "THC's lane kernels in use"},
     {"snapshot", (PyCFunction)Pool_snapshot, METH_NOARGS, "all slot state, as bytes"},
@@ -762,6 +787,10 @@ PyMODINIT_FUNC PyInit__pool(void) {
     Py_INCREF(&PoolType);
     if (PyModule_AddObject(m, "Pool", (PyObject *)&PoolType) < 0) {
         Py_DECREF(&PoolType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "ROUND_BYTES", (long)sizeof(Round)) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -56,6 +56,7 @@ class JobHandle:
     # sent in one system call (UDP GSO). Lets packets fit a path MTU without multiplying the
     # worker's per-chunk bookkeeping; needs the native pump (net/pump.py).
     segments: int = 1
+    token: int = 0  # the job's data token (JobSpec.token)
 
     def packet_lanes(self, bits: int) -> int:
         return packet_lanes(self.elements, bits)
@@ -240,7 +241,7 @@ class Collective:
             policy=self.policy, stats=self.stats[(job.address, job.job)],
             what=f"{job.address[0]}:{job.address[1]} job {job.job}",
             rtt=self._round_trips[(job.address, job.job)],
-            segments=segments, first_packet=self._next_packet[index],
+            segments=segments, first_packet=self._next_packet[index], token=job.token,
         )  # fmt: skip
         self._next_chunk[index] += buffers.chunks
         self._next_packet[index] += packets

@@ -47,6 +47,20 @@ class IntegerSumOp:
         width = self.out_bits if presummed else self.in_bits
         _expect_bytes(nbytes, packed_nbytes(elements, width))
 
+    def check_presummed(self, payload: memoryview, elements: int, contributors: int) -> None:
+        """A child switch's partial sum of ``contributors`` unsigned contributions is at most
+        ``max_lane * contributors`` per lane; more would let the job's sum pass ``out_bits``
+        (and wrap), so such a packet is refused before it touches a slot. Signed int32 sums
+        wrap by design (the codec leaves the headroom), so they are not checked."""
+        most = self.spec.max_lane()
+        if most is None:
+            return
+        lanes = _unpack(payload, self.out_bits, elements)
+        if lanes.size and int(lanes.max()) > most * contributors:
+            raise MalformedPacket(
+                "overflow", f"a partial sum of {contributors} exceeds {most * contributors}"
+            )
+
     def first(self, acc: np.ndarray, payload: memoryview, elements: int, presummed: bool):
         if not (self._native_lookup(acc, payload, elements, presummed, first=True)):
             acc[:elements] = self._lanes(payload, elements, presummed)

@@ -6,8 +6,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define GS_HEADER_SIZE 32
-#define GS_PROTOCOL 1
+#define GS_HEADER_SIZE 40
+#define GS_PROTOCOL 2
 #define GS_KNOWN_FLAGS 3 /* PRESUMMED | PARTIAL */
 
 enum gs_kind { GS_DATA = 1, GS_RESULT = 2, GS_STALE = 3 };
@@ -17,9 +17,10 @@ struct gs_header {
     uint16_t job, worker, contributors;
     uint32_t slot, elements;
     uint64_t chunk;
+    uint64_t token; /* the job's data token: equal, or the packet is not the job's */
 };
 
-/* The fields of the 32 bytes at b; 0 where magic, protocol, version, flags or the reserved
+/* The fields of the 40 bytes at b; 0 where magic, protocol, version, flags or the reserved
    fields say it is no gradsum header (kind and op are the caller's to judge). */
 static inline int gs_parse(const uint8_t *b, struct gs_header *h) {
     uint16_t reserved;
@@ -35,6 +36,7 @@ static inline int gs_parse(const uint8_t *b, struct gs_header *h) {
     memcpy(&h->elements, b + 24, 4);
     memcpy(&h->contributors, b + 28, 2);
     memcpy(&reserved, b + 30, 2);
+    memcpy(&h->token, b + 32, 8);
     return h->version <= 1 && !(h->flags & ~GS_KNOWN_FLAGS) && b[15] == 0 && reserved == 0;
 }
 
@@ -48,6 +50,7 @@ static inline void gs_pack(uint8_t *b, const struct gs_header *h) {
     memcpy(b + 16, &h->chunk, 8);
     memcpy(b + 24, &h->elements, 4);
     memcpy(b + 28, &h->contributors, 2);
+    memcpy(b + 32, &h->token, 8);
 }
 
 #endif

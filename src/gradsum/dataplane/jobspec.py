@@ -7,10 +7,11 @@ REGISTER control message (``to_json`` / ``from_json``).
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from ..codecs.lanes import IntegerOp
-from .packet import MAX_WORKERS
+from ..codecs.lanes import IntegerOp, packed_nbytes
+from .authentication import data_token
+from .packet import MAX_PAYLOAD, MAX_WORKERS
 
 Address = tuple[str, int]
 
@@ -100,6 +101,7 @@ class ParentLink:
     address: Address
     job: int
     worker: int
+    token: int = 0  # the parent job's data token, carried on the partial sums sent up
 
 
 @dataclass(frozen=True)
@@ -114,9 +116,24 @@ class JobSpec:
     deadline: float = 0.0  # seconds after a slot's first arrival
     parent: ParentLink | None = None
     group: Address | None = None  # results multicast to this IP group (workers joined it)
+    # The job's own key (authentication.py), agreed by its workers; not part of to_json: its
+    # REGISTER carries it wrapped. None: a job any sender may tear down and read (protocol 1).
+    key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self):
         workers = len(self.addresses)
+        for name in ("job", "slots", "elements", "max_contributors", "quorum"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise SpecError(f"{name} must be an integer, got {value!r:.40}")
+        object.__setattr__(self, "addresses", tuple(
+            _ip_literal(a, f"addresses[{i}]") for i, a in enumerate(self.addresses)
+        ))  # fmt: skip
+        if self.group is not None:
+            object.__setattr__(self, "group", _ip_literal(self.group, "group"))
+        if self.parent is not None:
+            address = _ip_literal(self.parent.address, "parent.address")
+            object.__setattr__(self, "parent", replace(self.parent, address=address))
         _check_range("job", self.job, 0, 0xFFFF)
         _check_range("number of workers", workers, 1, MAX_WORKERS - 1)
         _check_range("slots", self.slots, 1, 1 << 20)
@@ -126,7 +143,9 @@ class JobSpec:
         total = self.max_contributors or workers
         if total < workers:
             raise SpecError(f"max_contributors {total} is below the {workers} workers")
+        _check_range("max_contributors", total, workers, MAX_WORKERS)
         object.__setattr__(self, "max_contributors", total)
+        self._check_packets()
         if self.quorum:
             _check_range("quorum", self.quorum, 1, workers)
             if self.deadline <= 0:
@@ -135,7 +154,24 @@ class JobSpec:
             raise SpecError("only integer-sum jobs can forward to a parent switch")
         if self.group is not None:
             _check_group(self.group)
+        if self.key is not None and (not isinstance(self.key, bytes) or len(self.key) != 32):
+            raise SpecError("key must be 32 bytes")
         self._check_width(total)
+
+    def _check_packets(self) -> None:
+        """A packet of ``elements`` lanes must fit one datagram, or no chunk could be sent."""
+        if isinstance(self.op, IntegerSum):
+            bits = max(self.op.in_bits, self.op.out_bits)
+        elif isinstance(self.op, FloatSum):
+            bits = 32
+        else:
+            return  # decode-sum-encode: elements counts coordinates, not lanes
+        if packed_nbytes(self.elements, bits) > MAX_PAYLOAD:
+            raise SpecError(
+                f"elements {self.elements} of {bits} bits are "
+                f"{packed_nbytes(self.elements, bits)} bytes, more than one packet carries "
+                f"({MAX_PAYLOAD})"
+            )
 
     def _check_width(self, total: int) -> None:
         if not isinstance(self.op, IntegerSum):
@@ -151,12 +187,19 @@ class JobSpec:
     def workers(self) -> int:
         return len(self.addresses)
 
+    @property
+    def token(self) -> int:
+        """The data token every packet of the job carries (0 for a job without a key)."""
+        return 0 if self.key is None else data_token(self.key)
+
     def to_json(self) -> dict:
         parent = None
         if self.parent is not None:
             host, port = self.parent.address
             parent = {"address": f"{host}:{port}", "job": self.parent.job}
             parent["worker"] = self.parent.worker
+            if self.parent.token:
+                parent["token"] = self.parent.token
         return {
             "job": self.job,
             "addresses": [f"{host}:{port}" for host, port in self.addresses],
@@ -171,22 +214,30 @@ class JobSpec:
         }
 
     @classmethod
-    def from_json(cls, body: dict) -> JobSpec:
+    def from_json(cls, body: object) -> JobSpec:
+        """A spec from a REGISTER body, checked field by field: every field of the right type
+        and range, no unknown field, addresses as IP literals (the aggregator resolves no
+        names). ``SpecError`` names the field."""
         if not isinstance(body, dict):
             raise SpecError("a registration body is a JSON object")
+        _known(body, _SPEC_FIELDS, "")
+        addresses = _list(body, "addresses")
+        parent = body.get("parent")
+        group = body.get("group")
         try:
-            parent = body.get("parent")
             return cls(
                 job=_int(body, "job"),
-                addresses=tuple(parse_address(a) for a in _list(body, "addresses")),
+                addresses=tuple(
+                    parse_ip_address(a, f"addresses[{i}]") for i, a in enumerate(addresses)
+                ),
                 slots=_int(body, "slots"),
                 elements=_int(body, "elements"),
                 op=op_from_json(body.get("op")),
                 max_contributors=_int(body, "max_contributors", 0),
                 quorum=_int(body, "quorum", 0),
-                deadline=float(body.get("deadline", 0.0)),
+                deadline=_number(body, "deadline", 0.0, 0.0, 3600.0),
                 parent=None if parent is None else _parent(parent),
-                group=None if body.get("group") is None else parse_address(body["group"]),
+                group=None if group is None else parse_ip_address(group, "group"),
             )
         except (TypeError, ValueError) as error:
             if isinstance(error, SpecError):
@@ -194,26 +245,55 @@ class JobSpec:
             raise SpecError(str(error)) from None
 
 
+_SPEC_FIELDS = frozenset(
+    {"job", "addresses", "slots", "elements", "op", "max_contributors", "quorum", "deadline",
+     "parent", "group"}
+)  # fmt: skip
+_OP_FIELDS = {
+    "integer-sum": frozenset({"kind", "in_bits", "out_bits", "signed", "table"}),
+    "float-sum": frozenset({"kind"}),
+    "decode-sum-encode": frozenset({"kind", "codec", "options", "seed"}),
+}
+
+
 def op_from_json(body: object) -> OpSpec:
     if not isinstance(body, dict):
         raise SpecError("op must be an object with a 'kind'")
     kind = body.get("kind")
+    if not isinstance(kind, str) or kind not in _OP_FIELDS:
+        raise SpecError(f"op.kind must be one of {sorted(_OP_FIELDS)}, got {kind!r}")
+    _known(body, _OP_FIELDS[kind], "op.")
     if kind == IntegerSum.kind:
         table = body.get("table")
+        if table is not None:
+            if not isinstance(table, list):
+                raise SpecError("op.table must be a list of integers or null")
+            for i, value in enumerate(table):
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise SpecError(f"op.table[{i}] must be an integer, got {value!r}")
+                _check_range(f"op.table[{i}]", value, 0, (1 << 31) - 1)
+        signed = body.get("signed", False)
+        if not isinstance(signed, bool):
+            raise SpecError(f"op.signed must be true or false, got {signed!r}")
         return IntegerSum(
-            _int(body, "in_bits"),
-            _int(body, "out_bits"),
-            bool(body.get("signed", False)),
-            None if table is None else tuple(int(v) for v in table),
+            _int(body, "in_bits", where="op."),
+            _int(body, "out_bits", where="op."),
+            signed,
+            None if table is None else tuple(table),
         )
     if kind == FloatSum.kind:
         return FloatSum()
-    if kind == DecodeSumEncode.kind:
-        options = body.get("options") or {}
-        if not isinstance(options, dict):
-            raise SpecError("op.options must be an object")
-        return DecodeSumEncode(str(body.get("codec")), options, _int(body, "seed", 0))
-    raise SpecError(f"unknown op kind {kind!r}")
+    codec, options = body.get("codec"), body.get("options") or {}
+    if not isinstance(codec, str) or not codec:
+        raise SpecError(f"op.codec must be a codec name, got {codec!r}")
+    if not isinstance(options, dict):
+        raise SpecError("op.options must be an object")
+    for name, value in options.items():
+        if not (value is None or isinstance(value, (bool, int, float, str))):
+            raise SpecError(f"op.options.{name} must be a number, string, boolean or null")
+    seed = _int(body, "seed", 0, where="op.")
+    _check_range("op.seed", seed, 0, (1 << 63) - 1)
+    return DecodeSumEncode(codec, options, seed)
 
 
 def parse_address(text: object) -> Address:
@@ -227,10 +307,43 @@ def parse_address(text: object) -> Address:
     return host, int(port)
 
 
+def parse_ip_address(text: object, field: str = "address") -> Address:
+    """``"IP:PORT"`` with an IP literal (IPv6 in brackets) -> (normalized ip, port 1..65535),
+    as ``recvfrom`` reports sources; names are refused (clients resolve them)."""
+    if not isinstance(text, str) or len(text) > 64:
+        raise SpecError(f"{field} must be an \"IP:PORT\" string, got {text!r:.80}")
+    try:
+        address = parse_address(text)
+    except SpecError as error:
+        raise SpecError(f"{field}: {error}") from None
+    return _ip_literal(address, field)
+
+
+def _ip_literal(address: object, field: str) -> Address:
+    """(ip, port) with the IP normalized, as sockets report sources; names are refused."""
+    if not isinstance(address, tuple) or len(address) != 2:
+        raise SpecError(f"{field} must be an (IP, port) pair, got {address!r:.80}")
+    host, port = address
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise SpecError(f"{field} needs a port in 1..65535, got {port!r:.20}")
+    try:
+        return str(ipaddress.ip_address(host)), port
+    except ValueError:
+        message = f"{field} {host!r:.80} is not an IP literal (clients resolve names)"
+        raise SpecError(message) from None
+
+
 def _parent(body: object) -> ParentLink:
     if not isinstance(body, dict):
         raise SpecError("parent must be an object")
-    link = ParentLink(parse_address(body.get("address")), _int(body, "job"), _int(body, "worker"))
+    _known(body, frozenset({"address", "job", "worker", "token"}), "parent.")
+    link = ParentLink(
+        parse_ip_address(body.get("address"), "parent.address"),
+        _int(body, "job", where="parent."),
+        _int(body, "worker", where="parent."),
+        _int(body, "token", 0, where="parent."),
+    )
+    _check_range("parent.token", link.token, 0, (1 << 64) - 1)
     _check_range("parent.job", link.job, 0, 0xFFFF)
     _check_range("parent.worker", link.worker, 0, MAX_WORKERS - 1)
     return link
@@ -251,17 +364,34 @@ def _check_group(group: Address) -> None:
         raise SpecError(f"group {host}:{port} is not an IPv4 multicast address (224.0.0.0/4:PORT)")
 
 
-def _int(body: dict, key: str, default: int | None = None) -> int:
+def _int(body: dict, key: str, default: int | None = None, where: str = "") -> int:
     value = body.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"{key} must be an integer, got {value!r}")
+        raise SpecError(f"{where}{key} must be an integer, got {value!r:.40}")
     return value
+
+
+def _number(body: dict, key: str, default: float, low: float, high: float) -> float:
+    value = body.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(f"{key} must be a number, got {value!r:.40}")
+    if not low <= value <= high:
+        raise SpecError(f"{key} must be in {low:g}..{high:g}, got {value!r:.40}")
+    return float(value)
+
+
+def _known(body: dict, fields: frozenset, where: str) -> None:
+    unknown = sorted(str(k) for k in body if k not in fields)
+    if unknown:
+        raise SpecError(f"unknown field {where}{unknown[0]:.40}")
 
 
 def _list(body: dict, key: str) -> list:
     value = body.get(key)
     if not isinstance(value, list):
         raise SpecError(f"{key} must be a list")
+    if len(value) >= MAX_WORKERS:
+        raise SpecError(f"{key} holds {len(value)} entries, at most {MAX_WORKERS - 1}")
     return value
 
 

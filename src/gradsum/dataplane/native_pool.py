@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..codecs.lanes import packed_nbytes
 from . import actions
 from .actions import Drop, Send, Store
 from .jobspec import IntegerSum, JobSpec, is_ipv4
 from .packet import Header
+from .slots import resident_zeros
 
 try:
     from . import _pool
@@ -54,16 +56,26 @@ class NativePool:
         op = spec.op
         table = () if op.signed else (op.table or tuple(range(1 << op.in_bits)))
         self.spec = spec
-        self.acc = np.zeros((2, spec.slots, spec.elements), dtype=np.int32)  # as SlotPool's
+        self.acc = resident_zeros((2, spec.slots, spec.elements))  # as SlotPool's
         self.core = _pool.Pool(
             spec.job, spec.slots, spec.elements, spec.max_contributors, op.in_bits, op.out_bits,
-            op.signed, table, list(spec.addresses), spec.group, True, self.acc,
+            op.signed, table, list(spec.addresses), spec.group, True, self.acc, spec.token,
         )  # fmt: skip
+
+    @staticmethod
+    def memory(spec: JobSpec) -> int:
+        """Bytes the pool holds (``_pool.c``): per round of each slot's two, the int32
+        accumulator, a seen byte per worker, the round's fields and (narrow sums) its packed
+        result."""
+        op = spec.op
+        packed = 0 if op.signed else packed_nbytes(spec.elements, op.out_bits) + 8
+        per_round = 4 * spec.elements + spec.workers + _pool.ROUND_BYTES + packed
+        return 2 * spec.slots * per_round
 
     def on_data(self, header: Header, payload: memoryview, now: float) -> list:
         stored, action, *rest = self.core.process(
             header.worker, header.slot, header.version, int(header.op), header.flags,
-            header.chunk, header.elements, header.contributors, payload,
+            header.chunk, header.elements, header.contributors, payload, header.token,
         )  # fmt: skip
         done = [Store(self.spec.job, header.slot, header.version, header.chunk)] if stored else []
         if action == DROP:

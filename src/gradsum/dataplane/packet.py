@@ -1,4 +1,4 @@
-"""The gradsum aggregation packet: a fixed 32-byte little-endian header, then the payload.
+"""The gradsum aggregation packet: a fixed 40-byte little-endian header, then the payload.
 
 One header serves data, results and control messages (see ``docs/protocol.md``)::
 
@@ -17,6 +17,8 @@ One header serves data, results and control messages (see ``docs/protocol.md``):
     24     4    elements      lanes in the payload (control: 0)
     28     2    contributors  workers summed into this payload
     30     2    reserved      must be 0
+    32     8    token         the job's data token (control: 0); a data packet, result or
+                              stale notice with another token is not the job's
 
 Little-endian because every host that runs the software aggregator is, so lanes go from the
 socket to numpy without byte swapping.
@@ -29,9 +31,9 @@ import struct
 from typing import NamedTuple
 
 MAGIC = b"GS"
-PROTOCOL = 1
-HEADER = struct.Struct("<2sBBHHIBBBBQIHH")
-HEADER_SIZE = HEADER.size  # 32
+PROTOCOL = 2  # 1: 32-byte headers without a token, unsigned control
+HEADER = struct.Struct("<2sBBHHIBBBBQIHHQ")
+HEADER_SIZE = HEADER.size  # 40
 MAX_DATAGRAM = 65507  # largest UDP payload over IPv4
 MAX_PAYLOAD = MAX_DATAGRAM - HEADER_SIZE
 ANY_WORKER = 0xFFFF  # worker field of a multicast result
@@ -63,12 +65,15 @@ class Op(enum.IntEnum):
 class Flag(enum.IntFlag):
     PRESUMMED = 1  # lanes are sums at the op's output width (a child switch's partial sum)
     PARTIAL = 2  # result completed at a deadline with fewer than all workers
+    SIGNED = 4  # control only: the message ends in an HMAC trailer (authentication.py)
 
 
-KNOWN_FLAGS = int(Flag.PRESUMMED | Flag.PARTIAL)
+KNOWN_FLAGS = int(Flag.PRESUMMED | Flag.PARTIAL | Flag.SIGNED)
+DATA_FLAGS = int(Flag.PRESUMMED | Flag.PARTIAL)  # what data, result and stale packets may set
 # Plain-int masks for per-packet tests: ``int & IntFlag`` builds a Flag object every time.
 PRESUMMED = int(Flag.PRESUMMED)
 PARTIAL = int(Flag.PARTIAL)
+SIGNED = int(Flag.SIGNED)
 
 
 class MalformedPacket(ValueError):
@@ -90,6 +95,7 @@ class Header(NamedTuple):
     chunk: int = 0
     elements: int = 0
     contributors: int = 0
+    token: int = 0
 
     def pack(self) -> bytes:
         return HEADER.pack(
@@ -107,6 +113,7 @@ class Header(NamedTuple):
             self.elements,
             self.contributors,
             0,
+            self.token,
         )
 
 
@@ -118,7 +125,7 @@ def parse_header(data: bytes | bytearray | memoryview) -> Header:
         raise MalformedPacket("oversized", f"{len(data)} bytes > {MAX_DATAGRAM}")
     fields = HEADER.unpack_from(data)
     (magic, protocol, kind, job, worker, slot, version, op, flags, pad1, chunk) = fields[:11]
-    elements, contributors, pad2 = fields[11:]
+    elements, contributors, pad2, token = fields[11:]
     if magic != MAGIC:
         raise MalformedPacket("bad_magic", repr(magic))
     if protocol != PROTOCOL:
@@ -130,11 +137,13 @@ def parse_header(data: bytes | bytearray | memoryview) -> Header:
         raise MalformedPacket("bad_op", str(op))
     if version > 1:
         raise MalformedPacket("bad_version", str(version))
-    if flags & ~KNOWN_FLAGS or pad1 or pad2:
+    allowed = KNOWN_FLAGS if kind >= Kind.REGISTER else DATA_FLAGS
+    if flags & ~allowed or pad1 or pad2:
         raise MalformedPacket("reserved_bits", f"flags {flags:#x}")
     return Header(
-        kind_member, job, worker, slot, version, op_member, flags, chunk, elements, contributors
-    )
+        kind_member, job, worker, slot, version, op_member, flags, chunk, elements, contributors,
+        token,
+    )  # fmt: skip
 
 
 # dict lookups instead of Kind(value)/Op(value): the enum constructors cost microseconds a packet

@@ -25,9 +25,21 @@ import numpy as np
 
 from . import actions
 from .actions import Drop, Send, Store
-from .combiners import MaxOp
+from .combiners import IntegerSumOp, MaxOp
 from .jobspec import JobSpec
 from .packet import ANY_WORKER, PARTIAL, PRESUMMED, Flag, Header, Kind, MalformedPacket, Op
+
+ROUND_BYTES = 214  # a Round and its seen bytearray, less the bytes of seen: RSS growth per round
+# (tracemalloc sees 186; the allocator's arenas and the lists of rounds add the rest)
+
+
+def resident_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """An int32 array of zeros whose pages are written now: calloc'd memory becomes resident
+    only as slots are first used, so a registration's memory would show up in the RSS some
+    time later, and admission by declared memory would not bound what the process holds."""
+    array = np.empty(shape, dtype=np.int32)
+    array.fill(0)
+    return array
 
 
 class RoundState(enum.Enum):
@@ -86,15 +98,28 @@ class SlotPool:
         self.max_op = MaxOp()
         self.slots = spec.slots
         # The only large state: an int32 accumulator per (version, slot), k lanes each.
-        self.acc = np.zeros((2, spec.slots, spec.elements), dtype=np.int32)
+        self.acc = resident_zeros((2, spec.slots, spec.elements))
         self.rounds = [[Round(spec.workers) for _ in range(spec.slots)] for _ in range(2)]
         self._waiting: dict[tuple[int, int], None] = {}  # open rounds with a quorum deadline
         self.stats: dict[str, int] = {}
+        # A worker sends contributors = 1; a child switch's partial sum (PRESUMMED) at most
+        # what leaves one for each other worker.
+        self._most_presummed = spec.max_contributors - (spec.workers - 1)
+        self.token = spec.token
+
+    @staticmethod
+    def memory(spec: JobSpec) -> int:
+        """Bytes the pool holds: per round of each slot's two, the int32 accumulator, the
+        Round object with its seen bytes, and on a server each worker's kept contribution (at
+        most a packet's lanes)."""
+        lanes = 4 * spec.elements
+        kept = 0 if spec.op.kind == "integer-sum" else lanes * spec.workers
+        return 2 * spec.slots * (lanes + ROUND_BYTES + spec.workers + kept)
 
     # -- packets from workers ---------------------------------------------------------------
     def on_data(self, header: Header, payload: memoryview, now: float) -> list:
         try:
-            op = self._checked(header, len(payload))
+            op = self._checked(header, payload)
             # Collecting ops parse the whole payload now, before any state changes.
             kept = None if op.accumulating else op.keep(payload, header.elements)
         except MalformedPacket as error:
@@ -120,23 +145,28 @@ class SlotPool:
             return [self._drop("late", "round already forwarded to the parent")]
         return self._contribute(r, op, header, payload if kept is None else kept, now)
 
-    def _checked(self, header: Header, nbytes: int):
-        """The op for this packet after every check a header and length allow."""
-        s = self.slots
+    def _checked(self, header: Header, payload: memoryview):
+        """The op for this packet after every check its header and payload allow."""
+        s, nbytes = self.slots, len(payload)
+        if header.token != self.token:
+            raise MalformedPacket("bad_token", "not the job's data token")
         if header.slot >= s:
             raise MalformedPacket("bad_slot", f"slot {header.slot} >= {s}")
         if header.chunk % (2 * s) != header.slot + header.version * s:
             raise MalformedPacket("bad_chunk", f"chunk {header.chunk} is not slot/version's")
         if not 1 <= header.elements <= self.spec.elements:
             raise MalformedPacket("bad_elements", f"{header.elements} lanes")
-        if not 1 <= header.contributors <= self.spec.max_contributors:
+        presummed = header.flags & PRESUMMED
+        if not 1 <= header.contributors <= (self._most_presummed if presummed else 1):
             raise MalformedPacket("bad_contributors", str(header.contributors))
         if header.flags & PARTIAL:
             raise MalformedPacket("bad_flags", "PARTIAL is a result flag")
         op = self.max_op if header.op is Op.MAX else self.sum_op
         if header.op not in (Op.SUM, Op.MAX):
             raise MalformedPacket("bad_op", str(header.op))
-        op.check_payload(nbytes, header.elements, bool(header.flags & PRESUMMED))
+        op.check_payload(nbytes, header.elements, bool(presummed))
+        if presummed and op is self.sum_op and isinstance(op, IntegerSumOp):
+            op.check_presummed(payload, header.elements, header.contributors)
         return op
 
     def _may_open(self, r: Round, chunk: int, version: int, slot: int) -> bool:
@@ -155,7 +185,10 @@ class SlotPool:
 
     def _contribute(self, r: Round, op, header: Header, data, now: float) -> list:
         """Enter one worker's contribution (lanes, or a collecting op's parsed payload)."""
-        if r.contributors + header.contributors > self.spec.max_contributors:
+        # Every worker still to come adds at least one: a partial sum that leaves them no room
+        # would wedge the round (it could never complete), so it is refused instead.
+        still = self.spec.workers - r.arrivals - 1
+        if r.contributors + header.contributors + still > self.spec.max_contributors:
             r.seen[header.worker] = 0
             return [self._drop("too_many_contributors", str(header.contributors))]
         v, i = header.version, header.slot
@@ -204,6 +237,8 @@ class SlotPool:
 
     def on_parent_result(self, header: Header, payload: memoryview) -> list:
         """The parent switch's result for a round this switch forwarded."""
+        if header.token != self.spec.parent.token:
+            return [self._drop("bad_token", "parent result")]
         if header.slot >= self.slots:
             return [self._drop("bad_slot", "parent result")]
         r = self.rounds[header.version][header.slot]
@@ -240,7 +275,7 @@ class SlotPool:
     def _result_header(self, kind: Kind, r: Round, worker: int, version: int, slot: int):
         return Header(
             kind, self.spec.job, worker, slot, version, r.op, r.flags, r.chunk, r.elements,
-            r.contributors,
+            r.contributors, self.token,
         ).pack()  # fmt: skip
 
     def _multicast(self, r: Round) -> Send:
@@ -254,7 +289,7 @@ class SlotPool:
     def _reply(self, kind: Kind, r: Round, asked: Header, what: str) -> Send:
         if kind is Kind.STALE:
             header = Header(Kind.STALE, self.spec.job, asked.worker, asked.slot, asked.version,
-                            asked.op, 0, asked.chunk).pack()  # fmt: skip
+                            asked.op, 0, asked.chunk, token=self.token).pack()  # fmt: skip
             return Send(what, (self.spec.addresses[asked.worker],), header)
         header = self._result_header(kind, r, asked.worker, asked.version, asked.slot)
         return Send(what, (self.spec.addresses[asked.worker],), header, r.result)
@@ -262,9 +297,9 @@ class SlotPool:
     def _forward(self, r: Round) -> Send:
         parent = self.spec.parent
         v, i = self._where(r.chunk)
-        flags = Flag.PRESUMMED if r.op is Op.SUM else 0
-        header = Header(Kind.DATA, parent.job, parent.worker, i, v, r.op, flags, r.chunk,
-                        r.elements, r.contributors).pack()  # fmt: skip
+        # PRESUMMED for MAX too: a packet of several contributors is always a partial sum
+        header = Header(Kind.DATA, parent.job, parent.worker, i, v, r.op, PRESUMMED, r.chunk,
+                        r.elements, r.contributors, parent.token).pack()  # fmt: skip
         self._count("forwards")
         return Send(actions.FORWARD, (parent.address,), header, r.result)
 

@@ -105,8 +105,10 @@ class Transfer:
         rtt: RoundTrip | None = None,
         segments: int = 1,
         first_packet: int | None = None,
+        token: int = 0,
     ):
         self.job, self.worker, self.op = job, worker, op
+        self.token = token  # the job's data token: sent on every packet, expected on results
         self.first, self.slots = first_chunk, slots
         # the aggregator's view (collective.JobHandle.segments): packets numbered from
         # first_packet, ``segments`` per chunk, in ``slots * segments`` slots
@@ -136,7 +138,7 @@ class Transfer:
         index = chunk - self.first
         version, slot = (chunk // self.slots) % 2, chunk % self.slots
         header = Header(Kind.DATA, self.job, self.worker, slot, version, self.op, 0, chunk,
-                        self.buffers.elements(index), 1)  # fmt: skip
+                        self.buffers.elements(index), 1, self.token)  # fmt: skip
         return header.pack(), self.buffers.upstream(index)
 
     def start(self, now: float) -> list[int]:
@@ -145,6 +147,8 @@ class Transfer:
     def destination(self, header: Header, nbytes: int) -> memoryview | None:
         """Where a result's ``nbytes`` of payload go, or None if it is not one we wait for."""
         if header.kind is not Kind.RESULT or header.job != self.job or header.op is not self.op:
+            return None
+        if header.token != self.token:  # a spoofed result: never placed
             return None
         if not self.stream.is_outstanding(header.chunk):
             if self.first <= header.chunk < self.end_chunk:
@@ -170,7 +174,7 @@ class Transfer:
         return self.stream.on_result(chunk, now)
 
     def on_stale(self, header: Header) -> None:
-        if header.job == self.job:
+        if header.job == self.job and header.token == self.token:
             self.stream.on_stale(header.chunk)
 
     def release(self, ready: int, now: float) -> list[int]:

@@ -74,13 +74,14 @@ struct route {             /* one transfer: an aggregator job streaming one buff
     uint64_t upstream;     /* address of the packed lanes to send */
     uint64_t downstream;   /* address of the result buffer */
     uint64_t placed;       /* address of uint8[packets]: 1 once a packet's result is in place */
+    uint64_t token;        /* the job's data token, sent in and expected on every packet */
 };
 
 static void pack(uint8_t *b, const struct route *r, int64_t chunk, uint32_t elements) {
     struct gs_header h = {.kind = GS_DATA, .version = (uint8_t)((chunk / r->slots) % 2),
                           .op = r->op, .job = r->job, .worker = r->worker, .contributors = 1,
                           .slot = (uint32_t)(chunk % r->slots), .elements = elements,
-                          .chunk = (uint64_t)chunk};
+                          .chunk = (uint64_t)chunk, .token = r->token};
     gs_pack(b, &h);
 }
 
@@ -142,7 +143,8 @@ static uint8_t *place_of(const struct route *r, int64_t packet, size_t payload) 
 
 /* A received result header against what route r expects of packet `packet`. */
 static int expected(const struct route *r, const struct gs_header *h, int64_t packet) {
-    return h->kind == GS_RESULT && h->op == r->op && h->chunk == (uint64_t)(r->base + packet) &&
+    return h->kind == GS_RESULT && h->op == r->op && h->token == r->token &&
+           h->chunk == (uint64_t)(r->base + packet) &&
            h->elements == lanes_of(r, packet) && h->contributors >= 1 &&
            h->contributors <= r->max_contributors;
 }
@@ -186,6 +188,7 @@ static int take_one(int fd, const struct route *routes, Py_ssize_t nroutes,
         source.sin_family == AF_INET && gs_parse(heads[0], &first))
         r = route_of(routes, nroutes, &source, first.job, &which);
     if (r == NULL || (first.kind != GS_RESULT && first.kind != GS_STALE) || first.op != r->op ||
+        first.token != r->token ||
         first.chunk < (uint64_t)r->base || first.chunk >= (uint64_t)(r->base + r->packets)) {
         uint8_t scrap[1]; /* not ours, or not as expected: read it and let it go */
         recv(fd, scrap, sizeof scrap, MSG_DONTWAIT | MSG_TRUNC);
@@ -215,6 +218,7 @@ static int take_one(int fd, const struct route *routes, Py_ssize_t nroutes,
     for (int i = 0; i < count; i++) {
         q[i] = -1;
         if (gs_parse(heads[i], &h[i]) && h[i].job == r->job && h[i].op == r->op &&
+            h[i].token == r->token &&
             h[i].chunk >= (uint64_t)r->base && h[i].chunk < (uint64_t)(r->base + r->packets))
             q[i] = (int64_t)(h[i].chunk - (uint64_t)r->base);
         if (q[i] < 0 || h[i].kind != GS_RESULT || !expected(r, &h[i], q[i])) continue;

@@ -14,8 +14,10 @@ and a view of the encoded tensor (``sendmsg``), so no payload is copied in Pytho
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
+import os
 import select
 import socket
 import time
@@ -25,11 +27,20 @@ import torch
 
 from ..codecs.registry import make_codec
 from ..codecs.round import CodecRound
+from ..dataplane import authentication, bounded_json
 from ..dataplane.codec_wire import WireFormat, wire_format
 from ..dataplane.collective import Collective, JobHandle
 from ..dataplane.geometry import aggregator_slots, lanes_fitting, packet_geometry
 from ..dataplane.jobspec import Address, JobSpec
-from ..dataplane.packet import HEADER_SIZE, Header, Kind, MalformedPacket, parse_header
+from ..dataplane.packet import (
+    HEADER_SIZE,
+    MAX_DATAGRAM,
+    SIGNED,
+    Header,
+    Kind,
+    MalformedPacket,
+    parse_header,
+)
 from ..dataplane.stream import RetryPolicy
 from ..dataplane.transfer import Transfer
 from . import pump
@@ -44,7 +55,6 @@ from .udp import (
 
 _PEEK = socket.MSG_PEEK | socket.MSG_TRUNC
 PAYLOAD_ELEMENTS = 1 << 13  # coordinates per decode-sum-encode payload: one fits a datagram
-_request_ids = itertools.count(1)
 
 
 class ControlError(RuntimeError):
@@ -68,54 +78,68 @@ LIVENESS_SILENCE = 3.0  # seconds without a result before a round asks its aggre
 PROBE_TIMEOUT = 1.0  # how long a liveness probe waits for its reply
 
 
-def probe_job(address: Address, job: int, timeout: float = PROBE_TIMEOUT) -> str | None:
+def probe_job(address: Address, job: int, timeout: float = PROBE_TIMEOUT,
+              key: bytes | None = None) -> str | None:  # fmt: skip
     """Why ``job`` cannot go on at ``address`` (no reply, or the job is not registered), or
     None: the aggregator answers and holds the job. The probe is one small control request
-    (STATS naming the job), retried within ``timeout``."""
+    (the job's STATS, signed with its ``key`` when it has one), retried within ``timeout``."""
     try:
-        reply = control_request(address, Kind.STATS_REQUEST, job, timeout=timeout,
-                                retry_every=timeout / 4)  # fmt: skip
+        control_request(address, Kind.STATS_REQUEST, job, {"job": job}, timeout=timeout,
+                        retry_every=timeout / 4, key=key, pad=UNSIGNED_PAD)  # fmt: skip
     except ControlError as error:
         if error.code == "no_reply":
             return f"no reply to a liveness probe in {timeout:g} s"
-        if error.code == "unknown_job":
+        # An aggregator that cannot verify the job's key no longer holds the job.
+        if error.code == "unknown_job" or (key is not None and error.code == "unauthenticated"):
             return "the job is not registered there (the aggregator restarted?)"
         return None  # it answers; whatever it refused, it is alive
-    jobs = reply.get("jobs")
-    if isinstance(jobs, dict) and str(job) not in jobs and job not in jobs:
-        return "the job is not registered there (the aggregator restarted?)"
     return None
 
 
 def control_request(
     address: Address, kind: Kind, job: int, body: dict | None = None, *, timeout: float = 5.0,
-    retry_every: float = 0.2,
+    retry_every: float = 0.2, key: bytes | None = None, pad: int = 0,
 ) -> dict:  # fmt: skip
-    """Send a control request (retried) and return the reply's JSON body; ERROR raises."""
+    """Send a control request (retried) and return the reply's JSON body; ERROR raises.
+
+    With ``key`` (an admission secret or the job's key) each attempt is signed afresh (a new
+    timestamp and nonce: the aggregator refuses replays) and only a reply signed with the same
+    key counts. Without it the request is padded to ``pad`` bytes, since an aggregator answers
+    an unsigned request with no more bytes than it sent, and grown when it asks for more."""
     address = resolve(address)
-    request = next(_request_ids)
-    data = Header(kind, job, chunk=request).pack() + (json.dumps(body).encode() if body else b"")
+    request = int.from_bytes(os.urandom(8), "little")  # unguessable: spoofed replies miss it
+    flags = SIGNED if key is not None else 0
+    message = Header(kind, job, flags=flags, chunk=request).pack()
+    message += json.dumps(body).encode() if body else b""
     family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
     with socket.socket(family, socket.SOCK_DGRAM) as sock:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if key is not None:
+                data = authentication.sign(message, key, time.time())
+            else:
+                data = message + b" " * max(0, pad - len(message))
             sock.sendto(data, address)
             wait = min(retry_every, deadline - time.monotonic())
-            reply = _await_reply(sock, address, job, request, wait)
-            if reply is not None:
-                header, payload = reply
-                answer = json.loads(payload) if payload else {}
-                if header.kind is Kind.ERROR:
-                    code = str(answer.get("code"))
-                    message = f"{address[0]}:{address[1]}: {code}: {answer.get('message')}"
-                    raise ControlError(message, code)
-                return answer
+            reply = _await_reply(sock, address, job, request, wait, key)
+            if reply is None:
+                continue
+            header, payload = reply
+            answer = bounded_json.loads(payload) if payload else {}
+            if header.kind is Kind.ERROR:
+                code = str(answer.get("code", "refused"))
+                if code == "reply_too_large" and key is None and answer.get("need", 0) > pad:
+                    pad = min(int(answer["need"]), MAX_DATAGRAM)
+                    continue
+                message_text = answer.get("message", "(an unsigned request hears no more)")
+                raise ControlError(f"{address[0]}:{address[1]}: {code}: {message_text}", code)
+            return answer
     raise ControlError(
         f"no reply to {kind.name} for job {job} from {address[0]}:{address[1]} in {timeout} s"
     )
 
 
-def _await_reply(sock, address, job, request, wait: float):
+def _await_reply(sock, address, job, request, wait: float, key: bytes | None):
     sock.settimeout(wait)
     end = time.monotonic() + wait
     while time.monotonic() < end:
@@ -127,27 +151,89 @@ def _await_reply(sock, address, job, request, wait: float):
             header = parse_header(data)
         except MalformedPacket:
             continue
-        if source[:2] == address and header.job == job and header.chunk == request:
+        if source[:2] != address or header.job != job or header.chunk != request:
+            continue
+        if key is None:
             return header, data[HEADER_SIZE:]
+        if header.flags & SIGNED and authentication.verifies(data, key):
+            return header, data[HEADER_SIZE : -authentication.TRAILER_SIZE]
+        # Not signed by our key: a spoof, or an aggregator that could not verify us (it
+        # echoed our unguessable request id, so it saw the request).
+        if header.kind is Kind.ERROR and not header.flags & SIGNED:
+            raise ControlError(
+                f"{address[0]}:{address[1]}: refused our signed request: unauthenticated "
+                "(does it hold this admission secret, or this job's key?)",
+                "unauthenticated",
+            )
     return None
 
 
-def register_job(address: Address, spec: JobSpec, timeout: float = 5.0) -> dict:
-    return control_request(address, Kind.REGISTER, spec.job, spec.to_json(), timeout=timeout)
+def register_job(
+    address: Address, spec: JobSpec, timeout: float = 30.0, admission: bytes | None = None
+) -> dict:
+    """Register ``spec`` (signed with the admission secret, given or from the environment:
+    ``client_secret``); its key travels wrapped under that secret, or in clear without one.
+    The timeout is long because a server's first decode-sum-encode job imports torch there
+    (seconds on a loaded host) before it answers."""
+    admission = client_secret() if admission is None else admission or None
+    body = spec.to_json()
+    if spec.key is not None:
+        if admission is not None:
+            nonce = os.urandom(16)
+            wrapped = authentication.wrap_key(spec.key, admission, nonce)
+            body["key"] = {"nonce": nonce.hex(), "wrapped": wrapped.hex()}
+        else:
+            body["key"] = {"clear": spec.key.hex()}
+    return control_request(address, Kind.REGISTER, spec.job, body, timeout=timeout, key=admission)
 
 
-def teardown_job(address: Address, job: int, timeout: float = 5.0) -> dict:
-    """Remove a job; an already removed one is fine (the first reply may have been lost)."""
+def teardown_job(
+    address: Address, job: int, timeout: float = 5.0, key: bytes | None = None
+) -> dict:
+    """Remove a job (with its key, if it has one); a retry gets the same final counters, and
+    an already removed one is fine."""
     try:
-        return control_request(address, Kind.TEARDOWN, job, timeout=timeout)
+        return control_request(address, Kind.TEARDOWN, job, timeout=timeout, key=key,
+                               pad=UNSIGNED_PAD)  # fmt: skip
     except ControlError as error:
-        if error.code == "unknown_job":
+        # An aggregator that never held the job cannot verify its key (a standby, or one that
+        # restarted): to a signed teardown that is the same answer as ``unknown_job``.
+        if error.code == "unknown_job" or (key is not None and error.code == "unauthenticated"):
             return {"job": job}
         raise
 
 
-def aggregator_stats(address: Address, timeout: float = 5.0) -> dict:
-    return control_request(address, Kind.STATS_REQUEST, 0, timeout=timeout)
+UNSIGNED_PAD = 2048  # bytes of an unsigned STATS or TEARDOWN: room for a reply of ~20 counters
+
+
+def aggregator_stats(address: Address, timeout: float = 5.0, secret: bytes | None = None) -> dict:
+    """The aggregator's counters and every job's (with admission secrets: the secret's jobs),
+    gathered over STATS's pages; ``secret`` defaults to ``client_secret()``."""
+    secret = client_secret() if secret is None else secret or None
+
+    def page(number: int) -> dict:
+        body = {"page": number} if number else None
+        return control_request(address, Kind.STATS_REQUEST, 0, body, timeout=timeout,
+                               key=secret, pad=UNSIGNED_PAD)  # fmt: skip
+
+    first = page(0)
+    for number in range(1, int(first.get("pages", 1))):
+        first["jobs"].update(page(number)["jobs"])
+    return first
+
+
+def job_stats(address: Address, job: int, key: bytes | None = None, timeout: float = 5.0) -> dict:
+    """One job's counters, read with its key."""
+    reply = control_request(address, Kind.STATS_REQUEST, job, {"job": job}, timeout=timeout,
+                            key=key, pad=UNSIGNED_PAD)  # fmt: skip
+    return reply["stats"]
+
+
+def client_secret() -> bytes | None:
+    """The admission secret this process signs registrations with: ``GRADSUM_ADMISSION_SECRET``
+    or the first secret of ``GRADSUM_ADMISSION_FILE``; None without either."""
+    secrets = authentication.load_secrets()
+    return next(iter(secrets.values()), None)
 
 
 class UdpTransport:
@@ -310,10 +396,11 @@ class UdpTransport:
                 return  # the timer resends
 
 
-def probe_jobs(jobs: Sequence[tuple[Address, int]]) -> None:
-    """Raise ``AggregatorLost`` for the first (aggregator, job) that cannot go on."""
+def probe_jobs(jobs: Sequence[tuple[Address, int]], key: bytes | None = None) -> None:
+    """Raise ``AggregatorLost`` for the first (aggregator, job) that cannot go on; ``key``:
+    the jobs' key (a job's STATS is signed with it)."""
     for address, job in jobs:
-        reason = probe_job(address, job)
+        reason = probe_job(address, job, key=key)
         if reason is not None:
             raise AggregatorLost(address, job, reason)
 
@@ -362,8 +449,14 @@ class SwitchClient:
         multicast: bool = False,
         mtu: int | None = None,
         silence: float = LIVENESS_SILENCE,
+        key: bytes | None = None,
+        admission: bytes | None = None,
     ):
         self.aggregators = [_address(a) for a in aggregators]
+        # The job's key, the same on every worker (``sync.service`` agrees on one over
+        # torch.distributed): it signs teardown and statistics. None: a protocol-1 job.
+        self.key = key
+        self.admission = admission  # registration's admission secret (None: client_secret())
         self.job, self.worker, self.workers = job, worker, workers
         self.codec_name, self.codec_options = codec, dict(codec_options or {})
         self.codec = make_codec(codec, workers=workers, **self.codec_options)
@@ -407,12 +500,14 @@ class SwitchClient:
             self.close()
             raise
         watchdog = getattr(self, "transport", None) and self.transport.watchdog
+        watchdog = watchdog or functools.partial(probe_jobs, key=self.key)
         return UdpTransport(self.sock, group_sockets=self.group_sockets, silence=self.silence,
-                            watchdog=watchdog or None)  # fmt: skip
+                            watchdog=watchdog)  # fmt: skip
 
     def _handles(self) -> list[JobHandle]:
         geometry = (self.slots, self.elements, self.workers, self.segments)
-        return [JobHandle(a, self.job, self.worker, *geometry) for a in self.aggregators]
+        token = 0 if self.key is None else authentication.data_token(self.key)
+        return [JobHandle(a, self.job, self.worker, *geometry, token) for a in self.aggregators]
 
     def relocate(self, aggregators: Sequence[Address | str]) -> None:
         """The job was registered afresh (an aggregator restarted, or a standby took over):
@@ -438,13 +533,15 @@ class SwitchClient:
                 "packets of a chunk could complete with different quorums"
             )
         slots = aggregator_slots(self.slots, self.segments)
-        return JobSpec(self.job, addresses, slots, self.elements, self.format.op, **extra)
+        return JobSpec(self.job, addresses, slots, self.elements, self.format.op, key=self.key,
+                       **extra)  # fmt: skip
 
     def register(self, worker_addresses: Sequence[Address], **extra) -> None:
         """Register this job on every aggregator (call from one worker)."""
         self.registered = (tuple(worker_addresses), dict(extra))
         for address in self.aggregators:
-            register_job(address, self.job_spec(worker_addresses, address, **extra))
+            spec = self.job_spec(worker_addresses, address, **extra)
+            register_job(address, spec, admission=self.admission)
 
     def register_afresh(self, aggregators: Sequence[Address], worker_addresses=None,
                         **extra) -> None:  # fmt: skip
@@ -457,12 +554,13 @@ class SwitchClient:
             worker_addresses, extra = self.registered
         for address in aggregators:
             address = _address(address)
-            teardown_job(address, self.job)
-            register_job(address, self.job_spec(worker_addresses, address, **extra))
+            teardown_job(address, self.job, key=self.key)
+            spec = self.job_spec(worker_addresses, address, **extra)
+            register_job(address, spec, admission=self.admission)
 
     def teardown(self) -> None:
         for address in self.aggregators:
-            teardown_job(address, self.job)
+            teardown_job(address, self.job, key=self.key)
 
     def allreduce(
         self, tensor: torch.Tensor, key: Hashable = None, step: int | None = None

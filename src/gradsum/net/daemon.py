@@ -32,6 +32,7 @@ class DaemonStats:
     received: int = 0
     sent: int = 0
     send_failures: int = 0
+    handler_errors: int = 0
     started: float = field(default_factory=time.monotonic)
 
     def as_dict(self) -> dict:
@@ -39,6 +40,7 @@ class DaemonStats:
             "received": self.received,
             "sent": self.sent,
             "send_failures": self.send_failures,
+            "handler_errors": self.handler_errors,
             "uptime_s": round(time.monotonic() - self.started, 3),
         }
 
@@ -64,23 +66,36 @@ class Daemon:
         self.clock = clock
         self.stop = threading.Event()
         self.stats = DaemonStats()
+        self.last_turn = time.monotonic()
         self._buffer = bytearray(1 << 16)
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         enable_gro(sock)  # both loops split joined datagrams
 
     def serve(self) -> None:
-        view = memoryview(self._buffer)
+        """Serve until ``stop``. Nothing a datagram does ends the loop: the data plane drops
+        what breaks a handler, and whatever still escapes (a send, the native loop) is counted
+        as a handler error here and the loop goes on."""
         while not self.stop.is_set():
+            self.last_turn = time.monotonic()  # what /health reads (net/metrics.py)
+            try:
+                self._serve_once()
+            except Exception:  # the daemon outlives any one datagram
+                self.stats.handler_errors += 1
+
+    def _serve_once(self) -> None:
+        view = memoryview(self._buffer)
+        for _ in range(64):  # then back to the stop flag
             pools = self._native_pools()
             if pools:
-                self._serve_native(pools, view)
+                if not self._serve_native(pools, view):
+                    return
                 continue
             try:
                 datagrams, source = receive_datagrams(self.sock, self._buffer)
             except (BlockingIOError, InterruptedError):
                 self._idle()
-                continue
+                return
             except ConnectionRefusedError:  # ICMP from an earlier send to a closed port
                 continue
             for datagram in datagrams:
@@ -100,8 +115,9 @@ class Daemon:
             return []
         return self.aggregator.native_pools()
 
-    def _serve_native(self, pools: list, view: memoryview) -> None:
-        """Let the C loop handle the native jobs' packets; Python takes whatever it leaves."""
+    def _serve_native(self, pools: list, view: memoryview) -> bool:
+        """Let the C loop handle the native jobs' packets; Python takes whatever it leaves.
+        False when it found nothing to do (and waited)."""
         fd = self.sock.fileno()
         loss = self._native_loss
         before = loss.dropped_in
@@ -115,6 +131,8 @@ class Daemon:
             self._perform(self.aggregator.on_datagram(view[:size], source, self.clock()))
         elif not handled:
             self._idle()
+            return False
+        return True
 
     def _idle(self) -> None:
         now = self.clock()
@@ -156,7 +174,8 @@ class Daemon:
             for name, count in impairment.counts.items():
                 extra = native[direction] if name == "dropped" else 0
                 daemon[f"injected_{name}_{direction}"] = count + extra
-        return {"daemon": daemon, **self.aggregator.statistics()}
+        return {"daemon": daemon, "memory": self.aggregator.memory_usage(),
+                **self.aggregator.statistics()}  # fmt: skip
 
     def statistics_json(self) -> str:
         return json.dumps(self.statistics(), sort_keys=True)

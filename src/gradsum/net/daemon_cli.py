@@ -12,6 +12,7 @@ import threading
 import time
 
 MIB = 1 << 20
+MAX_JOBS = 1024  # jobs of all admission secrets together
 
 
 def add_daemon_arguments(parser: argparse.ArgumentParser, job_memory_mib: int) -> None:
@@ -54,6 +55,29 @@ def add_daemon_arguments(parser: argparse.ArgumentParser, job_memory_mib: int) -
         help="slot memory of all jobs together (default %(default)s MiB)",
     )
     parser.add_argument(
+        "--admission-file",
+        metavar="PATH",
+        help="admission secrets, one per line (NAME SECRET, or SECRET): only requests signed "
+        "with one may register jobs or read the aggregator's statistics, and each secret "
+        "has its own --max-jobs and --max-memory. Default: $GRADSUM_ADMISSION_FILE, else the "
+        "one secret in $GRADSUM_ADMISSION_SECRET, else none (anyone may register: a warning)",
+    )
+    parser.add_argument(
+        "--max-jobs",
+        type=int,
+        default=256,
+        metavar="N",
+        help="jobs one admission secret (without secrets: everyone) may hold (default "
+        "%(default)s; all together at most 1024)",
+    )
+    parser.add_argument(
+        "--max-memory",
+        type=int,
+        metavar="MIB",
+        help="slot memory one admission secret (without secrets: everyone) may hold "
+        "(default: --memory)",
+    )
+    parser.add_argument(
         "--max-elements",
         type=int,
         default=1 << 24,
@@ -76,6 +100,19 @@ def add_daemon_arguments(parser: argparse.ArgumentParser, job_memory_mib: int) -
     )
     parser.add_argument("--stats-json", metavar="PATH", help="write the final statistics here")
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve /metrics (Prometheus text) and /health over HTTP on the --bind host at "
+        "this port (pipeline i: PORT+i; 0: any free port, printed at start). Default: off",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="log lines on stderr as text or as one JSON object each (default %(default)s)",
+    )
+    parser.add_argument(
         "--pipelines",
         type=int,
         default=1,
@@ -88,49 +125,71 @@ def add_daemon_arguments(parser: argparse.ArgumentParser, job_memory_mib: int) -
 
 def run_daemon(args: argparse.Namespace, make_profile) -> int:
     from ..cli import UsageError
+    from ..dataplane.authentication import load_secrets
     from ..dataplane.jobspec import JobSpec, SpecError
     from ..dataplane.plane import DataPlane, RequestRefused
     from .daemon import Daemon
-    from .udp import PortInUseError, open_socket, parse_bind, resolve
+    from .udp import PortInUseError, open_socket, parse_bind
 
     _check_flags(args, UsageError)
+    global _LOG_JSON
+    _LOG_JSON = args.log_format == "json"
     try:
         bind = parse_bind(args.bind)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    profile = make_profile(args.job_memory * MIB, args.memory * MIB, args.max_elements)
+    tenant_memory = (args.max_memory or args.memory) * MIB
+    profile = make_profile(args.job_memory * MIB, args.memory * MIB, args.max_elements,
+                           max_jobs=max(args.max_jobs, MAX_JOBS), tenant_jobs=args.max_jobs,
+                           tenant_memory=tenant_memory)  # fmt: skip
+    try:
+        secrets = load_secrets(args.admission_file)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--admission-file: {error}") from None
+    if not secrets:
+        _report(
+            f"gradsum {profile.name}: WARNING: no admission secret (--admission-file, "
+            "$GRADSUM_ADMISSION_FILE or $GRADSUM_ADMISSION_SECRET): anyone who can reach this "
+            "port may register jobs and read the aggregator's statistics; run it on a trusted "
+            "network only", event="no_admission_secret", level="warning",
+        )  # fmt: skip
     jobs = []
     for path in args.register:
         try:
             jobs += [JobSpec.from_json(body) for body in _job_bodies(path)]
-            _aggregator(profile, jobs, DataPlane, resolve)  # refuses what it cannot serve
+            _aggregator(profile, jobs, DataPlane)  # refuses what it cannot serve
         except (OSError, ValueError, SpecError, RequestRefused) as error:
             raise UsageError(f"--register {path}: {error}") from None
     sockets = _open_sockets(bind, args.pipelines, open_socket, PortInUseError, UsageError)
+    metrics = _open_metrics(bind[0], args.metrics_port, args.pipelines, UsageError)
     addresses = ", ".join("{}:{}".format(*s.getsockname()[:2]) for s in sockets)
+    served = "; metrics on " + ", ".join(
+        "http://{}:{}".format(*m.address) for m in metrics
+    ) if metrics else ""  # fmt: skip
     print(
         f"gradsum {profile.name}: listening on {addresses} (drop rate {args.drop_rate:g}, "
-        f"{len(jobs)} jobs registered)",
+        f"{len(jobs)} jobs registered{served})",
         flush=True,
     )
+    args.metrics_servers = metrics
     children = []
     for index in range(1, len(sockets)):
         pid = _fork_pipeline(index, sockets)
         if pid == 0:  # pipeline `index`'s own process: serve, and fork nothing more
-            return _serve(args, profile, _aggregator(profile, jobs, DataPlane, resolve),
+            return _serve(args, profile, _aggregator(profile, jobs, DataPlane, secrets),
                           sockets[index], Daemon, index)  # fmt: skip
         children.append(pid)
     for extra in sockets[1:]:
         extra.close()
     try:
-        return _serve(args, profile, _aggregator(profile, jobs, DataPlane, resolve), sockets[0],
+        return _serve(args, profile, _aggregator(profile, jobs, DataPlane, secrets), sockets[0],
                       Daemon, 0)  # fmt: skip
     finally:
         _stop_pipelines(children)
 
 
-def _aggregator(profile, jobs, DataPlane, resolve):
-    aggregator = DataPlane(profile, resolve=resolve)
+def _aggregator(profile, jobs, DataPlane, secrets=None):
+    aggregator = DataPlane(profile, secrets=secrets)
     for spec in jobs:
         aggregator.register(spec)
     return aggregator
@@ -186,6 +245,13 @@ def _serve(args, profile, aggregator, sock, Daemon, index: int) -> int:
         reorder_rate=args.reorder_rate,
     )
     name = profile.name if args.pipelines == 1 else f"{profile.name} pipeline {index}"
+    metrics = args.metrics_servers[index] if args.metrics_servers else None
+    for other in args.metrics_servers or ():
+        if other is not metrics:
+            other.httpd.server_close()  # another pipeline's
+    if metrics is not None:
+        labels = {"profile": profile.name, "pipeline": str(index)}
+        metrics.start(daemon.statistics, lambda: daemon.last_turn, labels)
     _install_signals(daemon)
     reporter = _start_reporter(daemon, args.stats_interval)
     try:
@@ -194,13 +260,33 @@ def _serve(args, profile, aggregator, sock, Daemon, index: int) -> int:
         sock.close()
         if reporter is not None:
             reporter.set()
+    if metrics is not None:
+        metrics.close()
     final = daemon.statistics_json()
-    _report(f"gradsum {name}: stopped; statistics {final}")
+    _report(f"gradsum {name}: stopped; statistics {final}", event="stopped",
+            statistics=daemon.statistics())  # fmt: skip
     if args.stats_json:
         path = args.stats_json if index == 0 else f"{args.stats_json}.{index}"
         with open(path, "w") as out:
             out.write(final + "\n")
     return 0
+
+
+def _open_metrics(host: str, port: int | None, pipelines: int, UsageError) -> list:
+    """One bound metrics server per pipeline (ports PORT.., or free ones), or none."""
+    if port is None:
+        return []
+    from .metrics import MetricsServer
+
+    servers = []
+    try:
+        for index in range(pipelines):
+            servers.append(MetricsServer((host, port + index if port else 0)))
+    except OSError as error:
+        for server in servers:
+            server.httpd.server_close()
+        raise UsageError(f"--metrics-port: {error.strerror or error}") from None
+    return servers
 
 
 def _check_flags(args, UsageError) -> None:
@@ -212,11 +298,15 @@ def _check_flags(args, UsageError) -> None:
         ("--job-memory", args.job_memory),
         ("--memory", args.memory),
         ("--max-elements", args.max_elements),
+        ("--max-jobs", args.max_jobs),
+        ("--max-memory", args.max_memory or 1),
     ):
         if value < 1:
             raise UsageError(f"{flag} must be positive, got {value}")
     if args.stats_interval < 0:
         raise UsageError(f"--stats-interval must be >= 0, got {args.stats_interval}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535 - args.pipelines:
+        raise UsageError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
     if not 1 <= args.pipelines <= 64:
         raise UsageError(f"--pipelines must be in 1..64, got {args.pipelines}")
 
@@ -232,7 +322,7 @@ def _install_signals(daemon) -> None:
         daemon.stop.set()
 
     def report(signum, frame):
-        _report(daemon.statistics_json())
+        _report(daemon.statistics_json(), event="statistics", statistics=daemon.statistics())
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
@@ -246,14 +336,23 @@ def _start_reporter(daemon, interval: float):
 
     def loop():
         while not done.wait(interval):
-            _report(daemon.statistics_json())
+            _report(daemon.statistics_json(), event="statistics", statistics=daemon.statistics())
 
     threading.Thread(target=loop, daemon=True, name="gradsum-stats").start()
     return done
 
 
-def _report(line: str) -> None:
+_LOG_JSON = False  # --log-format json
+
+
+def _report(line: str, event: str = "log", level: str = "info", **fields) -> None:
     """One line to stderr in one write: pipelines share the stream, and ``print`` (text and
-    newline written separately when stderr is unbuffered) let their lines interleave."""
+    newline written separately when stderr is unbuffered) let their lines interleave. With
+    ``--log-format json``, one JSON object per line: time, level, event, pid, and the
+    event's fields (a log collector parses them without knowing our text)."""
+    if _LOG_JSON:
+        record = {"ts": round(time.time(), 3), "level": level, "event": event,
+                  "pid": os.getpid(), **(fields or {"message": line})}  # fmt: skip
+        line = json.dumps(record, sort_keys=True)
     sys.stderr.write(line + "\n")
     sys.stderr.flush()

@@ -53,6 +53,7 @@ class DaemonProcess:
             self.process.kill()
             error = self.process.stderr.read()
             raise RuntimeError(f"gradsum {self.kind} failed to start: {line}{error}")
+        self.listing = line  # the whole line: metrics servers are named in it too
         listed = line.split("listening on ", 1)[1].split(" (", 1)[0]
         self.addresses = tuple(_address(item.strip()) for item in listed.split(","))
         return self.addresses[0]
@@ -131,6 +132,7 @@ class WorkerTask:
     groups: int = 1  # hierarchy: worker w talks to aggregators[w // (workers // groups)]
     multicast: bool = False  # results multicast to a group the workers join (a switch's)
     mtu: int | None = None  # packets that fit this path MTU, a chunk's sent with GSO
+    key: bytes | None = None  # the job's key: its control is signed, its packets carry its token
 
     def route(self, worker: int) -> tuple[tuple[Address, ...], int]:
         """(aggregators, worker id there) of a global worker."""
@@ -202,7 +204,7 @@ def run_workers(task: WorkerTask, timeout: float = 300.0, register=None) -> list
         ]
         if register is None:
             for aggregator in task.aggregators:
-                teardown_job(aggregator, task.job)
+                teardown_job(aggregator, task.job, key=task.key)
     finally:
         for process in processes:
             process.join(timeout=5)
@@ -222,7 +224,7 @@ def job_spec(task: WorkerTask, addresses, aggregator=None, **extra):
     probe = SwitchClient(task.aggregators[:1], job=task.job, worker=0, workers=task.workers,
                          codec=task.codec, codec_options=task.codec_options, slots=task.slots,
                          elements=task.slot_elements, multicast=False,
-                         mtu=task.mtu)  # fmt: skip
+                         mtu=task.mtu, key=task.key)  # fmt: skip
     probe.multicast = task.multicast
     try:
         return probe.job_spec(addresses, aggregator, **extra)
@@ -258,7 +260,8 @@ def _work(task: WorkerTask, worker: int, pipe) -> WorkerResult:
     client = SwitchClient(aggregators, job=task.job, worker=local, workers=task.workers,
                           codec=task.codec, codec_options=task.codec_options, slots=task.slots,
                           elements=task.slot_elements, seed=task.seed, rank=worker,
-                          policy=policy, multicast=task.multicast, mtu=task.mtu)  # fmt: skip
+                          policy=policy, multicast=task.multicast, mtu=task.mtu,
+                          key=task.key)  # fmt: skip
     with client:
         pipe.send(client.address)
         if not pipe.poll(120):

@@ -59,6 +59,7 @@ ROUTE = np.dtype(
         ("upstream", "<u8"),
         ("downstream", "<u8"),
         ("placed", "<u8"),
+        ("token", "<u8"),
     ],
     align=True,
 )
@@ -120,6 +121,7 @@ class Routes:
         row["upstream"] = upstream.ctypes.data
         row["downstream"] = downstream.ctypes.data
         row["placed"] = placed.ctypes.data
+        row["token"] = transfer.token
 
     def receive(self, fds: list[int], wait: float) -> list[tuple]:
         return _pump.receive(fds, self.table, max(0, round(wait * 1000)), BATCH)

@@ -143,7 +143,7 @@ class JobRecovery:
         from ..net.client import AggregatorLost, probe_jobs
 
         def check(owing: Sequence[tuple[Address, int]]) -> None:
-            probe_jobs(owing)
+            probe_jobs(owing, key=client.key)
             started = self._peer_started(client.job)
             if started is not None:
                 rank, reason = started

@@ -48,11 +48,13 @@ def connect_jobs(
 
     clients = []
     for group in address_groups:
+        job, key = _agree_on_job()
         client = SwitchClient(
             group,
             multicast=multicast,
             bind=(local_address_towards(group[0]), 0),
-            job=_agree_on_job_id(),
+            job=job,
+            key=key,
             worker=settings.rank,
             workers=settings.world,
             codec=settings.codec_name,
@@ -84,7 +86,8 @@ def disconnect_jobs(clients: Sequence, rank: int, everyone: bool = False) -> Non
             for client in clients:
                 for address in client.aggregators:
                     with contextlib.suppress(ControlError, OSError):
-                        teardown_job(address, client.job, timeout=1.0 if everyone else 5.0)
+                        teardown_job(address, client.job, timeout=1.0 if everyone else 5.0,
+                                     key=client.key)
     finally:
         for client in clients:
             client.close()
@@ -194,11 +197,17 @@ class ServiceAggregator(Aggregator):
             self.recovery.close()
 
 
-def _agree_on_job_id() -> int:
-    """Worker 0 draws a job id (so two jobs sharing a switch do not collide); all adopt it."""
-    choice = [random.SystemRandom().randrange(1, 1 << 16) if dist.get_rank() == 0 else None]
+def _agree_on_job() -> tuple[int, bytes]:
+    """Worker 0 draws a job id (so two jobs sharing a switch do not collide) and the job's key
+    (it signs the job's control messages and gives its data token); all adopt them, over
+    torch.distributed's control group (the rendezvous), never the aggregator's network."""
+    from ..dataplane.authentication import new_key
+
+    choice = [(random.SystemRandom().randrange(1, 1 << 16), new_key())
+              if dist.get_rank() == 0 else None]  # fmt: skip
     dist.broadcast_object_list(choice, src=0)
-    return int(choice[0])
+    job, key = choice[0]
+    return int(job), bytes(key)
 
 
 def local_address_towards(address: tuple[str, int]) -> str:
