@@ -32,6 +32,7 @@ def train_in_testbed(
     workers: int,
     train_flags: list[str],
     timeout: float = 900.0,
+    testbed_id: str = "benchtrain",
 ) -> Iterator[tuple[str, dict | Failure]]:
     """Each scheduler's outcome as soon as its job ends: rank 0's summary, or the job's Failure,
     trained through ``aggregator`` on ``workers`` hosts: the switch on the testbed's switch host,
@@ -39,7 +40,7 @@ def train_in_testbed(
     themselves is raised."""
     from ..testbed.testbed import Testbed
 
-    with Testbed(workers, rate=rate, switch=aggregator == "switch", id="benchtrain") as tb:
+    with Testbed(workers, rate=rate, switch=aggregator == "switch", id=testbed_id) as tb:
         daemons = _start_aggregators(tb, aggregator, workers)
         try:
             for k, scheduler in enumerate(schedulers):

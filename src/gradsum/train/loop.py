@@ -249,6 +249,8 @@ def _train_steps(config, rank, world, step, model, dataset, log) -> list[dict]:
             start = time.perf_counter()
             outcome = step(inputs, labels, stop=rank == 0 and (stop or over))
             if outcome is None:  # some worker asked to stop: all stop here, together
+                if not evals or evals[-1]["step"] != step.count:
+                    evaluate_now()  # worker 0's final evaluation; the others wait for it
                 return evals
             clock += time.perf_counter() - start
             taken += 1
