@@ -8,14 +8,14 @@ has already (``ddp``: DDP's fp32 all-reduce; ``ddp:fp16``, ``ddp:bf16``: its com
 run trains for ``--time-budget`` seconds (or ``--max-steps``) and evaluates every
 ``--eval-every`` steps on the same validation samples, outside the timed region.
 
-Reported per method: the seconds of training until the validation loss first reached
-``--target-loss`` and the baseline's time divided by it (the first method is the baseline), the
-final validation loss and bits per byte, the validation loss at the baseline's last evaluated
-step (the same number of steps), the steps taken and seconds per step, and the bytes each worker
-sends per step (steady state). The header gives the baseline's communication-to-compute ratio:
-(seconds per step − seconds of forward and backward alone, every worker computing at once) /
-the latter. Rows are printed and (``--json``) written as each run ends; ``--plot`` draws
-validation loss against training seconds and against steps.
+Reported per method: the seconds of training until the validation loss first reached ``--target-
+loss`` and the baseline's time divided by it (the first method is the baseline), the final
+validation loss and bits per byte, the validation loss at the last step every run evaluated (the
+same number of steps) and its gap to the baseline's, the steps taken and seconds per step, and
+the bytes each worker sends per step (steady state). The header gives the baseline's
+communication-to-compute ratio: (seconds per step − seconds of forward and backward alone, every
+worker computing at once) / the latter. Rows are printed and (``--json``) written as each run
+ends; ``--plot`` draws validation loss against training seconds and against steps.
 """
 
 from __future__ import annotations
@@ -308,6 +308,13 @@ def bytes_per_step(config) -> int:
     return math.ceil((bits_up * size + summary_bits) / 8)
 
 
+def common_step(rows: list[TTARow]) -> int | None:
+    """The last step every run that ran evaluated at: where losses compare step for step."""
+    steps = [{e["step"] for e in row.evals} for row in rows if not row.failed and row.evals]
+    shared = set.intersection(*steps) if steps else set()
+    return max(shared) if shared else None
+
+
 def loss_at_step(row: TTARow, step: int) -> float | None:
     return next((e["val_loss"] for e in row.evals if e["step"] == step), None)
 
@@ -330,7 +337,7 @@ def format_table(rows: list[TTARow], target: float | None) -> str:
             f"baseline {base.method}: {base.step_s:.3f} s per step, {base.compute_s:.3f} s of "
             f"compute: communication-to-compute ratio {base.comm_to_compute:.2f}"
         )
-    same = base.evals[-1]["step"] if base and base.evals else None
+    same = common_step(rows)
     lines.append(
         f"{'method':<16} {'to target s':>11} {'vs base':>8} {'final loss':>10} {'bpb':>6} "
         f"{f'loss @{same}':>10} {'vs base':>8} {'steps':>6} {'s/step':>7} {'MB/step':>8} "
