@@ -12,6 +12,7 @@ import torch.distributed as dist
 from gradsum.codecs import make_codec
 from gradsum.sync.allreduce import AllReduceAggregator
 from gradsum.sync.gradient_sync import GradientSync
+from gradsum.train.config import TrainConfig
 from gradsum.train.guard import DivergenceError, DivergenceGuard
 from gradsum.train.loop import _Stepper
 from gradsum.train.models import build_model
@@ -99,3 +100,30 @@ def test_fallback_none_retries_the_step_uncompressed_and_counts_it(gloo_alone):
     assert names.count("none") == 2 * len(list(model.parameters()))
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert losses[-1] < losses[0]  # same batch: it is being fitted
+
+
+@pytest.mark.slow  # DDP's start-up: 10-26 s on the loaded 2-core machine
+def test_a_loss_jump_under_ddp_is_retried_outside_its_hook_and_counted(gloo_alone):
+    """DDP's step is taken again under ``no_sync`` (its forward already ran with the hook armed)
+    and averaged in fp32 by hand; training goes on through the hook afterwards."""
+    from gradsum.train.peers import DDPSync
+
+    torch.manual_seed(0)
+    model = build_model("digits-mlp")
+    sync = DDPSync(model, TrainConfig(aggregator="ddp", ddp_hook="fp16"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = DivergenceGuard("ddp:fp16", factor=3.0, fallback="none", warmup=3)
+    step = _Stepper(sync.net, model, optimizer, sync, guard)
+    inputs = torch.rand(16, 64, generator=torch.Generator().manual_seed(1))
+    labels = torch.arange(16) % 10
+    for _ in range(4):
+        step(inputs, labels)
+    assert guard.fallbacks == 0
+    optimizer.param_groups[0]["lr"] = 0.0  # (that step's update would wreck the next ones)
+    step(inputs * 400.0, labels)  # a batch whose loss is far above the running mean
+    optimizer.param_groups[0]["lr"] = 0.05
+    assert guard.fallbacks == 1
+    for _ in range(2):
+        step(inputs, labels)
+    assert guard.fallbacks == 1 and step.count == 7 and sync.step == 7
+    assert all(torch.isfinite(p).all() for p in model.parameters())
