@@ -171,6 +171,10 @@ def _cause(err: Path, context: int = 12) -> str:
     or traceback it printed (faulthandler's stack dumps of other threads may follow it), or
     its last lines."""
     lines = [line.rstrip() for line in err.read_text().splitlines() if line.strip()]
-    starts = [i for i, line in enumerate(lines) if line.startswith(("Traceback", "Fatal Python"))]
+    # a C++ exception that ends the process says what it was before Python's fatal error does
+    openers = ("Traceback", "Fatal Python", "terminate called")
+    starts = [i for i, line in enumerate(lines) if line.startswith(openers)]
+    if len(starts) > 1 and lines[starts[-2]].startswith("terminate called"):
+        starts.pop()
     tail = lines[starts[-1] :] if starts else lines[-context:]
     return "\n    ".join(tail[-context:] or ["no output"])
