@@ -8,7 +8,12 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCH_MODULES = ("gradsum.bench.codecs", "gradsum.bench.ate", "gradsum.bench.train")
+BENCH_MODULES = (
+    "gradsum.bench.codecs",
+    "gradsum.bench.ate",
+    "gradsum.bench.train",
+    "gradsum.bench.tta",
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -32,6 +32,7 @@ def train_in_testbed(
     workers: int,
     train_flags: list[str],
     timeout: float = 900.0,
+    testbed_id: str = "benchtrain",
 ) -> Iterator[tuple[str, dict | Failure]]:
     """Each scheduler's outcome as soon as its job ends: rank 0's summary, or the job's Failure,
     trained through ``aggregator`` on ``workers`` hosts: the switch on the testbed's switch host,
@@ -39,7 +40,7 @@ def train_in_testbed(
     themselves is raised."""
     from ..testbed.testbed import Testbed
 
-    with Testbed(workers, rate=rate, switch=aggregator == "switch", id="benchtrain") as tb:
+    with Testbed(workers, rate=rate, switch=aggregator == "switch", id=testbed_id) as tb:
         daemons = _start_aggregators(tb, aggregator, workers)
         try:
             for k, scheduler in enumerate(schedulers):
@@ -170,6 +171,10 @@ def _cause(err: Path, context: int = 12) -> str:
     or traceback it printed (faulthandler's stack dumps of other threads may follow it), or
     its last lines."""
     lines = [line.rstrip() for line in err.read_text().splitlines() if line.strip()]
-    starts = [i for i, line in enumerate(lines) if line.startswith(("Traceback", "Fatal Python"))]
+    # a C++ exception that ends the process says what it was before Python's fatal error does
+    openers = ("Traceback", "Fatal Python", "terminate called")
+    starts = [i for i, line in enumerate(lines) if line.startswith(openers)]
+    if len(starts) > 1 and lines[starts[-2]].startswith("terminate called"):
+        starts.pop()
     tail = lines[starts[-1] :] if starts else lines[-context:]
     return "\n    ".join(tail[-context:] or ["no output"])

@@ -57,5 +57,11 @@ class Aggregator:
         unless the transport cannot carry a partition that large."""
         return requested or PARTITION_ELEMENTS
 
+    def lossless_codec_name(self) -> str:
+        """The codec that carries gradients exactly through this aggregator: fp32 where it sums
+        floats, block floating point (fp32's integer carrier) on a switch. Warm-up steps and
+        the training loop's uncompressed retries use it."""
+        return "none" if self.sums_floats else "bfp"
+
     def close(self) -> None:
         """Release transport resources (sockets, threads)."""

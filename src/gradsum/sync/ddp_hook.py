@@ -48,7 +48,7 @@ class GradsumHookState:
         if step >= self.start_step:
             return self.codec
         if self._warmup_codec is None:
-            name = "none" if self.aggregator.sums_floats else "bfp"
+            name = self.aggregator.lossless_codec_name()
             self._warmup_codec = make_codec(name, workers=self.codec.workers)
         return self._warmup_codec
 

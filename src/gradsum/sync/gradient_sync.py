@@ -20,11 +20,12 @@ aggregator call (all-reduce, switch). See :mod:`gradsum.sync.senders`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..codecs import Codec
+from ..codecs import Codec, make_codec
 from ..codecs.round import PARTITION_ELEMENTS
 from ..schedule.plan import Plan
 from .aggregator import Aggregator
@@ -92,6 +93,7 @@ class GradientSync:
         self.timeout = timeout
         self.partition_elements = partition_elements
         self.step = 0
+        self._lossless: Codec | None = None
         after_backward = plan is not None and plan.trigger == "after_backward"
         everything = list(range(len(self.parameters)))
         self._needs = [everything if after_backward else g for g in self.groups]
@@ -182,6 +184,21 @@ class GradientSync:
             self._missing = [len(n) for n in self._needs]
             self._released = 0
             self.step += 1
+
+    @contextlib.contextmanager
+    def uncompressed(self) -> Iterator[None]:
+        """Steps inside travel through the aggregator's lossless codec (fp32, bfp on a switch)
+        instead of the training codec: the training loop's retry of a step whose compressed
+        gradient diverged. Every worker must enter it for the same steps."""
+        if self._lossless is None:
+            name = self.aggregator.lossless_codec_name()
+            self._lossless = make_codec(name, workers=self.codec.workers)
+        trained = self.codec
+        self.codec = self._sender.codec = self._lossless
+        try:
+            yield
+        finally:
+            self.codec = self._sender.codec = trained
 
     def close(self) -> None:
         for handle in self._handles:

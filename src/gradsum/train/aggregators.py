@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..codecs import Codec, make_codec, parse_options
 from ..sync.aggregator import Aggregator
-from .config import AGGREGATOR_NAMES
+from .config import AGGREGATOR_NAMES, DDP
 
 
 class IncompatibleChoice(ValueError):
@@ -12,6 +12,8 @@ class IncompatibleChoice(ValueError):
 
 
 def check_compatible(aggregator: str, codec: str) -> None:
+    if aggregator == DDP:  # torch's DDP hooks compress, not a gradsum codec (train/peers.py)
+        return
     if aggregator not in AGGREGATOR_NAMES:
         raise IncompatibleChoice(
             f"unknown aggregator {aggregator!r}; choose one of {', '.join(AGGREGATOR_NAMES)}"

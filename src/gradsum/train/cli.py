@@ -13,7 +13,7 @@ from ..devices import DEVICE_NAMES
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from ..codecs import CODEC_NAMES
-    from .config import AGGREGATOR_NAMES, DATASET_NAMES, MODEL_NAMES, TrainConfig
+    from .config import AGGREGATOR_NAMES, DATASET_NAMES, DDP, MODEL_NAMES, TrainConfig
 
     defaults = TrainConfig()
     parser = subparsers.add_parser(
@@ -23,7 +23,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "digits MLP with THC through a software switch on loopback. Under torchrun, this "
         "process is one worker; pass the aggregator's address with --switch or --servers.",
     )
-    parser.add_argument("--aggregator", choices=AGGREGATOR_NAMES, default=defaults.aggregator)
+    parser.add_argument(
+        "--aggregator", choices=(*AGGREGATOR_NAMES, DDP), default=defaults.aggregator,
+        help="gradsum's aggregators, or ddp: torch's DistributedDataParallel with --ddp-hook",
+    )  # fmt: skip
     parser.add_argument("--codec", choices=CODEC_NAMES, default=defaults.codec)
     parser.add_argument(
         "--codec-options", default="", help="e.g. 'bits=4,granularity=30,p=1/32' (codec defaults)"
@@ -85,7 +88,72 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="where the model trains: one GPU per local rank, gradients over NCCL where the "
         "aggregator is all-reduce (default: cuda when present, else cpu)",
     )  # fmt: skip
+    add_workload_flags(parser, defaults)
     parser.set_defaults(run=run)
+
+
+def add_workload_flags(parser: argparse.ArgumentParser, defaults) -> None:
+    """The flags of the DDP peers, the gpt model's sizes, step-based runs and the divergence
+    guard (shared with ``gradsum bench tta``)."""
+    from .config import DDP_HOOK_NAMES, OPTIMIZER_NAMES
+    from .guard import FALLBACK_NAMES
+
+    parser.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default=defaults.optimizer)
+    group = parser.add_argument_group("torch DDP (--aggregator ddp)")
+    group.add_argument("--ddp-hook", choices=DDP_HOOK_NAMES, default=defaults.ddp_hook)
+    group.add_argument("--powersgd-rank", type=positive_int, default=defaults.powersgd_rank)
+    group.add_argument(
+        "--powersgd-start", type=positive_int, default=defaults.powersgd_start,
+        help="uncompressed steps before PowerSGD (at least 2)",
+    )  # fmt: skip
+    group = parser.add_argument_group("the gpt model (--model gpt --dataset stdlib)")
+    group.add_argument("--layers", type=positive_int, default=defaults.layers)
+    group.add_argument("--width", type=positive_int, default=defaults.width)
+    group.add_argument("--heads", type=positive_int, default=defaults.heads)
+    group.add_argument("--context", type=positive_int, default=defaults.context, help="tokens")
+    group.add_argument(
+        "--data-bytes", type=positive_int, default=defaults.data_bytes,
+        help="bytes of training text (stdlib; default 8 MiB, validation an eighth of it)",
+    )  # fmt: skip
+    group = parser.add_argument_group("step-based runs (instead of --epochs)")
+    group.add_argument("--max-steps", type=positive_int, default=defaults.max_steps)
+    group.add_argument(
+        "--eval-every", type=positive_int, default=defaults.eval_every,
+        help="evaluate every N steps, outside the timed region",
+    )  # fmt: skip
+    group.add_argument(
+        "--eval-samples", type=positive_int, default=defaults.eval_samples,
+        help="validation samples per evaluation (default: all)",
+    )  # fmt: skip
+    group.add_argument(
+        "--time-budget", type=float, default=defaults.time_budget,
+        help="stop after this many seconds of training (evaluations not counted)",
+    )  # fmt: skip
+    group.add_argument(
+        "--target-loss", type=float, default=defaults.target_loss,
+        help="stop once the validation loss is at most this",
+    )  # fmt: skip
+    group = parser.add_argument_group("the divergence guard")
+    group.add_argument(
+        "--divergence-factor", type=float, default=defaults.divergence_factor,
+        help="a loss above this times its running mean stops training (or falls back)",
+    )  # fmt: skip
+    group.add_argument(
+        "--fallback", choices=FALLBACK_NAMES, default=defaults.fallback,
+        help="on divergence: stop, or retry the step uncompressed (none) and count it",
+    )  # fmt: skip
+
+
+_WORKLOAD_FIELDS = (
+    "optimizer", "ddp_hook", "powersgd_rank", "powersgd_start", "layers", "width", "heads",
+    "context", "data_bytes", "max_steps", "eval_every", "eval_samples", "time_budget",
+    "target_loss", "divergence_factor", "fallback",
+)  # fmt: skip
+
+
+def workload_fields(args: argparse.Namespace) -> dict:
+    """The ``TrainConfig`` fields that :func:`add_workload_flags` set."""
+    return {name: getattr(args, name) for name in _WORKLOAD_FIELDS}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         device=_device(args.device),
         standby=[s.strip() for s in args.standby.split(",") if s.strip()],
         liveness=args.liveness,
+        **workload_fields(args),
     )
     from ..dataplane.geometry import MAX_MTU, MIN_MTU
 
@@ -134,9 +203,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(error)) from None
     torchrun = under_torchrun()
     if not torchrun:
+        from .peers import method_name
+
         print(
             f"training {config.model} on {config.dataset}: {config.workers} workers, "
-            f"{config.aggregator} + {config.codec}, scheduler {config.scheduler}",
+            f"{method_name(config)}, scheduler {config.scheduler}",
             flush=True,
         )
     try:
@@ -147,7 +218,13 @@ def run(args: argparse.Namespace) -> int:
         if torchrun:
             _leave_without_teardown(1)
         return 1
-    if summary.get("test_accuracy") is not None and int(os.environ.get("RANK", "0")) == 0:
+    if summary.get("val_loss") is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"done: validation loss {summary['val_loss']:.4f} ({summary['bits_per_byte']:.3f} "
+            f"bits per byte) after {summary['steps']} steps, {summary['train_seconds']:.1f} s "
+            f"training, {summary['fallbacks']} uncompressed retries"
+        )
+    elif summary.get("test_accuracy") is not None and int(os.environ.get("RANK", "0")) == 0:
         print(
             f"done: test accuracy {summary['test_accuracy']:.4f}, "
             f"{summary['samples_per_s']:,.0f} samples/s over {summary['epochs']} epochs "
@@ -182,9 +259,10 @@ def _leave_without_teardown(status: int) -> NoReturn:
 def _check_data(config) -> None:
     """Fail before starting any process when the data cannot be loaded."""
     from .data import load_dataset
-    from .models import input_shape
+    from .models import sample_shape
 
-    load_dataset(config.dataset, config.data_dir, input_shape(config.model), config.seed)
+    load_dataset(config.dataset, config.data_dir, sample_shape(config), config.seed,
+                 max_bytes=config.data_bytes)  # fmt: skip
 
 
 def _check_reachable(config, timeout: float = 5.0) -> None:

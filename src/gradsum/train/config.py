@@ -7,7 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 AGGREGATOR_NAMES = ("allreduce", "switch", "ps")
-DATASET_NAMES = ("digits", "cifar10", "synthetic")
+# The peer a PyTorch user already has: torch's DistributedDataParallel with one of its own
+# communication hooks (train/peers.py), run by the same launcher over the same links.
+DDP = "ddp"
+DDP_HOOK_NAMES = ("allreduce", "fp16", "bf16", "powersgd")
+OPTIMIZER_NAMES = ("sgd", "adamw")
+DATASET_NAMES = ("digits", "cifar10", "synthetic", "stdlib")
 MODEL_NAMES = (
     "resnet18",
     "resnet50",
@@ -16,6 +21,7 @@ MODEL_NAMES = (
     "digits-mlp",
     "digits-cnn",
     "digits-wide",
+    "gpt",
 )
 
 
@@ -51,3 +57,26 @@ class TrainConfig:
     mtu: int | None = None  # path MTU to the aggregators: packets of one frame (net/client.py)
     progress: bool = True
     device: str = "cpu"  # "cuda": one GPU per local rank, NCCL for gradients (train/launch.py)
+    optimizer: str = "sgd"
+    # torch DDP's hook when aggregator == "ddp" (codec is then unused)
+    ddp_hook: str = "allreduce"
+    powersgd_rank: int = 2
+    powersgd_start: int = 2  # uncompressed steps before PowerSGD (torch's minimum)
+    # the gpt model's sizes (the other models have fixed shapes)
+    layers: int = 4
+    width: int = 256
+    heads: int = 4
+    context: int = 128
+    data_bytes: int | None = None  # stdlib: bytes of training text (data.STDLIB_BYTES)
+    # Step-based runs with a fixed evaluation schedule (bench tta): with max_steps or
+    # eval_every set, training runs by steps instead of epochs, evaluates every eval_every
+    # steps outside its timed region, and stops at max_steps, after time_budget seconds of
+    # training, or once the validation loss reaches target_loss.
+    max_steps: int | None = None
+    eval_every: int | None = None
+    eval_samples: int | None = None  # validation samples per evaluation (None: all)
+    time_budget: float | None = None
+    target_loss: float | None = None
+    # the divergence guard (train/guard.py)
+    divergence_factor: float = 3.0
+    fallback: str = "stop"

@@ -1,4 +1,5 @@
-"""Data sets for training: scikit-learn's digits (embedded), CIFAR-10 from disk, synthetic.
+"""Data sets for training: scikit-learn's digits (embedded), CIFAR-10 from disk, synthetic, and
+the Python standard library's own sources as byte-level text (every machine with Python has it).
 
 Every data set is a pair of in-memory tensors (train, test); each worker reads its own shard of a
 permutation that all workers draw from the same seed, so the shards never overlap.
@@ -6,7 +7,9 @@ permutation that all workers draw from the same seed, so the shards never overla
 
 from __future__ import annotations
 
+import hashlib
 import pickle
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,8 +45,17 @@ class Dataset:
 
 
 def load_dataset(
-    name: str, data_dir: str | Path | None = None, input_shape=None, seed: int = 0
+    name: str,
+    data_dir: str | Path | None = None,
+    input_shape=None,
+    seed: int = 0,
+    max_bytes: int | None = None,
 ) -> Dataset:
+    """``max_bytes`` caps the text of ``stdlib`` (its training split; validation gets an eighth
+    of it); the other data sets ignore it."""
+    if name == "stdlib":
+        context = input_shape[0] if input_shape else 128
+        return _stdlib(data_dir, context, max_bytes or STDLIB_BYTES)
     if name == "digits":
         return _digits()
     if name == "cifar10":
@@ -117,6 +129,55 @@ def _synthetic(
         Split(inputs[train:], labels[train:]),
         10,
     )
+
+
+STDLIB_BYTES = 8 << 20  # of training text by default: ~65,000 windows of 129 bytes
+VALIDATION_EVERY = 10  # one source file in ten is validation (by its path's hash)
+
+
+def _stdlib(data_dir: str | Path | None, context: int, max_bytes: int) -> Dataset:
+    """Byte-level next-token windows over the standard library's ``.py`` sources.
+
+    The sources come from ``sysconfig.get_paths()["stdlib"]`` (or ``--data-dir``), without
+    site-packages. A file is validation when the BLAKE2b hash of its relative path falls in one
+    bucket of ``VALIDATION_EVERY``: the split is by file (no window of a validation file is
+    trained on) and the same on every machine and run, whatever order the files are listed in.
+    Files are read in path order and joined by a NUL byte until ``max_bytes`` of training text
+    (an eighth of that of validation); each split is cut into windows of ``context + 1`` bytes
+    that overlap by one, the input a window's first ``context`` bytes and the labels its last.
+    """
+    root = Path(data_dir) if data_dir is not None else Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        (p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
+    if not files:
+        raise DataError(f"--dataset stdlib: no .py files under {root}")
+    budgets = {"train": max_bytes, "test": max(max_bytes // 8, context + 1)}
+    texts: dict[str, list[bytes]] = {"train": [], "test": []}
+    filled = {"train": 0, "test": 0}
+    for path in files:
+        relative = path.relative_to(root).as_posix()
+        digest = hashlib.blake2b(relative.encode(), digest_size=8).digest()
+        split = "test" if int.from_bytes(digest, "little") % VALIDATION_EVERY == 0 else "train"
+        if filled[split] >= budgets[split]:
+            if all(filled[s] >= budgets[s] for s in budgets):
+                break
+            continue
+        text = path.read_bytes() + b"\0"
+        texts[split].append(text)
+        filled[split] += len(text)
+    splits = {}
+    for split, parts in texts.items():
+        data = torch.frombuffer(bytearray(b"".join(parts)[: budgets[split]]), dtype=torch.uint8)
+        if len(data) < context + 1:
+            raise DataError(
+                f"--dataset stdlib: {len(data)} bytes of {split} text under {root}, fewer than "
+                f"one window of --context {context} + 1"
+            )
+        windows = data.unfold(0, context + 1, context)
+        splits[split] = Split(windows[:, :-1], windows[:, 1:])
+    return Dataset("stdlib", splits["train"], splits["test"], 256)
 
 
 def shard_batches(split: Split, rank: int, world: int, batch_size: int, epoch: int, seed: int):

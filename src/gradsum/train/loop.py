@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,9 +21,11 @@ from ..schedule import AlphaBeta
 from ..sync.gradient_sync import GradientSync
 from ..sync.scheduling import agree_on_plan
 from .aggregators import make_aggregator
-from .config import TrainConfig
+from .config import DDP, TrainConfig
 from .data import augment_images, load_dataset, shard_batches, steps_per_epoch
-from .models import build_model, input_shape
+from .guard import DivergenceGuard
+from .models import build_model, model_sizes, sample_shape
+from .peers import DDPSync, method_name
 
 
 @dataclass
@@ -38,8 +41,12 @@ class EpochMetrics:
 def train_worker(config: TrainConfig, rank: int, world: int) -> dict:
     """Train on this worker's shard; returns rank 0's summary (other ranks: their param digest)."""
     torch.manual_seed(config.seed)  # the same initial weights on every worker
-    dataset = load_dataset(config.dataset, config.data_dir, input_shape(config.model), config.seed)
-    model = build_model(config.model, dataset.num_classes).to(device_of(config))
+    dataset = load_dataset(config.dataset, config.data_dir, sample_shape(config), config.seed,
+                           max_bytes=config.data_bytes)  # fmt: skip
+    model = build_model(config.model, dataset.num_classes, **model_sizes(config))
+    model = model.to(device_of(config))
+    if config.aggregator == DDP:  # torch's DDP and its hooks: the peers (train/peers.py)
+        return _train(config, rank, world, dataset, model, None, None)
     codec = make_codec(config.codec, workers=world, **parse_options(config.codec_options))
     aggregator = make_aggregator(config, rank, world, codec)
     try:
@@ -48,62 +55,239 @@ def train_worker(config: TrainConfig, rank: int, world: int) -> dict:
         aggregator.close()
 
 
-def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
+def _make_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    if config.optimizer != "sgd":
+        raise ValueError(f"unknown optimizer {config.optimizer!r}")
     momentum = 0.0 if config.codec == "dgc" else config.momentum  # DGC carries the momentum
-    optimizer = torch.optim.SGD(
+    return torch.optim.SGD(
         model.parameters(), lr=config.lr, momentum=momentum, weight_decay=config.weight_decay
     )
-    options = {"threshold": config.fusion_elements} if config.scheduler == "fusion" else {}
-    batch = dataset.train.inputs[: config.batch_size].to(device_of(config))
-    chosen = agree_on_plan(
-        config.scheduler,
-        model,
-        batch,
-        aggregator,
-        codec,
-        options=options,
-        model_name=config.model,
-        fit=AlphaBeta(*config.fixed_cost) if config.fixed_cost else None,
-    )
-    sync = GradientSync(
-        model,
-        codec,
-        aggregator,
-        plan=chosen.plan,
-        order=chosen.order,
-        seed=config.seed,
-        timeout=config.timeout,
-    )
+
+
+def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
+    optimizer = _make_optimizer(config, model)
+    stepped = config.max_steps is not None or config.eval_every is not None
+    # the compute of a step, every worker at once (as in training) but exchanging nothing:
+    # what the communication-to-compute ratio of bench tta divides by
+    compute_s = _compute_seconds(model, dataset, config) if stepped else None
+    if aggregator is None:
+        sync = DDPSync(model, config)
+        net, describe, order = sync.net, f"torch DDP, hook {config.ddp_hook}", []
+    else:
+        options = {"threshold": config.fusion_elements} if config.scheduler == "fusion" else {}
+        batch = dataset.train.inputs[: config.batch_size].to(device_of(config))
+        chosen = agree_on_plan(
+            config.scheduler,
+            model,
+            batch,
+            aggregator,
+            codec,
+            options=options,
+            model_name=config.model,
+            fit=AlphaBeta(*config.fixed_cost) if config.fixed_cost else None,
+        )
+        sync = GradientSync(
+            model,
+            codec,
+            aggregator,
+            plan=chosen.plan,
+            order=chosen.order,
+            seed=config.seed,
+            timeout=config.timeout,
+        )
+        net, describe, order = model, chosen.describe(), chosen.order
+    guard = DivergenceGuard(method_name(config), config.divergence_factor, fallback=config.fallback)
     first_epoch = _resume(config, rank, model, optimizer, codec, sync) if config.resume else 0
     log = _Log(config.log if rank == 0 else None)
     log.write({"event": "config", "world": world, **asdict(config)})
-    log.write({"event": "plan", "describe": chosen.describe(), "order": chosen.order})
+    log.write({"event": "plan", "describe": describe, "order": order})
     if rank == 0 and config.progress:
-        print(chosen.describe(), flush=True)
+        print(describe, flush=True)
     history: list[EpochMetrics] = []
+    evals: list[dict] = []
     augment = torch.Generator().manual_seed(config.seed * 7919 + rank)
+    step = _Stepper(net, model, optimizer, sync, guard)
     try:
-        for epoch in range(first_epoch, config.epochs):
-            metrics = _train_epoch(
-                config, rank, world, epoch, model, optimizer, sync, dataset, augment
-            )
-            history.append(metrics)
-            log.write({"event": "epoch", **asdict(metrics)})
-            if rank == 0 and config.progress:
-                print(_epoch_line(metrics, config.epochs), flush=True)
-            if config.checkpoint:
-                _save(config, rank, epoch, model, optimizer, codec, sync)
+        if stepped:
+            evals = _train_steps(config, rank, world, step, model, dataset, log)
+        else:
+            for epoch in range(first_epoch, config.epochs):
+                metrics = _train_epoch(config, rank, world, epoch, step, model, dataset, augment)
+                history.append(metrics)
+                log.write({"event": "epoch", **asdict(metrics)})
+                if rank == 0 and config.progress:
+                    print(_epoch_line(metrics, config.epochs), flush=True)
+                if config.checkpoint:
+                    _save(config, rank, epoch, model, optimizer, codec, sync)
         digest = check_replicas(model)
     finally:
         sync.close()
-    summary = _summary(config, world, history, digest, chosen.describe())
+    summary = _summary(config, world, history, digest, describe)
+    summary.update(method=method_name(config), fallbacks=guard.fallbacks, steps=step.count)
+    if stepped:
+        summary.update(_stepped_summary(evals, compute_s))
     log.write({"event": "summary", **summary})
     return summary
 
 
-def _train_epoch(
-    config, rank, world, epoch, model, optimizer, sync, dataset, augment
-) -> EpochMetrics:
+def task_loss(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of class logits (N, C), or of next-token logits (N, T, V) per token."""
+    if outputs.dim() == 3:
+        return torch.nn.functional.cross_entropy(outputs.flatten(0, 1), labels.flatten().long())
+    return torch.nn.functional.cross_entropy(outputs, labels.long())
+
+
+class _Stepper:
+    """One training step under the divergence guard (train/guard.py).
+
+    The step's loss, averaged over workers in one small all-reduce of the control group (which
+    also carries a request to stop, from worker 0's clock or its evaluation), is checked before
+    backward; the averaged gradient, the same on every worker, after it. A problem either ends
+    training (``DivergenceError`` naming the step and the method) or, with ``--fallback none``,
+    the step is taken again through the lossless codec and counted.
+    """
+
+    def __init__(self, net, model, optimizer, sync, guard: DivergenceGuard) -> None:
+        self.net, self.model, self.optimizer, self.sync, self.guard = (
+            net, model, optimizer, sync, guard,
+        )  # fmt: skip
+        self.count = 0  # steps taken
+
+    def __call__(self, inputs, labels, stop: bool = False):
+        """(loss, outputs) of the step, or None when a worker asked to stop (nothing taken)."""
+        self.optimizer.zero_grad(set_to_none=False)
+        outputs = self.net(inputs)
+        loss = task_loss(outputs, labels)
+        mean, stopping = _agree(loss.detach(), stop)
+        if stopping:
+            return None
+        problem = self.guard.loss_problem(mean)
+        if problem is None:
+            loss.backward()
+            self.sync.wait()
+            problem = self.guard.gradient_problem(_gradients_finite(self.model))
+        if problem is not None:
+            if not self.guard.should_retry(problem):
+                raise self.guard.diverged(self.count + 1, problem)
+            self.guard.fallbacks += 1
+            self.optimizer.zero_grad(set_to_none=False)
+            with self.sync.uncompressed():
+                outputs = self.net(inputs)
+                loss = task_loss(outputs, labels)
+                loss.backward()
+                self.sync.wait()
+            if not _gradients_finite(self.model):
+                problem = "the gradient is not finite uncompressed either"
+                raise self.guard.diverged(self.count + 1, problem)
+        self.optimizer.step()
+        self.guard.accept(mean)
+        self.count += 1
+        return loss, outputs
+
+
+def _agree(loss: torch.Tensor, stop: bool) -> tuple[float, bool]:
+    """The loss averaged over workers, and whether any worker asked to stop."""
+    values = torch.tensor([float(loss), float(stop)], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values)
+        values[0] /= dist.get_world_size()
+    return float(values[0]), bool(values[1] > 0)
+
+
+def _gradients_finite(model: torch.nn.Module) -> bool:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return bool(torch.stack([g.isfinite().all() for g in grads]).all()) if grads else True
+
+
+def _compute_seconds(model, dataset, config, steps: int = 3) -> float:
+    """Median seconds of forward and backward on one batch, every worker at once."""
+    device = device_of(config)
+    inputs = dataset.train.inputs[: config.batch_size].to(device)
+    labels = dataset.train.labels[: config.batch_size].to(device)
+    times = []
+    for _ in range(steps + 1):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        task_loss(model(inputs), labels).backward()
+        times.append(time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    return sorted(times[1:])[steps // 2]  # the first one warms up
+
+
+def _train_steps(config, rank, world, step, model, dataset, log) -> list[dict]:
+    """Train by steps, evaluating every ``eval_every`` steps outside the timed region, until
+    ``max_steps``, ``time_budget`` seconds of training (worker 0's clock) or ``target_loss``.
+    Returns the evaluations: step, seconds of training so far, validation loss and accuracy."""
+    every = config.eval_every or max(1, (config.max_steps or 1) // 10)
+    evals: list[dict] = []
+    clock = 0.0
+    stop = False
+
+    def evaluate_now() -> None:
+        nonlocal stop
+        if rank != 0:
+            return
+        loss, accuracy = validation(model, dataset.test, config.eval_samples)
+        record = {"step": step.count, "seconds": clock, "val_loss": loss, "val_accuracy": accuracy}
+        evals.append(record)
+        log.write({"event": "eval", **record})
+        if config.progress:
+            print(f"step {step.count}  {clock:.1f} s  val loss {loss:.4f}  "
+                  f"({loss / math.log(2):.3f} bits per byte)", flush=True)  # fmt: skip
+        if config.target_loss is not None and loss <= config.target_loss:
+            stop = True
+
+    evaluate_now()
+    model.train()
+    epoch = 0
+    while True:  # until a step finds that a worker asked to stop, or max_steps
+        batches = shard_batches(dataset.train, rank, world, config.batch_size, epoch, config.seed)
+        taken = 0
+        for inputs, labels in batches:
+            over = config.time_budget is not None and clock >= config.time_budget
+            start = time.perf_counter()
+            inputs = inputs.to(device_of(config), non_blocking=True)
+            labels = labels.to(device_of(config), non_blocking=True)
+            outcome = step(inputs, labels, stop=rank == 0 and (stop or over))
+            if outcome is None:  # some worker asked to stop: all stop here, together
+                if not evals or evals[-1]["step"] != step.count:
+                    evaluate_now()  # worker 0's final evaluation; the others wait for it
+                return evals
+            clock += time.perf_counter() - start
+            taken += 1
+            if config.max_steps is not None and step.count >= config.max_steps:
+                if not evals or evals[-1]["step"] != step.count:
+                    evaluate_now()
+                return evals
+            if step.count % every == 0:
+                evaluate_now()
+                model.train()
+        if taken == 0:
+            raise ValueError(
+                f"--batch-size {config.batch_size} x {world} workers exceeds the "
+                f"{len(dataset.train)} training samples"
+            )
+        epoch += 1
+
+
+def _stepped_summary(evals: list[dict], compute_s: float | None) -> dict:
+    last = evals[-1] if evals else {}
+    seconds = last.get("seconds")
+    val_loss = last.get("val_loss")
+    return {
+        "evals": evals,
+        "compute_s": compute_s,
+        "step_s": seconds / last["step"] if last.get("step") else None,
+        "val_loss": val_loss,
+        "bits_per_byte": val_loss / math.log(2) if val_loss is not None else None,
+        "train_seconds": seconds,
+    }
+
+
+def _train_epoch(config, rank, world, epoch, step, model, dataset, augment) -> EpochMetrics:
     model.train()
     steps = steps_per_epoch(dataset.train, world, config.batch_size)
     if steps == 0:
@@ -117,26 +301,22 @@ def _train_epoch(
     # accumulated on the device (float64: the sum a Python float would make), read once
     total_loss = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
-    seen = 0
+    seen, samples = 0, 0
     start = time.perf_counter()
     try:
-        for step, (inputs, labels) in enumerate(batches):
+        for index, (inputs, labels) in enumerate(batches):
             if dataset.augment:
                 inputs = augment_images(inputs, augment)
             inputs = inputs.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
-            optimizer.zero_grad(set_to_none=False)
-            outputs = model(inputs)
-            loss = torch.nn.functional.cross_entropy(outputs, labels)
-            loss.backward()
-            sync.wait()
-            optimizer.step()
-            total_loss += loss.detach().to(torch.float64) * len(labels)
-            correct += (outputs.argmax(dim=1) == labels).sum()
-            seen += len(labels)
+            loss, outputs = step(inputs, labels)
+            total_loss += loss.detach().to(torch.float64) * labels.numel()
+            correct += (outputs.argmax(dim=-1) == labels).sum()
+            seen += labels.numel()
+            samples += len(labels)
             if progress is not None:
                 progress.update(1)
-                if device.type == "cpu" or step % 50 == 0:  # on a GPU a read waits for it
+                if device.type == "cpu" or index % 50 == 0:  # on a GPU a read waits for it
                     progress.set_postfix(loss=f"{loss.item():.3f}")
     finally:
         if progress is not None:  # also on an error, whose report then starts a line of its own
@@ -145,10 +325,10 @@ def _train_epoch(
     seconds = time.perf_counter() - start
     return EpochMetrics(
         epoch=epoch + 1,
-        loss=total_loss / max(seen, 1),
-        train_accuracy=correct / max(seen, 1),
+        loss=float(total_loss) / max(seen, 1),
+        train_accuracy=int(correct) / max(seen, 1),
         test_accuracy=evaluate(model, dataset.test),
-        samples_per_s=world * seen / seconds if seconds > 0 else 0.0,
+        samples_per_s=world * samples / seconds if seconds > 0 else 0.0,
         seconds=seconds,
     )
 
@@ -162,14 +342,30 @@ def device_of(config: TrainConfig) -> torch.device:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, split, batch_size: int = 512) -> float:
+    """Accuracy on ``split`` (per token for a language model)."""
+    return validation(model, split, batch_size=batch_size)[1]
+
+
+@torch.no_grad()
+def validation(
+    model: torch.nn.Module, split, samples: int | None = None, batch_size: int = 512
+) -> tuple[float, float]:
+    """(mean loss, accuracy) over the first ``samples`` of ``split`` (all when None): the same
+    samples at every evaluation of every run."""
     model.eval()
+    count = len(split) if samples is None else min(samples, len(split))
     device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
-    for start in range(0, len(split), batch_size):
-        outputs = model(split.inputs[start : start + batch_size].to(device))
-        labels = split.labels[start : start + batch_size].to(device)
-        correct += (outputs.argmax(dim=1) == labels).sum()
-    return int(correct) / max(len(split), 1)
+    seen = 0
+    for start in range(0, count, batch_size):
+        stop = min(start + batch_size, count)
+        outputs = model(split.inputs[start:stop].to(device))
+        labels = split.labels[start:stop].to(device)
+        total += task_loss(outputs, labels).to(torch.float64) * labels.numel()
+        correct += (outputs.argmax(dim=-1) == labels).sum()
+        seen += labels.numel()
+    return float(total) / max(seen, 1), int(correct) / max(seen, 1)
 
 
 def parameter_digest(model: torch.nn.Module) -> str:
@@ -255,7 +451,8 @@ def _save(config, rank, epoch, model, optimizer, codec, sync) -> None:
     if rank == 0:
         state = {"epoch": epoch, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
         _save_whole(state, Path(config.checkpoint))
-    own = {"codec": codec.state_dict(), "step": sync.step, "epoch": epoch}
+    codec_state = codec.state_dict() if codec is not None else {}  # DDP: torch's hook state
+    own = {"codec": codec_state, "step": sync.step, "epoch": epoch}
     _save_whole(own, _rank_file(config.checkpoint, rank))
 
 
@@ -286,6 +483,7 @@ def _resume(config, rank, model, optimizer, codec, sync) -> int:
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     own = torch.load(rank_path, weights_only=False)
-    codec.load_state_dict(own["codec"])
+    if codec is not None:
+        codec.load_state_dict(own["codec"])
     sync.step = own["step"]
     return state["epoch"] + 1

@@ -14,12 +14,15 @@ vgg16       14,728,266   13 conv3×3 + BatchNorm, one 512→classes linear layer
 alexnet     23,272,266   5 conv + 4096-wide FC layers (see :class:`AlexNet`)
 digits-mlp       9,610   64 → 128 → 10
 digits-cnn       6,090   two 3×3 conv layers, pooled to 32×2×2, 128 → 10 linear layer
+gpt          3,257,856   byte-level causal LM: 4 layers, width 256, 4 heads, context 128
+                         (at ``num_classes=256``; sizes are options, see :class:`GPT`)
 =========== ============ ==========================================================
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -217,7 +220,82 @@ class DigitsCNN(nn.Module):
         return self.classifier(torch.flatten(self.features(images), 1))
 
 
-_BUILDERS: dict[str, Callable[[int], nn.Module]] = {
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width {width} is not a multiple of heads {heads}")
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(batch, length, width))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: attention and a 4×-wide GELU MLP, each residual."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+@dataclass(frozen=True)
+class GPTSizes:
+    layers: int = 4
+    width: int = 256
+    heads: int = 4
+    context: int = 128
+
+
+class GPT(nn.Module):
+    """A GPT-2-style causal language model over bytes: token and learned position embeddings,
+    pre-LayerNorm blocks, a final LayerNorm and an output layer tied to the token embedding.
+
+    Input: (N, T) integer tokens (any integer dtype; T ≤ context). Output: (N, T, vocab) logits
+    of each next token. Weights start as GPT-2's (normal, std 0.02; residual projections scaled
+    by 1/√(2·layers)), so that a few hundred steps already show the loss curve's shape.
+    """
+
+    def __init__(self, vocab: int = 256, sizes: GPTSizes = GPTSizes()) -> None:
+        super().__init__()
+        self.sizes = sizes
+        self.token = nn.Embedding(vocab, sizes.width)
+        self.position = nn.Embedding(sizes.context, sizes.width)
+        self.blocks = nn.Sequential(*(Block(sizes.width, sizes.heads) for _ in range(sizes.layers)))
+        self.ln = nn.LayerNorm(sizes.width)
+        self.head = nn.Linear(sizes.width, vocab, bias=False)
+        self.head.weight = self.token.weight
+        for name, parameter in self.named_parameters():
+            if parameter.dim() >= 2:
+                std = 0.02 / (2 * sizes.layers) ** 0.5 if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(parameter, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(parameter)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        if length > self.sizes.context:
+            raise ValueError(f"{length} tokens exceed the model's context of {self.sizes.context}")
+        positions = torch.arange(length, device=tokens.device)
+        x = self.token(tokens.long()) + self.position(positions)
+        return self.head(self.ln(self.blocks(x)))
+
+
+_BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "resnet18": lambda classes: ResNet(BasicBlock, [2, 2, 2, 2], classes),
     "resnet50": lambda classes: ResNet(Bottleneck, [3, 4, 6, 3], classes),
     "vgg16": VGG16,
@@ -225,6 +303,7 @@ _BUILDERS: dict[str, Callable[[int], nn.Module]] = {
     "digits-mlp": DigitsMLP,
     "digits-cnn": DigitsCNN,
     "digits-wide": DigitsWide,
+    "gpt": lambda vocab, **sizes: GPT(vocab, GPTSizes(**sizes)),
 }
 
 if tuple(_BUILDERS) != MODEL_NAMES:  # config.py lists them for the command line without torch
@@ -239,17 +318,22 @@ INPUT_SHAPES: dict[str, tuple[int, ...]] = {
     "digits-mlp": (64,),
     "digits-cnn": (64,),
     "digits-wide": (64,),
+    "gpt": (GPTSizes.context,),  # tokens; a run's --context sets its own
 }
 
 
-def build_model(name: str, num_classes: int = 10) -> nn.Module:
-    """A freshly initialised model by name (case-insensitive); see :data:`MODEL_NAMES`."""
+def build_model(name: str, num_classes: int = 10, **options) -> nn.Module:
+    """A freshly initialised model by name (case-insensitive); see :data:`MODEL_NAMES`.
+    ``options`` are the model's sizes (gpt: layers, width, heads, context); the others take
+    none."""
     key = name.lower()
     if key not in _BUILDERS:
         raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}")
     if num_classes < 1:
         raise ValueError(f"num_classes must be at least 1, got {num_classes}")
-    return _BUILDERS[key](num_classes)
+    if options and key != "gpt":
+        raise ValueError(f"model {name!r} takes no size options, got {sorted(options)}")
+    return _BUILDERS[key](num_classes, **options)
 
 
 def input_shape(name: str) -> tuple[int, ...]:
@@ -262,3 +346,17 @@ def input_shape(name: str) -> tuple[int, ...]:
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def model_sizes(config) -> dict:
+    """The size options a job's model is built with (a ``TrainConfig``: gpt's layers, width,
+    heads and context; the other models have none)."""
+    if config.model.lower() != "gpt":
+        return {}
+    return {"layers": config.layers, "width": config.width, "heads": config.heads,
+            "context": config.context}  # fmt: skip
+
+
+def sample_shape(config) -> tuple[int, ...]:
+    """The shape of one input sample of a job's model (gpt: its configured context)."""
+    return (config.context,) if config.model.lower() == "gpt" else input_shape(config.model)

@@ -1,0 +1,396 @@
+"""`gradsum bench tta`: time to a target validation loss, each method side by side in one run.
+
+Every method trains the same model from the same seed on the same data, through the same
+launcher (local workers on loopback, or one worker per host of an emulated cluster with
+``--link-rate``), one after the other: gradsum's AGGREGATOR:CODEC pairs and what a PyTorch user
+has already (``ddp``: DDP's fp32 all-reduce; ``ddp:fp16``, ``ddp:bf16``: its compress hooks;
+``ddp:powersgdR``: torch's PowerSGD hook at rank R with error feedback and warm start). Each
+run trains for ``--time-budget`` seconds (or ``--max-steps``) and evaluates every
+``--eval-every`` steps on the same validation samples, outside the timed region.
+
+Reported per method: the seconds of training until the validation loss first reached ``--target-
+loss`` and the baseline's time divided by it (the first method is the baseline), the final
+validation loss and bits per byte, the validation loss at the last step every run evaluated (the
+same number of steps) and its gap to the baseline's, the steps taken and seconds per step, and
+the bytes each worker sends per step (steady state). The header gives the baseline's
+communication-to-compute ratio: (seconds per step − seconds of forward and backward alone, every
+worker computing at once) / the latter. Rows are printed and (``--json``) written as each run
+ends; ``--plot`` draws validation loss against training seconds and against steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..failures import Failure
+from .cli import positive_int
+
+DEFAULT_METHODS = (
+    "ddp",
+    "ddp:fp16",
+    "ddp:bf16",
+    "ddp:powersgd2",
+    "ddp:powersgd4",
+    "allreduce:thc",
+    "switch:bfp",
+    "switch:thc",
+)
+
+
+@dataclass
+class TTARow:
+    method: str
+    link_rate: str
+    workers: int
+    steps: int | None = None
+    train_seconds: float | None = None
+    step_s: float | None = None
+    compute_s: float | None = None
+    comm_to_compute: float | None = None  # (step_s - compute_s) / compute_s
+    time_to_target: float | None = None  # None: target not reached
+    final_val_loss: float | None = None
+    bits_per_byte: float | None = None
+    bytes_per_step: int | None = None  # one worker's, sent, in steady state
+    fallbacks: int | None = None
+    evals: list[dict] = field(default_factory=list)
+    error: Failure | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+
+def method_fields(name: str) -> dict:
+    """The ``TrainConfig`` fields of a method name: ``ddp``, ``ddp:fp16``, ``ddp:bf16``,
+    ``ddp:powersgdR``, or gradsum's ``AGGREGATOR:CODEC`` (train/peers.py's ``method_name`` is
+    the inverse)."""
+    from ..cli import UsageError
+    from ..train.aggregators import IncompatibleChoice, check_compatible
+    from ..train.config import DDP
+
+    head, _, tail = name.partition(":")
+    if head == DDP:
+        if tail in ("", "allreduce"):
+            return {"aggregator": DDP, "ddp_hook": "allreduce"}
+        if tail in ("fp16", "bf16"):
+            return {"aggregator": DDP, "ddp_hook": tail}
+        rank = tail.removeprefix("powersgd")
+        if tail.startswith("powersgd") and rank.isdigit() and int(rank) > 0:
+            return {"aggregator": DDP, "ddp_hook": "powersgd", "powersgd_rank": int(rank)}
+        raise UsageError(f"--methods {name}: DDP's hooks are ddp, ddp:fp16, ddp:bf16, "
+                         "ddp:powersgdR (R the rank)")  # fmt: skip
+    if not tail:
+        raise UsageError(f"--methods: {name!r} is not AGGREGATOR:CODEC nor a ddp method")
+    try:
+        check_compatible(head, tail)
+    except (IncompatibleChoice, ValueError) as error:
+        raise UsageError(f"--methods {name}: {error}") from None
+    return {"aggregator": head, "codec": tail}
+
+
+def register(benches: argparse._SubParsersAction) -> None:
+    from ..train.cli import add_workload_flags
+    from ..train.config import TrainConfig
+
+    parser = benches.add_parser(
+        "tta",
+        help="time to a target validation loss per method (gradsum's and torch DDP's hooks)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help="comma-separated methods, the first the baseline: AGGREGATOR:CODEC, ddp, "
+        "ddp:fp16, ddp:bf16, ddp:powersgdR",
+    )
+    parser.add_argument("--model", default="gpt")
+    parser.add_argument("--dataset", default="stdlib")
+    parser.add_argument("--workers", type=positive_int, default=4)
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="per worker")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--scheduler", default="fusion",
+        help="gradsum's communication plan (default: static fusion into groups of "
+        "--fusion-elements, as DDP fuses its buckets)",
+    )  # fmt: skip
+    parser.add_argument("--fusion-elements", type=positive_int, default=1 << 20)
+    parser.add_argument(
+        "--link-rate",
+        help="run in an emulated cluster (gradsum testbed; root) with links of this rate, "
+        "e.g. 100mbit; default: local workers on loopback",
+    )
+    parser.add_argument("--stop-at-target", action="store_true",
+                        help="end each run once it reaches --target-loss")  # fmt: skip
+    parser.add_argument("--json", type=Path, help="write the rows as a JSON list here")
+    parser.add_argument("--plot", type=Path, help="PNG: validation loss vs seconds and steps")
+    parser.add_argument(
+        "--from-json", type=Path,
+        help="train nothing: tabulate (and --plot) the rows of an earlier --json, with this "
+        "run's --target-loss",
+    )  # fmt: skip
+    # the training job's flags (optimizer, DDP hooks, model sizes, schedule, guard), with the
+    # defaults of a TTA run: AdamW, an evaluation every 10 steps on 64 windows, 120 s each
+    defaults = TrainConfig(optimizer="adamw", eval_every=10, eval_samples=64, time_budget=120.0)
+    add_workload_flags(parser, defaults)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cli import UsageError
+
+    if args.from_json:
+        rows = [with_target(row_from_dict(r), args.target_loss)
+                for r in json.loads(args.from_json.read_text())]  # fmt: skip
+        print(format_table(rows, args.target_loss))
+        if args.plot:
+            plot_runs(rows, args.plot, args.target_loss)
+        return 0
+    names = [item.strip() for item in args.methods.split(",") if item.strip()]
+    if not names:
+        raise UsageError("--methods is empty")
+    methods = [(name, method_fields(name)) for name in names]
+    if args.time_budget is None and args.max_steps is None:
+        raise UsageError("give --time-budget or --max-steps: runs must end")
+    if args.stop_at_target and args.target_loss is None:
+        raise UsageError("--stop-at-target needs --target-loss")
+    rows: list[TTARow] = []
+    for name, fields in methods:
+        print(f"  {name} ...", flush=True)
+        outcome = _outcome(args, fields)
+        rows.append(make_row(args, name, fields, outcome))
+        _print_row(rows[-1], args.target_loss)
+        if args.json:
+            write_rows(args.json, [asdict(row) for row in rows])
+    print(format_table(rows, args.target_loss))
+    if args.plot:
+        plot_runs(rows, args.plot, args.target_loss)
+        print(f"plot: {args.plot}")
+    return 1 if any(row.failed for row in rows) else 0
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """The rows so far as a JSON list: a sibling then a rename, so a crash mid-write leaves the
+    previous file, not half of one."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(rows, indent=2, default=str) + "\n")
+    os.replace(partial, path)
+
+
+def _config(args, fields: dict):
+    from ..train.cli import workload_fields
+    from ..train.config import TrainConfig
+
+    workload = workload_fields(args)
+    if args.stop_at_target is False:
+        workload["target_loss"] = None  # measured from the curve; the run goes on
+    return TrainConfig(
+        model=args.model, dataset=args.dataset, workers=args.workers, batch_size=args.batch_size,
+        lr=args.lr, seed=args.seed, scheduler=args.scheduler, progress=False,
+        fusion_elements=args.fusion_elements,
+        **{**workload, **fields},
+    )  # fmt: skip
+
+
+def _outcome(args, fields: dict) -> dict | Failure:
+    """Rank 0's summary of one method's run, or the failure that ended it."""
+    config = _config(args, fields)
+    try:
+        if args.link_rate:
+            return _in_testbed(args, config)
+        from ..train.launch import run_local
+
+        return run_local(config)
+    except Exception as error:  # this row fails; the next may well not
+        return Failure.of(error)
+
+
+def _in_testbed(args, config) -> dict | Failure:
+    from .train_testbed import train_in_testbed
+
+    jobs = train_in_testbed(
+        config.aggregator, [config.scheduler], rate=args.link_rate, workers=config.workers,
+        train_flags=train_flags(config), testbed_id="benchtta",
+    )  # fmt: skip
+    with contextlib.closing(jobs):
+        _, outcome = next(jobs)
+    return outcome
+
+
+def train_flags(config) -> list[str]:
+    """`gradsum train` flags for ``config`` (all but the aggregator, scheduler and addresses,
+    which the testbed adds)."""
+    flags = ["--model", config.model, "--dataset", config.dataset, "--codec", config.codec]
+    flags += ["--batch-size", str(config.batch_size), "--lr", str(config.lr)]
+    flags += ["--seed", str(config.seed), "--optimizer", config.optimizer]
+    flags += ["--fusion-elements", str(config.fusion_elements)]
+    optional = {
+        "--ddp-hook": config.ddp_hook, "--powersgd-rank": config.powersgd_rank,
+        "--powersgd-start": config.powersgd_start, "--layers": config.layers,
+        "--width": config.width, "--heads": config.heads, "--context": config.context,
+        "--data-bytes": config.data_bytes, "--max-steps": config.max_steps,
+        "--eval-every": config.eval_every, "--eval-samples": config.eval_samples,
+        "--time-budget": config.time_budget, "--target-loss": config.target_loss,
+        "--divergence-factor": config.divergence_factor, "--fallback": config.fallback,
+    }  # fmt: skip
+    for flag, value in optional.items():
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def row_from_dict(record: dict) -> TTARow:
+    error = record.get("error")
+    return TTARow(**{**record, "error": Failure(**error) if error else None})
+
+
+def first_at_target(evals: list[dict], target: float | None) -> float | None:
+    """Seconds of training at the first evaluation whose validation loss is at most ``target``."""
+    if target is None:
+        return None
+    return next((e["seconds"] for e in evals if e["val_loss"] <= target), None)
+
+
+def with_target(row: TTARow, target: float | None) -> TTARow:
+    row.time_to_target = first_at_target(row.evals, target)
+    return row
+
+
+def make_row(args, name: str, fields: dict, outcome: dict | Failure) -> TTARow:
+    rate = args.link_rate or "loopback"
+    if isinstance(outcome, Failure):
+        return TTARow(name, rate, args.workers, error=outcome)
+    evals = outcome.get("evals", [])
+    step_s, compute_s = outcome.get("step_s"), outcome.get("compute_s")
+    ratio = (step_s - compute_s) / compute_s if step_s and compute_s else None
+    return TTARow(
+        method=name, link_rate=rate, workers=args.workers, steps=outcome.get("steps"),
+        train_seconds=outcome.get("train_seconds"), step_s=step_s, compute_s=compute_s,
+        comm_to_compute=ratio, time_to_target=first_at_target(evals, args.target_loss),
+        final_val_loss=outcome.get("val_loss"), bits_per_byte=outcome.get("bits_per_byte"),
+        bytes_per_step=bytes_per_step(_config(args, fields)),
+        fallbacks=outcome.get("fallbacks"), evals=evals,
+    )  # fmt: skip
+
+
+def bytes_per_step(config) -> int:
+    """What one worker sends per step, in steady state: DDP hooks from the tensors' shapes
+    (train/peers.py); a gradsum codec from one reference round of the model's gradient size
+    (wire bits up per coordinate, its summaries included)."""
+    import torch
+
+    from ..train.models import build_model, model_sizes
+    from ..train.peers import wire_bytes_per_step
+
+    classes = 256 if config.model == "gpt" else 10
+    model = build_model(config.model, classes, **model_sizes(config))
+    if config.aggregator == "ddp":
+        return wire_bytes_per_step(config, model)
+    from ..codecs import make_codec, parse_options
+    from ..codecs.round import run_round
+
+    size = sum(p.numel() for p in model.parameters())
+    codec = make_codec(config.codec, workers=config.workers,
+                       **parse_options(config.codec_options))  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(size, generator=generator) for _ in range(config.workers)]
+    result = run_round(codec, inputs)
+    shared = [s for _, _, s in result.pieces if s is not None]
+    summary_bits = sum(s.numel() for s in shared) * codec.summary_bits()
+    bits_up, _ = result.bits_per_coordinate()
+    return math.ceil((bits_up * size + summary_bits) / 8)
+
+
+def common_step(rows: list[TTARow]) -> int | None:
+    """The last step every run that ran evaluated at: where losses compare step for step."""
+    steps = [{e["step"] for e in row.evals} for row in rows if not row.failed and row.evals]
+    shared = set.intersection(*steps) if steps else set()
+    return max(shared) if shared else None
+
+
+def loss_at_step(row: TTARow, step: int) -> float | None:
+    return next((e["val_loss"] for e in row.evals if e["step"] == step), None)
+
+
+def _print_row(row: TTARow, target: float | None) -> None:
+    if row.failed:
+        print(f"  {row.method}: failed: {row.error}", flush=True)
+        return
+    reached = f"{row.time_to_target:.1f} s" if row.time_to_target is not None else "not reached"
+    print(f"  {row.method}: {row.steps} steps in {row.train_seconds:.1f} s, val loss "
+          f"{row.final_val_loss:.4f}, target {target}: {reached}", flush=True)  # fmt: skip
+
+
+def format_table(rows: list[TTARow], target: float | None) -> str:
+    base = next((row for row in rows if not row.failed), None)
+    head = rows[0]
+    lines = [f"workers={head.workers}  links={head.link_rate}  target val loss={target}"]
+    if base is not None and base.comm_to_compute is not None:
+        lines.append(
+            f"baseline {base.method}: {base.step_s:.3f} s per step, {base.compute_s:.3f} s of "
+            f"compute: communication-to-compute ratio {base.comm_to_compute:.2f}"
+        )
+    same = common_step(rows)
+    lines.append(
+        f"{'method':<16} {'to target s':>11} {'vs base':>8} {'final loss':>10} {'bpb':>6} "
+        f"{f'loss @{same}':>10} {'vs base':>8} {'steps':>6} {'s/step':>7} {'MB/step':>8} "
+        f"{'retries':>7}"
+    )
+    base_same = loss_at_step(base, same) if base and same is not None else None
+    for row in rows:
+        if row.failed:
+            lines.append(f"{row.method:<16} failed")
+            continue
+        ttt = row.time_to_target
+        speedup = (
+            base.time_to_target / ttt if base and base.time_to_target is not None and ttt else None
+        )
+        at_same = loss_at_step(row, same) if same is not None else None
+        gap = at_same / base_same - 1 if at_same is not None and base_same else None
+        lines.append(
+            f"{row.method:<16} {_num(ttt, '.1f'):>11} {_num(speedup, '.2f', 'x'):>8} "
+            f"{row.final_val_loss:>10.4f} {row.bits_per_byte:>6.3f} {_num(at_same, '.4f'):>10} "
+            f"{_num(gap * 100 if gap is not None else None, '+.1f', '%'):>8} {row.steps:>6} "
+            f"{row.step_s:>7.3f} {row.bytes_per_step / 1e6:>8.2f} {row.fallbacks:>7}"
+        )
+    failures = [f"  {row.method}: {row.error}" for row in rows if row.failed]
+    return "\n".join(lines + (["failed:", *failures] if failures else []))
+
+
+def _num(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def plot_runs(rows: list[TTARow], path: Path, target: float | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (by_time, by_step) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for row in rows:
+        if row.failed or not row.evals:
+            continue
+        seconds = [e["seconds"] for e in row.evals]
+        steps = [e["step"] for e in row.evals]
+        losses = [e["val_loss"] for e in row.evals]
+        by_time.plot(seconds, losses, marker=".", label=row.method)
+        by_step.plot(steps, losses, marker=".", label=row.method)
+    for axis, label in ((by_time, "seconds of training"), (by_step, "steps")):
+        if target is not None:
+            axis.axhline(target, color="grey", linestyle="--", linewidth=1)
+        axis.set_xlabel(label)
+        axis.grid(alpha=0.3)
+    by_time.set_ylabel("validation loss (nats per byte)")
+    by_step.legend(fontsize=8)
+    figure.suptitle(f"{rows[0].workers} workers, links {rows[0].link_rate}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -1,0 +1,147 @@
+"""What a PyTorch user would pick instead of gradsum: DDP with torch's own communication hooks.
+
+``--aggregator ddp --ddp-hook H`` trains with ``DistributedDataParallel`` over the job's Gloo
+group (the links every method shares) and torch's hook ``H``:
+
+* ``allreduce`` — DDP's default: an fp32 all-reduce of each bucket;
+* ``fp16`` / ``bf16`` — ``fp16_compress_hook`` / ``bf16_compress_hook``: each bucket cast to
+  16 bits, all-reduced, cast back;
+* ``powersgd`` — ``powerSGD_hook`` at ``--powersgd-rank`` with its error feedback and warm
+  start, after ``--powersgd-start`` uncompressed steps (torch requires at least 2).
+
+:class:`DDPSync` gives the training loop what ``GradientSync`` gives it (``wait``, ``step``,
+``uncompressed``, ``close``), so both run through the same loop, launcher, guard and links.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from .config import DDP_HOOK_NAMES
+
+
+def method_name(config) -> str:
+    """The name a run's method goes by in tables and messages: ``ddp``, ``ddp:fp16``,
+    ``ddp:powersgd2``, or gradsum's ``AGGREGATOR:CODEC``."""
+    if config.aggregator != "ddp":
+        return f"{config.aggregator}:{config.codec}"
+    if config.ddp_hook == "allreduce":
+        return "ddp"
+    if config.ddp_hook == "powersgd":
+        return f"ddp:powersgd{config.powersgd_rank}"
+    return f"ddp:{config.ddp_hook}"
+
+
+def powersgd_matrix(shape: torch.Size) -> tuple[int, int] | None:
+    """The matrix torch's PowerSGD hook factors a tensor of ``shape`` into (its first dimension
+    by the rest), or None for a vector, which it all-reduces uncompressed."""
+    if len(shape) < 2:
+        return None
+    rows = shape[0]
+    return rows, int(torch.Size(shape).numel() // rows)
+
+
+def wire_bytes_per_step(config, model: torch.nn.Module) -> int:
+    """Bytes one worker contributes to one step's exchange with a DDP hook, in steady state
+    (PowerSGD past its uncompressed start): fp32 4 per coordinate, fp16/bf16 2, PowerSGD
+    4·r·(rows + columns) per matrix it compresses and 4 per coordinate of the rest."""
+    total = 0
+    for parameter in model.parameters():
+        count = parameter.numel()
+        if config.ddp_hook in ("fp16", "bf16"):
+            total += 2 * count
+        elif config.ddp_hook == "powersgd":
+            matrix = powersgd_matrix(parameter.shape)
+            rank = config.powersgd_rank
+            # the hook's own test (min_compression_rate 2): compress where it saves half
+            if matrix and matrix[0] * matrix[1] > 2 * rank * (matrix[0] + matrix[1]):
+                total += 4 * rank * (matrix[0] + matrix[1])
+            else:
+                total += 4 * count
+        else:
+            total += 4 * count
+    return total
+
+
+def _powersgd_group(threads: int = 8):
+    """A Gloo group for DDP under torch's PowerSGD hook, with more threads than Gloo's 2.
+
+    The hook's future callbacks start the next all-reduce and block on it (``.wait()``) on the
+    Gloo thread that ran them; with two buckets in flight both of Gloo's threads can end up
+    waiting for all-reduces queued behind them. Workers under the hook were killed by SIGABRT
+    inside backward in 5 of 6 runs on the testbed's 100 Mbit/s links (none on loopback); that
+    starvation ending in Gloo's timeout would look so (a guess, not yet confirmed), and more
+    threads leave room for the queued all-reduces.
+    """
+    options = dist.ProcessGroupGloo._Options()
+    options._threads = threads
+    return dist.new_group(backend="gloo", pg_options=options)
+
+
+class DDPSync:
+    """DDP around ``model`` with the configured hook; ``net`` is the module to call forward on."""
+
+    def __init__(self, model: torch.nn.Module, config) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+        if config.ddp_hook not in DDP_HOOK_NAMES:
+            raise ValueError(
+                f"unknown --ddp-hook {config.ddp_hook!r}; choose one of {', '.join(DDP_HOOK_NAMES)}"
+            )
+        self.model = model
+        group = _powersgd_group() if config.ddp_hook == "powersgd" else None
+        self.net = DistributedDataParallel(model, process_group=group)
+        self.step = 0
+        self._manual = False
+        if config.ddp_hook == "fp16":
+            self.net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif config.ddp_hook == "bf16":
+            self.net.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        elif config.ddp_hook == "powersgd":
+            if config.powersgd_start < 2:
+                raise ValueError(
+                    f"--powersgd-start {config.powersgd_start}: torch's PowerSGD hook needs at "
+                    "least 2 uncompressed steps with error feedback or warm start"
+                )
+            state = powersgd.PowerSGDState(
+                process_group=group,
+                matrix_approximation_rank=config.powersgd_rank,
+                start_powerSGD_iter=config.powersgd_start,
+                use_error_feedback=True,
+                warm_start=True,
+                random_seed=config.seed,
+            )
+            self.net.register_comm_hook(state, powersgd.powerSGD_hook)
+
+    def wait(self) -> None:
+        """DDP's backward has averaged the gradients already; a retried step averages them
+        here, uncompressed."""
+        if self._manual:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat /= dist.get_world_size()
+            offset = 0
+            for grad in grads:
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+        self.step += 1
+
+    @contextlib.contextmanager
+    def uncompressed(self) -> Iterator[None]:
+        """Steps inside skip the hook (DDP's ``no_sync``) and are averaged in fp32 by ``wait``."""
+        self._manual = True
+        try:
+            with self.net.no_sync():
+                yield
+        finally:
+            self._manual = False
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,127 @@
+"""`gradsum bench tta`: method names, the flags a testbed job gets, bytes per step, and the
+table, JSON and plot from runs' summaries."""
+
+import json
+
+import pytest
+import torch
+
+from gradsum.bench import tta
+from gradsum.cli import UsageError, build_parser, main
+from gradsum.train.config import TrainConfig
+from gradsum.train.peers import method_name, wire_bytes_per_step
+
+
+@pytest.mark.parametrize(
+    "name", ["ddp", "ddp:fp16", "ddp:bf16", "ddp:powersgd2", "ddp:powersgd4", "switch:thc",
+             "allreduce:none", "ps:topk"],
+)  # fmt: skip
+def test_method_names_round_trip_through_the_config(name):
+    assert method_name(TrainConfig(**tta.method_fields(name))) == name
+
+
+@pytest.mark.parametrize(
+    ("name", "complaint"),
+    [("ddp:powersgd", "ddp:powersgdR"), ("ddp:fp8", "ddp:powersgdR"),
+     ("switch:topk", "cannot run on the switch"), ("thc", "not AGGREGATOR:CODEC")],
+)  # fmt: skip
+def test_unknown_methods_are_refused_naming_what_would_work(name, complaint):
+    with pytest.raises(UsageError, match=complaint):
+        tta.method_fields(name)
+
+
+def test_a_testbed_job_gets_every_workload_flag_back():
+    config = TrainConfig(model="gpt", dataset="stdlib", batch_size=2, optimizer="adamw",
+                         ddp_hook="powersgd", powersgd_rank=4, context=64, data_bytes=10_000,
+                         time_budget=30.0, eval_every=5, eval_samples=8, fallback="none",
+                         fusion_elements=12345)  # fmt: skip
+    args = build_parser().parse_args(["train", "--aggregator", "ddp", *tta.train_flags(config)])
+    for name in (
+        "model",
+        "dataset",
+        "batch_size",
+        "optimizer",
+        "ddp_hook",
+        "powersgd_rank",
+        "context",
+        "data_bytes",
+        "time_budget",
+        "eval_every",
+        "eval_samples",
+        "fallback",
+        "fusion_elements",
+        "lr",
+        "seed",
+        "layers",
+        "width",
+        "heads",
+    ):
+        assert getattr(args, name) == getattr(config, name), name  # fmt: skip
+
+
+def test_bytes_per_step_of_the_ddp_hooks_follow_the_tensor_shapes():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 2))
+    sizes = {kind: wire_bytes_per_step(TrainConfig(ddp_hook=kind, powersgd_rank=2), model)
+             for kind in ("allreduce", "fp16", "powersgd")}  # fmt: skip
+    count = 64 * 32 + 32 + 32 * 2 + 2
+    assert sizes["allreduce"] == 4 * count and sizes["fp16"] == 2 * count
+    # 32x64 is factored (rank 2: P 32x2 and Q 64x2); 2x32 would not save half: sent whole
+    assert sizes["powersgd"] == 4 * 2 * (32 + 64) + 4 * 32 + 4 * (2 * 32) + 4 * 2
+
+
+def test_bytes_per_step_of_a_gradsum_codec_come_from_its_round():
+    config = TrainConfig(model="gpt", layers=1, width=32, heads=2, context=16, workers=4)
+    fp32 = tta.bytes_per_step(TrainConfig(**{**config.__dict__, "codec": "none"}))
+    thc = tta.bytes_per_step(TrainConfig(**{**config.__dict__, "codec": "thc"}))
+    # embeddings 256x32 and 16x32, one block (LayerNorms, qkv, proj, MLP), the final LayerNorm
+    parameters = 256 * 32 + 16 * 32 + (4 * 32 + 32 * 96 + 96 + 32 * 32 + 32)
+    parameters += 32 * 128 + 128 + 128 * 32 + 32 + 2 * 32
+    assert fp32 == 4 * parameters
+    assert 0.11 < thc / fp32 < 0.2  # 4 bits of 32, padded to a power of two, plus ‖x‖
+
+
+def _summary(seconds_per_step, losses, compute=0.5):
+    evals = [{"step": 10 * i, "seconds": 10 * i * seconds_per_step, "val_loss": loss,
+              "val_accuracy": 0.0} for i, loss in enumerate(losses)]  # fmt: skip
+    return {"evals": evals, "steps": evals[-1]["step"], "train_seconds": evals[-1]["seconds"],
+            "step_s": seconds_per_step, "compute_s": compute, "val_loss": losses[-1],
+            "bits_per_byte": losses[-1] / 0.693, "fallbacks": 0}  # fmt: skip
+
+
+def test_the_run_tabulates_writes_and_plots_each_method(tmp_path, monkeypatch, capsys):
+    outcomes = {
+        "ddp": _summary(2.0, [5.5, 4.0, 3.5, 3.2]),
+        "switch:thc": _summary(1.0, [5.5, 4.1, 3.5, 3.3, 3.1, 3.0, 2.9]),
+        "ddp:fp16": RuntimeError("no route to host"),
+    }
+
+    def fake(args, fields):
+        outcome = outcomes[method_name(TrainConfig(**fields))]
+        if isinstance(outcome, Exception):
+            return tta.Failure.of(outcome)
+        return outcome
+
+    monkeypatch.setattr(tta, "_outcome", fake)
+    path, png = tmp_path / "rows.json", tmp_path / "tta.png"
+    status = main(["bench", "tta", "--methods", "ddp,switch:thc,ddp:fp16", "--layers", "1",
+                   "--width", "32", "--heads", "2", "--context", "16", "--target-loss", "3.5",
+                   "--json", str(path), "--plot", str(png)])  # fmt: skip
+    assert status == 1  # a row failed
+    out = capsys.readouterr().out
+    assert "communication-to-compute ratio 3.00" in out  # (2.0 - 0.5) / 0.5
+    rows = json.loads(path.read_text())
+    assert [r["method"] for r in rows] == ["ddp", "switch:thc", "ddp:fp16"]
+    assert rows[0]["time_to_target"] == 40.0 and rows[1]["time_to_target"] == 20.0
+    assert rows[2]["error"]["message"] == "no route to host"
+    table = out[out.index("method ") :]
+    thc_line = next(line for line in table.splitlines() if line.startswith("switch:thc"))
+    assert "2.00x" in thc_line  # 40 s / 20 s
+    assert "+3.1%" in thc_line  # at the last step both evaluated (30): 3.3 / 3.2
+    assert png.stat().st_size > 10_000
+    # re-tabulated with another target: the baseline never reached 3.0, THC did after 50 s
+    assert main(["bench", "tta", "--from-json", str(path), "--target-loss", "3.0"]) == 0
+    again = capsys.readouterr().out
+    assert (
+        next(line for line in again.splitlines() if line.startswith("switch:thc")).split()[1]
+        == "50.0"
+    )

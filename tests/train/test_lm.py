@@ -1,0 +1,92 @@
+"""The language-model workload: the standard library's sources as bytes, split by file; the
+GPT model; a few steps of training through gradsum's switch + THC and torch's PowerSGD hook."""
+
+import math
+
+import pytest
+import torch
+
+from gradsum.train.data import DataError, load_dataset
+from gradsum.train.launch import run_local
+from gradsum.train.loop import TrainConfig, task_loss
+from gradsum.train.models import GPT, GPTSizes, build_model, count_parameters
+
+
+def _sources(root, files):
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(text)
+
+
+def test_stdlib_splits_by_file_deterministically_into_shifted_windows(tmp_path):
+    files = {f"pkg{i % 3}/mod{i}.py": bytes([65 + i % 26]) * (300 + 7 * i) for i in range(60)}
+    files["site-packages/foreign.py"] = b"@" * 500  # not the standard library
+    _sources(tmp_path, files)
+    first = load_dataset("stdlib", tmp_path, (16,), max_bytes=100_000)
+    again = load_dataset("stdlib", tmp_path, (16,), max_bytes=100_000)
+    assert torch.equal(first.train.inputs, again.train.inputs)
+    assert torch.equal(first.test.inputs, again.test.inputs)
+    assert first.num_classes == 256
+    for split in (first.train, first.test):
+        assert split.inputs.shape[1] == 16 and split.labels.shape == split.inputs.shape
+        # labels are the next byte of each input position
+        assert torch.equal(split.inputs[:, 1:], split.labels[:, :-1])
+        assert int(split.inputs.max()) != ord("@")
+    # by file: every file's (unique) byte value lands in exactly one split
+    train_bytes = set(first.train.inputs.unique().tolist()) - {0}
+    test_bytes = set(first.test.inputs.unique().tolist()) - {0}
+    assert train_bytes and test_bytes
+    # files sharing a byte value may sit in both splits; a value used by one file may not
+    single = {65 + i % 26 for i in range(60) if sum(1 for j in range(60) if j % 26 == i % 26) == 1}
+    assert not (train_bytes & test_bytes & single)
+
+
+def test_stdlib_caps_its_text_and_refuses_a_folder_without_sources(tmp_path):
+    capped = load_dataset("stdlib", None, (64,), max_bytes=50_000)
+    assert len(capped.train) == (50_000 - 1) // 64  # windows of 65 bytes, overlapping by one
+    with pytest.raises(DataError, match=r"no \.py files"):
+        load_dataset("stdlib", tmp_path, (64,))
+
+
+def test_gpt_is_causal_and_sized_by_its_options():
+    model = build_model("gpt", 256, layers=2, width=32, heads=4, context=16)
+    assert count_parameters(model) == count_parameters(GPT(256, GPTSizes(2, 32, 4, 16)))
+    assert count_parameters(build_model("gpt", 256)) == 3_257_856  # the default: 4 x 256
+    tokens = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % 256
+    with torch.no_grad():
+        logits, later = model(tokens), model(changed)
+    assert logits.shape == (3, 16, 256)
+    assert torch.equal(logits[:, :10], later[:, :10])  # no position sees the future
+    assert not torch.equal(logits[:, 10:], later[:, 10:])
+    # the default model untrained is near uniform: ln 256 nats per byte (GPT-2's init)
+    following = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        start = task_loss(build_model("gpt", 256)(tokens), following)
+    assert abs(float(start) - math.log(256)) < 0.1
+    with pytest.raises(ValueError, match="takes no size options"):
+        build_model("digits-mlp", 10, layers=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method",
+    [{"aggregator": "switch", "codec": "thc"}, {"aggregator": "ddp", "ddp_hook": "powersgd"}],
+    ids=["switch:thc", "ddp:powersgd2"],
+)
+def test_a_few_steps_of_the_language_model_lower_its_validation_loss(method):
+    config = TrainConfig(
+        model="gpt", dataset="stdlib", workers=2, batch_size=8, optimizer="adamw", lr=1e-3,
+        layers=2, width=64, heads=2, context=64, data_bytes=300_000, max_steps=30,
+        eval_every=15, eval_samples=32, progress=False, **method,
+    )  # fmt: skip
+    summary = run_local(config)
+    losses = [record["val_loss"] for record in summary["evals"]]
+    assert [record["step"] for record in summary["evals"]] == [0, 15, 30]
+    assert losses[0] > 5.0  # near ln 256 = 5.55 before training
+    assert losses[-1] < losses[0] - 1.5, losses  # 5.48 -> 3.6 in the runs seen
+    assert summary["bits_per_byte"] == pytest.approx(losses[-1] / math.log(2))
+    assert summary["steps"] == 30 and summary["fallbacks"] == 0
+    assert summary["compute_s"] > 0
