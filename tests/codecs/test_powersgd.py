@@ -194,3 +194,11 @@ def test_orthogonalize_keeps_zero_columns_zero():
     out = orthogonalize(matrix.clone())
     assert torch.equal(out[:, 0], torch.zeros(5))
     assert float(out[:, 1].norm()) == pytest.approx(1.0)
+
+
+def test_the_generic_error_feedback_wrapper_is_refused():
+    from gradsum.codecs.feedback import FeedbackRefused, feedback_for
+
+    with pytest.raises(FeedbackRefused, match="its own error feedback"):
+        feedback_for(make_codec("powersgd", workers=2))
+    assert make_codec("powersgd", workers=2, error_feedback=False).error_feedback is False

@@ -171,7 +171,8 @@ def _measure_all(inputs, codecs, args, clock) -> list[CodecRow]:
 def _refuses_feedback(name: str) -> bool:
     from ..codecs import make_codec
 
-    return make_codec(name.partition("+")[0], error_feedback=False).feedback_refusal is not None
+    codec = make_codec(name.partition("+")[0], error_feedback=False)
+    return codec.feedback_refusal is not None and not codec.keeps_own_feedback
 
 
 def _variants(text: str, allowed: tuple[str, ...]) -> list[str]:

@@ -41,6 +41,10 @@ class PowerSGD(Codec):
     name = "powersgd"
     stages = 2
     keeps_own_feedback = True
+    feedback_refusal = (
+        "it keeps its own error feedback (M - P Q^T per matrix, the option error_feedback); the "
+        "generic wrapper assumes one encode per round"
+    )
 
     def __init__(
         self,
