@@ -44,9 +44,7 @@ def run_torchrun_worker(config: TrainConfig) -> dict:
     raised as ``WorkerFailed`` with this worker's rank."""
     _raise_on_sigterm()  # torchrun's agent stops the others when one fails: tear down first
     try:
-        dist.init_process_group(
-            "gloo", init_method="env://", timeout=timedelta(seconds=config.timeout)
-        )
+        _init_torchrun_group(config.timeout)
         try:
             config = resumed_after_restart(config, dist.get_rank())
             return _train(config, dist.get_rank(), dist.get_world_size())
@@ -54,6 +52,17 @@ def run_torchrun_worker(config: TrainConfig) -> dict:
             dist.destroy_process_group()
     except Exception as error:
         raise WorkerFailed(Failure.of(error, int(os.environ["RANK"]))) from error
+
+
+def _init_torchrun_group(timeout: float) -> None:
+    """The Gloo group of torchrun's environment, its keys apart for every restart: the agent
+    keeps one store across restarts, and a restarted worker that reached the rendezvous before
+    its peer read the previous attempt's address of that peer (Gloo: connection refused)."""
+    wait = timedelta(seconds=timeout)
+    store, rank, world = next(dist.rendezvous("env://", timeout=wait))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"gradsum/attempt{attempt}/", store)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=wait)
 
 
 def resumed_after_restart(config: TrainConfig, rank: int) -> TrainConfig:
