@@ -65,7 +65,7 @@ def test_every_listed_aggregator_gets_its_own_implementation(monkeypatch):
     }
     real = {attr: getattr(module, attr) for module, attr in implementations.items()}
     for module, attr in implementations.items():
-        monkeypatch.setattr(module, attr, lambda *args, attr=attr: (attr, args))
+        monkeypatch.setattr(module, attr, lambda *args, attr=attr, **options: (attr, args))
     reached = {}
     for name in config.AGGREGATOR_NAMES:
         job = config.TrainConfig(aggregator=name, codec="bfp", switch="127.0.0.1:1",
