@@ -4,9 +4,13 @@ killed worker, a torchrun restart from the last checkpoint."""
 import multiprocessing
 import os
 import re
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -105,3 +109,65 @@ def test_a_worker_killed_before_it_could_report_is_named_by_the_launcher():
         processes[0].kill()
         processes[0].join()
     assert str(raised.value.failure) == "worker 1 failed: Killed: the process ended by SIGKILL"
+
+
+def _descendants(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found += [int(child), *_descendants(int(child))]
+    return found
+
+
+def _worker_pid(root: int, rank: int, attempt: int) -> int | None:
+    """The torchrun worker of ``rank`` in restart ``attempt`` under process ``root``."""
+    wanted = {f"RANK={rank}", f"TORCHELASTIC_RESTART_COUNT={attempt}"}
+    for pid in _descendants(root):
+        try:
+            environment = set(Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0"))
+        except OSError:
+            continue
+        if wanted <= environment:
+            return pid
+    return None
+
+
+@pytest.mark.slow
+def test_a_torchrun_restart_after_a_killed_worker_resumes_from_the_checkpoint(tmp_path):
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+    checkpoint = tmp_path / "ckpt.pt"
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}  # fmt: skip
+    with DaemonProcess("switch") as switch:
+        command = [
+            torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+            "-m", "gradsum.cli", "train", "--aggregator", "switch", "--switch",
+            _address(switch), "--codec", "thc", "--epochs", "8", "--batch-size", "32",
+            "--checkpoint", str(checkpoint), "--liveness", "1",
+        ]  # fmt: skip
+        run = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 240
+            victim = None
+            while victim is None and time.monotonic() < deadline and run.poll() is None:
+                if Path(f"{checkpoint}.rank1").is_file():  # the first epoch is saved
+                    victim = _worker_pid(run.pid, 1, 0)
+                time.sleep(0.05)
+            assert victim is not None, f"no first checkpoint: {run.communicate()[1][-3000:]}"
+            os.kill(victim, signal.SIGKILL)
+            out, err = run.communicate(timeout=300)
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.communicate()
+        jobs = aggregator_stats(switch.address)["jobs"]
+    assert run.returncode == 0, err[-3000:]
+    # worker 0 prints each epoch, then how many epochs its (restarted) group trained, which
+    # resumed after the checkpoint it found (torchrun's --log-dir shadows --log)
+    epochs = {int(n) for n in re.findall(r"^epoch (\d+)/8 ", out, re.MULTILINE)}
+    assert epochs == set(range(1, 9)), epochs
+    trained = int(re.search(r"^done: .* over (\d+) epochs", out, re.MULTILINE).group(1))
+    assert 1 <= trained < 8, f"started again from the beginning: {trained} epochs"
+    assert "worker 0 failed: Terminated" in err  # the survivor, stopped by the agent
+    assert jobs == {}, "the stale job and the last one were torn down"

@@ -72,8 +72,8 @@ class Heartbeat:
                  clock: Callable[[], float] = time.monotonic):  # fmt: skip
         self.rank, self.world = rank, world
         self.interval, self.dead_after, self.clock = interval, dead_after, clock
-        self._store = store.clone()  # its own connection: a blocking call elsewhere never stalls it
-        self._reader = store.clone()
+        self._store = _own(store)  # its own connection: a blocking call elsewhere never stalls it
+        self._reader = _own(store)
         self._reader_lock = threading.Lock()
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
         self._stop = threading.Event()
@@ -130,7 +130,7 @@ class JobRecovery:
         self.standby = dict(standby or {})
         self.failover_wait = failover_wait
         self.heartbeat = heartbeat or Heartbeat(store, rank, world)
-        self._store = store.clone()
+        self._store = _own(store)
         self._lock = threading.Lock()  # shard streams recover their jobs on their own threads
         self._generation: dict[int, int] = {}  # job -> recoveries so far
         self._tries: dict[int, tuple[int, int]] = {}  # job -> (round, its recoveries)
@@ -248,6 +248,14 @@ class JobRecovery:
 
     def close(self) -> None:
         self.heartbeat.close()
+
+
+def _own(store: dist.Store) -> dist.Store:
+    """A connection of our own to ``store`` where it has connections (TCPStore), else itself."""
+    try:
+        return store.clone()
+    except (RuntimeError, NotImplementedError):
+        return store
 
 
 def _answers(address: Address, within: float) -> bool:

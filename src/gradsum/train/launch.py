@@ -57,9 +57,7 @@ def run_torchrun_worker(config: TrainConfig) -> dict:
     _raise_on_sigterm()  # torchrun's agent stops the others when one fails: tear down first
     try:
         use_local_gpu(config, int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(
-            backend_for(config), init_method="env://", timeout=timedelta(seconds=config.timeout)
-        )
+        _init_torchrun_group(config)
         try:
             config = resumed_after_restart(config, dist.get_rank())
             return _train(config, dist.get_rank(), dist.get_world_size())
@@ -67,6 +65,19 @@ def run_torchrun_worker(config: TrainConfig) -> dict:
             dist.destroy_process_group()
     except Exception as error:
         raise WorkerFailed(Failure.of(error, int(os.environ["RANK"]))) from error
+
+
+def _init_torchrun_group(config: TrainConfig) -> None:
+    """The process group of torchrun's environment, its keys apart for every restart: the
+    agent keeps one store across restarts, and a restarted worker that reached the rendezvous
+    before its peer read the previous attempt's address of that peer (Gloo: connection
+    refused)."""
+    wait = timedelta(seconds=config.timeout)
+    store, rank, world = next(dist.rendezvous("env://", timeout=wait))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"gradsum/attempt{attempt}/", store)
+    dist.init_process_group(backend_for(config), store=store, rank=rank, world_size=world,
+                            timeout=wait)  # fmt: skip
 
 
 def resumed_after_restart(config: TrainConfig, rank: int) -> TrainConfig:
