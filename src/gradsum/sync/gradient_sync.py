@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from ..codecs import Codec
+from ..codecs.base import DeviceChecks
 from ..codecs.round import PARTITION_ELEMENTS
 from ..schedule.plan import Plan
 from .aggregator import Aggregator
@@ -102,6 +103,8 @@ class GradientSync:
         self._missing = [len(n) for n in self._needs]
         self._released = 0
         self._futures: list[torch.futures.Future] = []
+        # every round's device checks of a step, read once in ``wait`` (no host sync per group)
+        self._checks = DeviceChecks()
         self._sender = self._make_sender()
         self._handles = [
             p.register_post_accumulate_grad_hook(self._hook(i))
@@ -156,7 +159,7 @@ class GradientSync:
                 block.copy_(average[offset : offset + block.numel()].view(block.shape))
                 offset += block.numel()
 
-        return self._sender.submit(group, flat, self.step).then(write_back)
+        return self._sender.submit(group, flat, self.step, self._checks).then(write_back)
 
     def wait(self) -> None:
         """Block until every group is aggregated and written back into ``param.grad``."""
@@ -170,7 +173,9 @@ class GradientSync:
             wait_all(
                 self._futures, self.timeout, f"aggregation of {len(self.groups)} gradient groups"
             )
+            self._checks.raise_if_failed()  # the step's one read of its device checks
         finally:
+            self._checks = DeviceChecks()
             self._futures = []
             self._missing = [len(n) for n in self._needs]
             self._released = 0

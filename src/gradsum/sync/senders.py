@@ -25,12 +25,14 @@ identical on every worker) and return a future with the group's average.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 
 import torch
 
 from ..codecs import Codec
+from ..codecs.base import DeviceChecks
 from ..schedule.plan import Plan
 from .aggregator import Aggregator
 from .comm import CommunicationThread
@@ -43,18 +45,21 @@ class SerialSender:
         self.seed, self.partition_elements = seed, partition_elements
         self._thread = CommunicationThread("gradsum-sync")
 
-    def submit(self, group: int, flat: torch.Tensor, step: int) -> torch.futures.Future:
+    def submit(self, group: int, flat: torch.Tensor, step: int,
+               checks: DeviceChecks | None = None) -> torch.futures.Future:  # fmt: skip
+        """``checks``: the step's device checks, read by the caller once the step is done."""
         handoff = CommStream.of(flat.device).handoff([flat])  # on the producer's stream
 
         def run() -> torch.Tensor:
-            return self.aggregator.synchronize(
-                flat,
-                self.codec,
-                key=("group", group, flat.numel()),
-                step=step,
-                seed=self.seed,
-                partition_elements=self.partition_elements,
-            )
+            with _deferring(checks):
+                return self.aggregator.synchronize(
+                    flat,
+                    self.codec,
+                    key=("group", group, flat.numel()),
+                    step=step,
+                    seed=self.seed,
+                    partition_elements=self.partition_elements,
+                )
 
         return self._thread.submit(run, handoff)
 
@@ -82,13 +87,14 @@ class ShardSender:
         self._credit = threading.Condition()
         self._in_flight = 0
 
-    def submit(self, group: int, flat: torch.Tensor, step: int) -> torch.futures.Future:
+    def submit(self, group: int, flat: torch.Tensor, step: int,
+               checks: DeviceChecks | None = None) -> torch.futures.Future:  # fmt: skip
         handoff = CommStream.of(flat.device).handoff([flat])  # on the producer's stream
         result = handoff.stream.future()
 
         def dispatch() -> None:
             try:
-                self._dispatch(group, flat, step, result, handoff)
+                self._dispatch(group, flat, step, result, handoff, checks)
             except BaseException as error:
                 result.set_exception(error)
 
@@ -96,7 +102,7 @@ class ShardSender:
         return result
 
     def _dispatch(self, index: int, flat: torch.Tensor, step: int,
-                  result: torch.futures.Future, handoff) -> None:  # fmt: skip
+                  result: torch.futures.Future, handoff, checks) -> None:  # fmt: skip
         group = self.plan.groups[index]
         nbytes = 4 * flat.numel()
         self._acquire(nbytes, index)
@@ -109,12 +115,12 @@ class ShardSender:
         for k, part in enumerate(parts):
             done = threading.Event()
             gate = None if self.plan.interleave or self.window else previous
-            run = self._part_job(index, k, part, flat, out, group.start, gate, step)
+            run = self._part_job(index, k, part, flat, out, group.start, gate, step, checks)
             future = self._streams[part.shard].submit(run, handoff)
             future.add_done_callback(_signal(done, finished))
             previous = done
 
-    def _part_job(self, index, k, part, flat, out, base, gate, step) -> Callable[[], None]:
+    def _part_job(self, index, k, part, flat, out, base, gate, step, checks) -> Callable[[], None]:
         a, b = part.start - base, part.stop - base
         key = ("part", index, k)
 
@@ -123,10 +129,11 @@ class ShardSender:
                 raise TimeoutError(
                     f"part {k} of group {index} waited {self.timeout:.0f} s for part {k - 1}"
                 )
-            out[a:b] = self.shards.synchronize_part(
-                part.shard, flat[a:b], self.codec, key=key, step=step, seed=self.seed,
-                partition_elements=self.partition_elements,
-            )  # fmt: skip
+            with _deferring(checks):
+                out[a:b] = self.shards.synchronize_part(
+                    part.shard, flat[a:b], self.codec, key=key, step=step, seed=self.seed,
+                    partition_elements=self.partition_elements,
+                )  # fmt: skip
 
         return run
 
@@ -157,6 +164,11 @@ class ShardSender:
         self._dispatcher.close()
         for stream in self._streams:
             stream.close()
+
+
+def _deferring(checks: DeviceChecks | None) -> contextlib.AbstractContextManager:
+    """A round's device checks into the step's (read once by ``GradientSync.wait``)."""
+    return contextlib.nullcontext() if checks is None else checks.deferring()
 
 
 class _Countdown:
