@@ -27,6 +27,7 @@ import contextlib
 import contextvars
 import enum
 import hashlib
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -354,6 +355,7 @@ class DeviceChecks:
     def __init__(self) -> None:
         self._flag: torch.Tensor | None = None
         self._checks: list[tuple[torch.Tensor, Callable[[], None]]] = []
+        self._lock = threading.Lock()  # a step's rounds may run on several shard threads
 
     @classmethod
     def current(cls) -> DeviceChecks | None:
@@ -370,13 +372,15 @@ class DeviceChecks:
 
     def add(self, ok: torch.Tensor, fail: Callable[[], None]) -> None:
         ok = ok.reshape(())
-        self._flag = ok if self._flag is None else torch.logical_and(self._flag, ok)
-        self._checks.append((ok, fail))
+        with self._lock:
+            self._flag = ok if self._flag is None else torch.logical_and(self._flag, ok)
+            self._checks.append((ok, fail))
 
     def raise_if_failed(self) -> None:
         """One read of the flag (the only host sync); the failed check's error if it is false."""
-        flag, checks = self._flag, self._checks
-        self._flag, self._checks = None, []
+        with self._lock:
+            flag, checks = self._flag, self._checks
+            self._flag, self._checks = None, []
         if flag is None or bool(flag):
             return
         for ok, fail in checks:  # the error path: reading each condition costs nothing here

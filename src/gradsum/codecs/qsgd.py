@@ -70,6 +70,7 @@ def _bucket_norms(buckets: torch.Tensor) -> torch.Tensor:
     peak = buckets.abs().amax(dim=1, keepdim=True)
     safe_peak = torch.where(peak > 0, peak, torch.ones_like(peak))
     norms = torch.linalg.vector_norm(buckets / safe_peak, dim=1) * peak.squeeze(1)
+
     def fail() -> None:
         raise NonFiniteGradientError("qsgd: a bucket's L2 norm exceeds the float32 range")
 

@@ -232,7 +232,9 @@ class CodecRound:
 
         ``checks``: where the round's checks of device values (finiteness, the shared scalars)
         go, for the caller to read once (``raise_if_failed``) when it is ready to wait for the
-        device; without it the round reads them itself before it returns."""
+        device (the hooks read a step's once); without it, those of an enclosing
+        ``DeviceChecks.deferring()``, else the round reads its own before it returns."""
+        checks = checks or DeviceChecks.current()
         own = checks is None
         checks = DeviceChecks() if own else checks
         with checks.deferring():

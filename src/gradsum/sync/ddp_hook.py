@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs import Codec, make_codec
+from ..codecs.base import DeviceChecks
 from ..codecs.round import PARTITION_ELEMENTS
 from .aggregator import Aggregator
 from .comm import CommunicationThread
@@ -35,6 +36,8 @@ class GradsumHookState:
     partition_elements: int = PARTITION_ELEMENTS
     step: int = 0
     _thread: CommunicationThread | None = field(default=None, repr=False)
+    # the step's device checks: every bucket's round adds to them, the last bucket reads them
+    _checks: DeviceChecks = field(default_factory=DeviceChecks, repr=False)
     _warmup_codec: Codec | None = field(default=None, repr=False)
 
     def submit(self, fn, handoff: Handoff | None = None) -> torch.futures.Future:
@@ -63,21 +66,26 @@ def gradsum_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     buffer = bucket.buffer()
     step = state.step
-    if bucket.is_last():
+    last = bucket.is_last()
+    if last:
         state.step += 1
+    checks = state._checks
     key = ("ddp-bucket", bucket.index(), buffer.numel())
     codec = state.codec_for(step)
     codec.describe(key, [tuple(g.shape) for g in bucket.gradients()])
 
     def run() -> torch.Tensor:
-        average = state.aggregator.synchronize(
-            buffer.reshape(-1),
-            codec,
-            key=key,
-            step=step,
-            seed=state.seed,
-            partition_elements=state.partition_elements,
-        )
+        with checks.deferring():
+            average = state.aggregator.synchronize(
+                buffer.reshape(-1),
+                codec,
+                key=key,
+                step=step,
+                seed=state.seed,
+                partition_elements=state.partition_elements,
+            )
+        if last:  # the step's one read of its device checks
+            checks.raise_if_failed()
         return buffer.copy_(average.view_as(buffer))
 
     # On a GPU: the round runs on the device's communication stream once backward's writes to

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..codecs import Codec, make_codec
+from ..codecs.base import DeviceChecks
 from ..codecs.round import PARTITION_ELEMENTS
 from ..schedule.plan import Plan
 from .aggregator import Aggregator
@@ -104,6 +105,8 @@ class GradientSync:
         self._missing = [len(n) for n in self._needs]
         self._released = 0
         self._futures: list[torch.futures.Future] = []
+        # every round's device checks of a step, read once in ``wait`` (no host sync per group)
+        self._checks = DeviceChecks()
         self._sender = self._make_sender()
         self._handles = [
             p.register_post_accumulate_grad_hook(self._hook(i))
@@ -159,7 +162,7 @@ class GradientSync:
                 offset += block.numel()
 
         shapes = [self._shape(s) for s in self._segments[group]]
-        return self._sender.submit(group, flat, self.step, shapes).then(write_back)
+        return self._sender.submit(group, flat, self.step, shapes, self._checks).then(write_back)
 
     def _shape(self, segment: Segment) -> tuple[int, ...]:
         """A segment's shape for codecs that work per tensor: its parameter's, if whole."""
@@ -179,7 +182,9 @@ class GradientSync:
             wait_all(
                 self._futures, self.timeout, f"aggregation of {len(self.groups)} gradient groups"
             )
+            self._checks.raise_if_failed()  # the step's one read of its device checks
         finally:
+            self._checks = DeviceChecks()
             self._futures = []
             self._missing = [len(n) for n in self._needs]
             self._released = 0

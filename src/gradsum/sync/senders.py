@@ -25,12 +25,14 @@ identical on every worker) and return a future with the group's average.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 
 import torch
 
 from ..codecs import Codec
+from ..codecs.base import DeviceChecks
 from ..schedule.plan import Plan
 from .aggregator import Aggregator
 from .comm import CommunicationThread
@@ -45,22 +47,25 @@ class SerialSender:
         self._thread = CommunicationThread("gradsum-sync")
 
     def submit(self, group: int, flat: torch.Tensor, step: int,
-               shapes: Sequence[tuple[int, ...]] = ()) -> torch.futures.Future:  # fmt: skip
-        """``shapes``: the tensors ``flat`` holds, for codecs that work per tensor."""
+               shapes: Sequence[tuple[int, ...]] = (),
+               checks: DeviceChecks | None = None) -> torch.futures.Future:  # fmt: skip
+        """``shapes``: the tensors ``flat`` holds, for codecs that work per tensor; ``checks``:
+        the step's device checks, read by the caller once the step is done."""
         key = ("group", group, flat.numel())
         if shapes:
             self.codec.describe(key, shapes)
         handoff = CommStream.of(flat.device).handoff([flat])  # on the producer's stream
 
         def run() -> torch.Tensor:
-            return self.aggregator.synchronize(
-                flat,
-                self.codec,
-                key=key,
-                step=step,
-                seed=self.seed,
-                partition_elements=self.partition_elements,
-            )
+            with _deferring(checks):
+                return self.aggregator.synchronize(
+                    flat,
+                    self.codec,
+                    key=key,
+                    step=step,
+                    seed=self.seed,
+                    partition_elements=self.partition_elements,
+                )
 
         return self._thread.submit(run, handoff)
 
@@ -89,14 +94,16 @@ class ShardSender:
         self._in_flight = 0
 
     def submit(self, group: int, flat: torch.Tensor, step: int,
-               shapes: Sequence[tuple[int, ...]] = ()) -> torch.futures.Future:  # fmt: skip
-        """``shapes``: the tensors ``flat`` holds, for codecs that work per tensor."""
+               shapes: Sequence[tuple[int, ...]] = (),
+               checks: DeviceChecks | None = None) -> torch.futures.Future:  # fmt: skip
+        """``shapes``: the tensors ``flat`` holds, for codecs that work per tensor; ``checks``:
+        the step's device checks, read by the caller once the step is done."""
         handoff = CommStream.of(flat.device).handoff([flat])  # on the producer's stream
         result = handoff.stream.future()
 
         def dispatch() -> None:
             try:
-                self._dispatch(group, flat, step, result, handoff, shapes)
+                self._dispatch(group, flat, step, result, handoff, shapes, checks)
             except BaseException as error:
                 result.set_exception(error)
 
@@ -104,7 +111,7 @@ class ShardSender:
         return result
 
     def _dispatch(self, index: int, flat: torch.Tensor, step: int,
-                  result: torch.futures.Future, handoff, shapes=()) -> None:  # fmt: skip
+                  result: torch.futures.Future, handoff, shapes, checks) -> None:  # fmt: skip
         group = self.plan.groups[index]
         nbytes = 4 * flat.numel()
         self._acquire(nbytes, index)
@@ -117,13 +124,14 @@ class ShardSender:
         for k, part in enumerate(parts):
             done = threading.Event()
             gate = None if self.plan.interleave or self.window else previous
-            run = self._part_job(index, k, part, flat, out, group.start, gate, step, shapes)
+            run = self._part_job(index, k, part, flat, out, group.start, gate, step, shapes,
+                                 checks)  # fmt: skip
             future = self._streams[part.shard].submit(run, handoff)
             future.add_done_callback(_signal(done, finished))
             previous = done
 
-    def _part_job(self, index, k, part, flat, out, base, gate, step,
-                  shapes=()) -> Callable[[], None]:  # fmt: skip
+    def _part_job(self, index, k, part, flat, out, base, gate, step, shapes,
+                  checks) -> Callable[[], None]:  # fmt: skip
         a, b = part.start - base, part.stop - base
         key = ("part", index, k)
         if shapes:
@@ -134,10 +142,11 @@ class ShardSender:
                 raise TimeoutError(
                     f"part {k} of group {index} waited {self.timeout:.0f} s for part {k - 1}"
                 )
-            out[a:b] = self.shards.synchronize_part(
-                part.shard, flat[a:b], self.codec, key=key, step=step, seed=self.seed,
-                partition_elements=self.partition_elements,
-            )  # fmt: skip
+            with _deferring(checks):
+                out[a:b] = self.shards.synchronize_part(
+                    part.shard, flat[a:b], self.codec, key=key, step=step, seed=self.seed,
+                    partition_elements=self.partition_elements,
+                )  # fmt: skip
 
         return run
 
@@ -168,6 +177,11 @@ class ShardSender:
         self._dispatcher.close()
         for stream in self._streams:
             stream.close()
+
+
+def _deferring(checks: DeviceChecks | None) -> contextlib.AbstractContextManager:
+    """A round's device checks into the step's (read once by ``GradientSync.wait``)."""
+    return contextlib.nullcontext() if checks is None else checks.deferring()
 
 
 class _Countdown:

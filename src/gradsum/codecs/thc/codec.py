@@ -33,7 +33,7 @@ from ..base import (
 )
 from ..bits import bits_for, pack_bits, unpack_bits
 from ..buffers import Recycler
-from . import native
+from . import native, triton_kernels
 from .hadamard import Rotation, padded_length
 from .tables import clamp_threshold, correlated_clamp, solve_table
 
@@ -188,6 +188,13 @@ class GridCodec(Codec):
         if packed is None:
             require_finite(x)
             a, c = _float32(a), _float32(c)
+            if rotation is not None and not self.correlated and self._fused(rotation):
+                # 3 launches instead of ~55; correlated rounding draws on the torch path
+                y = triton_kernels.rotate(x, rotation.signs, rotation.padded, rotation.block)
+                draws = self._workspace(y.numel(), y.device)[3]
+                ctx.uniform(y.numel(), y.device, out=draws)
+                packed = triton_kernels.quantize(y, draws, lookups, a, c, g, self.bits)
+                return Payload({UPSTREAM: packed}, x.numel() if length is None else length)
             y = x.mul(a) if rotation is None else self._rotated(x, rotation).mul_(a)
             indices = self._round_to_table(y.add_(c).clamp_(0, g), ctx)
             packed = pack_bits(indices, self.bits, check=False)
@@ -214,6 +221,14 @@ class GridCodec(Codec):
             y = native.decode(sums, width, count, a, c, rotation, empty=empty)
         if y is None:
             a, c = _float32(a), _float32(c)
+            if rotation is not None and DOWNSTREAM in payload.fields and self._fused(rotation):
+                sums = payload.fields[DOWNSTREAM]
+                if not payload.unpacked:
+                    sums = unpack_bits(sums, self.sum_bits, count)
+                y = triton_kernels.dequantize_inverse(
+                    sums.reshape(-1)[:count], rotation.signs, rotation.block, a, c
+                )
+                return y[: payload.length]
             y = self._grid_values(payload, count).to(torch.float32).mul_(a).add_(c)
             if rotation is not None:
                 return rotation.inverse(y)
@@ -222,6 +237,13 @@ class GridCodec(Codec):
     def _rotated(self, x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
         rotated = native.rotate(x, rotation)
         return rotation.forward(x) if rotated is None else rotated
+
+    def _fused(self, rotation: Rotation) -> bool:
+        """The fused Triton kernels replace the torch path here (a GPU with Triton), giving
+        its values bit for bit (``triton_kernels``)."""
+        return triton_kernels.use_for(rotation.device) and triton_kernels.fits(
+            rotation.padded, rotation.block, self.bits
+        )
 
     def _round_to_table(self, u: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         """Unbiased stochastic rounding of grid positions u in [0, g] to table indices (uint8).

@@ -30,8 +30,11 @@ def padded_length(length: int, block: int | None) -> int:
     return max(block, -(-length // block) * block)
 
 
-# The first stages run as one matrix product with a dense Hadamard block along the contiguous
-# axis (a BLAS kernel, ~2x faster than butterflies here); the rest are butterflies.
+# On the CPU the first stages run as one matrix product with a dense Hadamard block along the
+# contiguous axis (a BLAS kernel, ~2x faster than butterflies there); the rest are butterflies.
+# Elsewhere every stage is a butterfly: a GPU matmul may run in TF32 (common in training
+# scripts), which rounds the inputs to 10 bits, and the butterflies' order of additions is the
+# one the fused Triton kernels (``triton_kernels.py``) reproduce bit for bit.
 _DENSE_STAGES = 5
 
 
@@ -53,26 +56,30 @@ def _dense_block(size: int, device: torch.device) -> torch.Tensor:
     return _DENSE_CACHE[key]
 
 
-def fwht_(x: torch.Tensor, block: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
+def fwht_(x: torch.Tensor, block: int, scratch: torch.Tensor | None = None,
+          dense: bool | None = None) -> torch.Tensor:  # fmt: skip
     """Orthonormal Walsh-Hadamard transform of every block of ``block`` coordinates.
 
     ``x`` is 1-D float32 with a length that is a multiple of ``block`` (a power of two). The
     native kernel transforms ``x`` in place; torch's stages alternate between ``x`` and
-    ``scratch`` so none allocates. Returns the one holding the result.
+    ``scratch`` so none allocates. Returns the one holding the result. ``dense``: the first
+    stages as a matrix product (default: on the CPU only, see ``_DENSE_STAGES``).
     """
     if x.dim() != 1 or x.numel() % block or block & (block - 1):
         raise ValueError(f"fwht needs a 1-D tensor whose length is a multiple of {block}")
-    if native.fwht_(x, block, 1.0 / math.sqrt(block)):
-        return x
+    if dense is None:
+        dense = x.device.type == "cpu"
+        if dense and native.fwht_(x, block, 1.0 / math.sqrt(block)):
+            return x
     if scratch is None:
         scratch = torch.empty_like(x)
     src, dst = x, scratch
     half = 1
-    dense = min(block, 1 << _DENSE_STAGES)
-    if dense > 2:
-        torch.matmul(src.view(-1, dense), _dense_block(dense, x.device), out=dst.view(-1, dense))
+    width = min(block, 1 << _DENSE_STAGES) if dense else 1
+    if width > 2:
+        torch.matmul(src.view(-1, width), _dense_block(width, x.device), out=dst.view(-1, width))
         src, dst = dst, src
-        half = dense
+        half = width
     while half < block:
         pairs_src = src.view(-1, 2, half)
         pairs_dst = dst.view(-1, 2, half)
