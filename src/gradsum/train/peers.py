@@ -68,21 +68,6 @@ def wire_bytes_per_step(config, model: torch.nn.Module) -> int:
     return total
 
 
-def _powersgd_group(threads: int = 8):
-    """A Gloo group for DDP under torch's PowerSGD hook, with more threads than Gloo's 2.
-
-    The hook's future callbacks start the next all-reduce and block on it (``.wait()``) on the
-    Gloo thread that ran them; with two buckets in flight both of Gloo's threads can end up
-    waiting for all-reduces queued behind them. Workers under the hook were killed by SIGABRT
-    inside backward in 5 of 6 runs on the testbed's 100 Mbit/s links (none on loopback); that
-    starvation ending in Gloo's timeout would look so (a guess, not yet confirmed), and more
-    threads leave room for the queued all-reduces.
-    """
-    options = dist.ProcessGroupGloo._Options()
-    options._threads = threads
-    return dist.new_group(backend="gloo", pg_options=options)
-
-
 class DDPSync:
     """DDP around ``model`` with the configured hook; ``net`` is the module to call forward on."""
 
@@ -95,8 +80,7 @@ class DDPSync:
                 f"unknown --ddp-hook {config.ddp_hook!r}; choose one of {', '.join(DDP_HOOK_NAMES)}"
             )
         self.model = model
-        group = _powersgd_group() if config.ddp_hook == "powersgd" else None
-        self.net = DistributedDataParallel(model, process_group=group)
+        self.net = DistributedDataParallel(model)
         self.step = 0
         self._manual = False
         if config.ddp_hook == "fp16":
@@ -110,7 +94,7 @@ class DDPSync:
                     "least 2 uncompressed steps with error feedback or warm start"
                 )
             state = powersgd.PowerSGDState(
-                process_group=group,
+                process_group=None,
                 matrix_approximation_rank=config.powersgd_rank,
                 start_powerSGD_iter=config.powersgd_start,
                 use_error_feedback=True,
