@@ -16,7 +16,7 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from . import actions, authentication, bounded_json, native_pool
 from .actions import Drop, Send
@@ -224,13 +224,13 @@ class DataPlane:
         if header.kind is Kind.REGISTER:
             body = _json_body(payload)
             key = _job_key(body.pop("key", None), principal)
-            spec = JobSpec.from_json(body)
+            spec = JobSpec.from_json(body, key)
             if spec.job != header.job:
                 raise SpecError(f"header job {header.job} != body job {spec.job}")
             if self.secrets and (principal is None or principal[0] != "secret"):
                 raise RequestRefused("unauthenticated", "registering needs an admission secret")
             tenant = principal[1] if principal and principal[0] == "secret" else ""
-            self.register(replace(spec, key=key), tenant)
+            self.register(spec, tenant)
             return Kind.REGISTERED, {"job": spec.job}
         if header.kind is Kind.TEARDOWN:
             self._authorize(header.job, principal)
