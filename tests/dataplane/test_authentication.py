@@ -240,3 +240,17 @@ def test_mac_mode_drops_a_packet_whose_tag_is_not_the_jobs():
     assert np.frombuffer(lanes, "<i4").tolist() == [3] * 8
     assert tag == auth.packet_tag(spec.mac_key, result.header, lanes)
     assert job.pool.stats["dropped_bad_mac"] == 3
+
+
+def test_a_message_signed_for_another_pipelines_port_fails():
+    switch = plane({"team": SECRET})
+    switch.port = 48865
+    spec = int32_job(workers=2)
+    body = json.dumps(register_body(spec, secret=SECRET)).encode()
+    request = Header(Kind.REGISTER, 1, flags=SIGNED, chunk=3).pack() + body
+    kind, reply = ask(switch, auth.sign(request, SECRET, NOW, port=48864))
+    assert kind is Kind.ERROR and reply.get("code") == "unauthenticated"
+    (answer,) = switch.on_datagram(memoryview(auth.sign(request, SECRET, NOW, port=48865)),
+                                   STRANGER, 0.0)  # fmt: skip
+    assert parse_header(answer.header).kind is Kind.REGISTERED
+    assert auth.verifies(answer.header + bytes(answer.payload), SECRET, 48865)

@@ -4,11 +4,12 @@ A signed control message (header flag ``SIGNED``) ends in a 56-byte trailer::
 
     u64 timestamp (ms since the Unix epoch), 16-byte nonce, 32-byte HMAC-SHA256 tag
 
-The tag covers every byte before it (header, body, timestamp, nonce) under the key the message
-claims: an admission secret (REGISTER, aggregator-wide STATS) or the job's own key (TEARDOWN, a
-job's STATS). The aggregator accepts a timestamp within ``WINDOW_S`` of its clock and each nonce
-once within that window, so a recorded message cannot be replayed; a retry is a new message. A
-reply to a signed request is signed with the same key, so a worker can tell it from a spoof.
+The tag covers the aggregator's port and every byte before it (header, body, timestamp,
+nonce) under the key the message claims: an admission secret (REGISTER, aggregator-wide STATS)
+or the job's own key (TEARDOWN, a job's STATS). The aggregator accepts a timestamp within
+``WINDOW_S`` of its clock and each nonce once within that window, so a recorded message cannot
+be replayed; a retry is a new message. A reply to a signed request is signed with the same key,
+so a worker can tell it from a spoof.
 
 A job's key travels to the aggregator in its REGISTER body, masked with a keystream only the
 admission secret's holders can compute (``wrap_key``): an observer of the network who lacks the
@@ -30,10 +31,13 @@ WINDOW_S = 30.0  # accepted clock difference between a signer and the aggregator
 MAX_NONCES = 1 << 16  # remembered within the window; beyond, signed requests wait
 
 
-def sign(message: bytes, key: bytes, wall: float) -> bytes:
-    """``message`` (its header's SIGNED flag set) with a fresh trailer under ``key``."""
+def sign(message: bytes, key: bytes, wall: float, port: int = 0) -> bytes:
+    """``message`` (its header's SIGNED flag set) with a fresh trailer under ``key``. ``port``:
+    the aggregator's UDP port, bound into the tag but not sent, so a message recorded on its
+    way to one pipeline (``--pipelines``: one port and one replay window each) fails at
+    another."""
     stamp = struct.pack("<Q16s", int(wall * 1000), os.urandom(16))
-    return message + stamp + _tag(key, message + stamp)
+    return message + stamp + _tag(key, port.to_bytes(2, "little") + message + stamp)
 
 
 def split(data: bytes) -> tuple[bytes, int, bytes, bytes] | None:
@@ -45,12 +49,13 @@ def split(data: bytes) -> tuple[bytes, int, bytes, bytes] | None:
     return message, timestamp, nonce, tag
 
 
-def verifies(data: bytes, key: bytes) -> bool:
-    """Whether the signed datagram ``data`` carries a valid tag under ``key``."""
+def verifies(data: bytes, key: bytes, port: int = 0) -> bool:
+    """Whether the signed datagram ``data`` carries a valid tag under ``key`` (for the
+    aggregator at ``port``, as ``sign``)."""
     if len(data) < TRAILER_SIZE:
         return False
     signed, tag = data[:-32], data[-32:]
-    return hmac.compare_digest(_tag(key, signed), tag)
+    return hmac.compare_digest(_tag(key, port.to_bytes(2, "little") + signed), tag)
 
 
 def _tag(key: bytes, data: bytes) -> bytes:

@@ -111,6 +111,7 @@ class DataPlane:
         # anyone may (protocol 1's trust), and a job's key still guards its teardown and stats.
         self.secrets = dict(secrets or {})
         self.wall = wall  # the clock signed timestamps are checked against
+        self.port = 0  # the UDP port it serves, bound into signatures (the daemon sets it)
         self.replays = authentication.ReplayGuard()
         self.jobs: dict[int, Job] = {}
         self._children: dict[tuple[Address, int], int] = {}  # (parent, parent job) -> our job
@@ -213,7 +214,7 @@ class DataPlane:
         if job is not None and job.spec.key is not None:
             candidates.append(("job", str(header.job), job.spec.key))
         for principal in candidates:
-            if authentication.verifies(raw, principal[2]):
+            if authentication.verifies(raw, principal[2], self.port):
                 refusal = self.replays.check(stamp, nonce, self.wall())
                 if refusal:
                     raise RequestRefused("replayed", refusal)
@@ -268,7 +269,7 @@ class DataPlane:
         header = Header(kind, request.job, flags=flags, chunk=request.chunk).pack()
         payload = json.dumps(body).encode()
         if key is not None:
-            signed = authentication.sign(header + payload, key, self.wall())
+            signed = authentication.sign(header + payload, key, self.wall(), self.port)
             return Send(actions.REPLY, (source,), signed[:HEADER_SIZE], signed[HEADER_SIZE:])
         if HEADER_SIZE + len(payload) > limit:
             if kind is not Kind.ERROR:  # the requester pads its request to make room

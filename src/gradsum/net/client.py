@@ -85,7 +85,7 @@ def control_request(
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if key is not None:
-                data = authentication.sign(message, key, time.time())
+                data = authentication.sign(message, key, time.time(), address[1])
             else:
                 data = message + b" " * max(0, pad - len(message))
             sock.sendto(data, address)
@@ -124,7 +124,7 @@ def _await_reply(sock, address, job, request, wait: float, key: bytes | None):
             continue
         if key is None:
             return header, data[HEADER_SIZE:]
-        if header.flags & SIGNED and authentication.verifies(data, key):
+        if header.flags & SIGNED and authentication.verifies(data, key, address[1]):
             return header, data[HEADER_SIZE : -authentication.TRAILER_SIZE]
         # Not signed by our key: a spoof, or an aggregator that could not verify us (it
         # echoed our unguessable request id, so it saw the request).
