@@ -179,7 +179,7 @@ def test_unsigned_requests_never_get_a_reply_larger_than_themselves(secrets):
     for job in range(40):
         switch.register(int32_job(workers=3, job=job, key=KEY if job % 2 else None))
 
-    @settings(max_examples=60, deadline=None)
+    @settings(max_examples=40, deadline=None)
     @given(requests)
     def check(data):
         for action in switch.on_datagram(memoryview(data), STRANGER, 0.0):
@@ -210,3 +210,47 @@ def test_a_packet_from_a_workers_address_without_the_token_cannot_change_a_sum()
     assert header.token == spec.token != 0
     assert np.frombuffer(bytes(result.payload), "<i4").tolist() == [3] * 8
     assert switch.jobs[1].pool.stats["dropped_bad_token"] == 3
+
+
+def test_mac_mode_drops_a_packet_whose_tag_is_not_the_jobs():
+    from dataclasses import replace
+
+    import numpy as np
+
+    from .helpers import data_packet
+
+    spec = replace(int32_job(workers=2), key=KEY, integrity="mac")
+    switch = DataPlane(switch_profile())
+    job = switch.register(spec)
+    assert not job.native  # per-packet MACs are checked in Python
+
+    def tagged(worker, values, tag=None):
+        packet = data_packet(spec, worker, 0, values)
+        mac = auth.packet_tag(spec.mac_key, packet[:HEADER_SIZE], packet[HEADER_SIZE:])
+        return packet + (mac if tag is None else tag)
+
+    for forged in (tagged(1, [1000] * 8, tag=bytes(16)), data_packet(spec, 1, 0, [1000] * 8),
+                   tagged(1, [1000] * 8)[:-1] + b"x"):  # fmt: skip
+        (drop,) = switch.on_datagram(memoryview(forged), spec.addresses[1], 0.0)
+        assert drop.reason == "bad_mac"
+    switch.on_datagram(memoryview(tagged(0, [1] * 8)), spec.addresses[0], 0.0)
+    *_, result = switch.on_datagram(memoryview(tagged(1, [2] * 8)), spec.addresses[1], 0.0)
+    payload = bytes(result.payload)
+    lanes, tag = payload[:-auth.TAG_SIZE], payload[-auth.TAG_SIZE:]
+    assert np.frombuffer(lanes, "<i4").tolist() == [3] * 8
+    assert tag == auth.packet_tag(spec.mac_key, result.header, lanes)
+    assert job.pool.stats["dropped_bad_mac"] == 3
+
+
+def test_a_message_signed_for_another_pipelines_port_fails():
+    switch = plane({"team": SECRET})
+    switch.port = 48865
+    spec = int32_job(workers=2)
+    body = json.dumps(register_body(spec, secret=SECRET)).encode()
+    request = Header(Kind.REGISTER, 1, flags=SIGNED, chunk=3).pack() + body
+    kind, reply = ask(switch, auth.sign(request, SECRET, NOW, port=48864))
+    assert kind is Kind.ERROR and reply.get("code") == "unauthenticated"
+    (answer,) = switch.on_datagram(memoryview(auth.sign(request, SECRET, NOW, port=48865)),
+                                   STRANGER, 0.0)  # fmt: skip
+    assert parse_header(answer.header).kind is Kind.REGISTERED
+    assert auth.verifies(answer.header + bytes(answer.payload), SECRET, 48865)

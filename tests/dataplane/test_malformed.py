@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradsum.dataplane import Drop
-from gradsum.dataplane.packet import HEADER_SIZE, MAX_DATAGRAM
+from gradsum.dataplane.packet import HEADER_SIZE, MAX_DATAGRAM, PROTOCOL
 
 from .helpers import data_packet, int32_job, send, switch_with, worker_address
 
@@ -68,7 +68,9 @@ malformed = st.one_of(
     st.integers(1, 2**63).filter(lambda c: c % 8).map(lambda c: with_field(valid(), "<Q", 16, c)),
     # bad magic, protocol, kind, op, flags, reserved bytes, contributors
     st.binary(min_size=2, max_size=2).filter(lambda m: m != b"GS").map(lambda m: m + valid()[2:]),
-    st.integers(0, 255).filter(lambda p: p != 1).map(lambda p: with_field(valid(), "<B", 2, p)),
+    st.integers(0, 255)
+    .filter(lambda p: p != PROTOCOL)
+    .map(lambda p: with_field(valid(), "<B", 2, p)),
     st.integers(0, 255)
     .filter(lambda k: k not in range(1, 4) and k < 16)
     .map(lambda k: with_field(valid(), "<B", 3, k)),

@@ -128,3 +128,22 @@ def _data(spec, worker, chunk):
 
     header = Header(Kind.DATA, spec.job, worker, chunk % 4, 0, Op.SUM, 0, chunk, 64, 1, spec.token)
     return header.pack() + (np.arange(64, dtype="<i4") * (worker + 1) + chunk).tobytes()
+
+
+@pytest.mark.slow
+def test_mac_and_token_jobs_give_the_same_sums_as_a_keyless_job():
+    import numpy as np
+
+    from gradsum.net.loopback import WorkerTask, run_workers
+
+    outputs = {}
+    with DaemonProcess("switch") as switch:
+        for mode, key in (("none", None), ("token", new_key()), ("mac", new_key())):
+            task = WorkerTask((switch.address,), job=3, workers=2, codec="bfp", elements=40_000,
+                              steps=2, key=key, integrity="mac" if mode == "mac" else "token")
+            outputs[mode] = [r.outputs for r in run_workers(task, timeout=120)]
+        stats = aggregator_stats(switch.address)
+    for mode in ("token", "mac"):
+        for mine, theirs in zip(outputs[mode], outputs["none"], strict=True):
+            assert all(np.array_equal(a, b) for a, b in zip(mine, theirs, strict=True)), mode
+    assert stats["aggregator"].get("dropped_internal_error", 0) == 0

@@ -114,7 +114,7 @@ bodies = (
 )
 control_messages = st.builds(
     lambda kind, job, flags, chunk, body: bytearray(
-        Header(kind, job, chunk=chunk).pack()[:14] + bytes([flags]) + bytes(17)
+        Header(kind, job, chunk=chunk).pack()[:14] + bytes([flags]) + bytes(HEADER_SIZE - 15)
     ) + body,
     st.sampled_from([Kind.REGISTER, Kind.TEARDOWN, Kind.STATS_REQUEST, Kind.STATS, Kind.ERROR]),
     st.integers(0, 0xFFFF).filter(lambda j: j != HONEST_JOB),

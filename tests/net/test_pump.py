@@ -253,3 +253,34 @@ def test_a_run_of_results_joined_by_gro_lands_in_place_and_others_are_moved_to_t
         send_run(result(34, lanes=4))
         assert drain(routes, worker) == [(0, 11, 2, 0, pump.PLACED)]
         assert down.tolist() == [30] * 8 + [31] * 8 + [32] * 8 + [33] * 8 + [34] * 4
+
+
+@pytest.mark.parametrize("path", ["pump", "python"])
+def test_a_worker_places_only_results_that_carry_its_jobs_token(path, monkeypatch):
+    """A forged result from the aggregator's address (an off-path spoofer) lacks the job's
+    token: neither receive path places it or counts it, and the real one is placed."""
+    from gradsum.net.client import UdpTransport
+
+    if path == "python":
+        monkeypatch.setenv("GRADSUM_PUMP", "0")
+    token = 0x1234_5678_9ABC_DEF0
+    with open_socket(("127.0.0.1", 0)) as worker, open_socket(("127.0.0.1", 0)) as switch:
+        layout = ChunkLayout(lanes=8, lanes_per_chunk=8, in_bits=32, out_bits=32)
+        up, down = np.arange(8, dtype=np.int32), np.zeros(8, dtype=np.int32)
+        buffers = LaneBuffers(layout, memoryview(up).cast("B"), memoryview(down).cast("B"))
+        transfer = Transfer(job=7, worker=0, op=Op.SUM, first_chunk=0, slots=1, buffers=buffers,
+                            max_contributors=2, token=token)  # fmt: skip
+        job = JobHandle(switch.getsockname(), 7, 0, 1, 8, 2, token=token)
+        assert pump.serves([(job, transfer)]) == (path == "pump")
+        target = worker.getsockname()
+        for forged in (0, token ^ 1):
+            header = Header(Kind.RESULT, 7, ANY_WORKER, 0, 0, Op.SUM, 0, 0, 8, 2, forged)
+            switch.sendto(header.pack() + np.full(8, -1, np.int32).tobytes(), target)
+        real = Header(Kind.RESULT, 7, ANY_WORKER, 0, 0, Op.SUM, 0, 0, 8, 2, token)
+        switch.sendto(real.pack() + np.full(8, 5, np.int32).tobytes(), target)
+        UdpTransport(worker, wait_limit=5).run([(job, transfer)])
+        assert transfer.done and down.tolist() == [5] * 8
+        assert transfer.stream.stats.duplicate_results == 0
+        sent = Header.pack(Header(Kind.DATA, 7, 0, 0, 0, Op.SUM, 0, 0, 8, 1, token))
+        switch.settimeout(2)
+        assert switch.recv(1 << 16)[:HEADER_SIZE] == sent  # the worker's packet carries it

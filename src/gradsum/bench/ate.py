@@ -71,9 +71,10 @@ def register(benches: argparse._SubParsersAction) -> None:
                         "(default: one multicast, replicated by the network)")  # fmt: skip
     parser.add_argument("--integrity", nargs="+", default=["token"], choices=INTEGRITY,
                         help="data-plane integrity of gradsum's jobs: token (a keyed job, "
-                        "every packet carries its data token; the default) or none (a job "
-                        "without a key, protocol 1's trust); several: each method with each, "
-                        "side by side (rows METHOD/MODE)")  # fmt: skip
+                        "every packet carries its data token; the default), mac (also a keyed "
+                        "BLAKE2b tag on every packet, checked in Python on both sides) or none "
+                        "(a job without a key, protocol 1's trust); several: each method with "
+                        "each, side by side (rows METHOD/MODE)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write one row per measurement")
     testbed = parser.add_argument_group(
         "across an emulated cluster (gradsum testbed; needs root and iproute2)"
@@ -157,7 +158,7 @@ class Measurement:
     cpu_seconds: float | None  # CPU of all processes per allreduce (None: not measurable)
 
 
-INTEGRITY = ("token", "none")
+INTEGRITY = ("token", "mac", "none")
 
 
 def _runs(methods: list[str], modes: list[str]) -> list[tuple[str, str, str]]:
@@ -194,7 +195,8 @@ def _gradsum(
                           elements=elements, steps=args.steps, warmup=args.warmup,
                           slots=args.slots, keep_output=False,
                           multicast=multicast(kind, args), mtu=args.mtu,
-                          key=new_key() if integrity == "token" else None)  # fmt: skip
+                          key=None if integrity == "none" else new_key(),
+                          integrity="mac" if integrity == "mac" else "token")  # fmt: skip
         before = daemon.cpu_seconds()
         results = run_workers(task, timeout=600)
         after = daemon.cpu_seconds()

@@ -4,11 +4,12 @@ A signed control message (header flag ``SIGNED``) ends in a 56-byte trailer::
 
     u64 timestamp (ms since the Unix epoch), 16-byte nonce, 32-byte HMAC-SHA256 tag
 
-The tag covers every byte before it (header, body, timestamp, nonce) under the key the message
-claims: an admission secret (REGISTER, aggregator-wide STATS) or the job's own key (TEARDOWN, a
-job's STATS). The aggregator accepts a timestamp within ``WINDOW_S`` of its clock and each nonce
-once within that window, so a recorded message cannot be replayed; a retry is a new message. A
-reply to a signed request is signed with the same key, so a worker can tell it from a spoof.
+The tag covers the aggregator's port and every byte before it (header, body, timestamp,
+nonce) under the key the message claims: an admission secret (REGISTER, aggregator-wide STATS)
+or the job's own key (TEARDOWN, a job's STATS). The aggregator accepts a timestamp within
+``WINDOW_S`` of its clock and each nonce once within that window, so a recorded message cannot
+be replayed; a retry is a new message. A reply to a signed request is signed with the same key,
+so a worker can tell it from a spoof.
 
 A job's key travels to the aggregator in its REGISTER body, masked with a keystream only the
 admission secret's holders can compute (``wrap_key``): an observer of the network who lacks the
@@ -30,10 +31,13 @@ WINDOW_S = 30.0  # accepted clock difference between a signer and the aggregator
 MAX_NONCES = 1 << 16  # remembered within the window; beyond, signed requests wait
 
 
-def sign(message: bytes, key: bytes, wall: float) -> bytes:
-    """``message`` (its header's SIGNED flag set) with a fresh trailer under ``key``."""
+def sign(message: bytes, key: bytes, wall: float, port: int = 0) -> bytes:
+    """``message`` (its header's SIGNED flag set) with a fresh trailer under ``key``. ``port``:
+    the aggregator's UDP port, bound into the tag but not sent, so a message recorded on its
+    way to one pipeline (``--pipelines``: one port and one replay window each) fails at
+    another."""
     stamp = struct.pack("<Q16s", int(wall * 1000), os.urandom(16))
-    return message + stamp + _tag(key, message + stamp)
+    return message + stamp + _tag(key, port.to_bytes(2, "little") + message + stamp)
 
 
 def split(data: bytes) -> tuple[bytes, int, bytes, bytes] | None:
@@ -45,12 +49,13 @@ def split(data: bytes) -> tuple[bytes, int, bytes, bytes] | None:
     return message, timestamp, nonce, tag
 
 
-def verifies(data: bytes, key: bytes) -> bool:
-    """Whether the signed datagram ``data`` carries a valid tag under ``key``."""
+def verifies(data: bytes, key: bytes, port: int = 0) -> bool:
+    """Whether the signed datagram ``data`` carries a valid tag under ``key`` (for the
+    aggregator at ``port``, as ``sign``)."""
     if len(data) < TRAILER_SIZE:
         return False
     signed, tag = data[:-32], data[-32:]
-    return hmac.compare_digest(_tag(key, signed), tag)
+    return hmac.compare_digest(_tag(key, port.to_bytes(2, "little") + signed), tag)
 
 
 def _tag(key: bytes, data: bytes) -> bytes:
@@ -90,6 +95,23 @@ def data_token(job_key: bytes) -> int:
     """The job's 64-bit data token (never 0: 0 marks a job without one), from its key."""
     digest = hmac.new(job_key, b"gradsum data token", hashlib.sha256).digest()
     return int.from_bytes(digest[:8], "little") or 1
+
+
+TAG_SIZE = 16  # bytes of a data packet's MAC (integrity "mac")
+
+
+def packet_mac_key(job_key: bytes) -> bytes:
+    """The key of the job's per-packet MACs, from its key (never the key itself)."""
+    return hmac.new(job_key, b"gradsum data mac", hashlib.sha256).digest()
+
+
+def packet_tag(mac_key: bytes, *parts) -> bytes:
+    """A data packet's MAC: keyed BLAKE2b-128 of its header and payload (the stdlib's fastest
+    keyed hash; HMAC-SHA256 costs about three times as much per byte)."""
+    digest = hashlib.blake2b(key=mac_key, digest_size=TAG_SIZE)
+    for part in parts:
+        digest.update(part)
+    return digest.digest()
 
 
 def new_key() -> bytes:

@@ -57,6 +57,7 @@ class JobHandle:
     # worker's per-chunk bookkeeping; needs the native pump (net/pump.py).
     segments: int = 1
     token: int = 0  # the job's data token (JobSpec.token)
+    mac_key: bytes | None = None  # integrity "mac": the per-packet MAC key (JobSpec.mac_key)
 
     def packet_lanes(self, bits: int) -> int:
         return packet_lanes(self.elements, bits)
@@ -242,6 +243,7 @@ class Collective:
             what=f"{job.address[0]}:{job.address[1]} job {job.job}",
             rtt=self._round_trips[(job.address, job.job)],
             segments=segments, first_packet=self._next_packet[index], token=job.token,
+            mac_key=job.mac_key,
         )  # fmt: skip
         self._next_chunk[index] += buffers.chunks
         self._next_packet[index] += packets

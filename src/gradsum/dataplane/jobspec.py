@@ -10,7 +10,7 @@ import ipaddress
 from dataclasses import dataclass, field, replace
 
 from ..codecs.lanes import IntegerOp, packed_nbytes
-from .authentication import data_token
+from .authentication import TAG_SIZE, data_token, packet_mac_key
 from .packet import MAX_PAYLOAD, MAX_WORKERS
 
 Address = tuple[str, int]
@@ -119,6 +119,9 @@ class JobSpec:
     # The job's own key (authentication.py), agreed by its workers; not part of to_json: its
     # REGISTER carries it wrapped. None: a job any sender may tear down and read (protocol 1).
     key: bytes | None = field(default=None, repr=False)
+    # "token": packets carry the job's data token (checked by equality); "mac": each packet
+    # also ends in a keyed MAC of its header and payload (software aggregators, no parent)
+    integrity: str = "token"
 
     def __post_init__(self):
         workers = len(self.addresses)
@@ -156,6 +159,10 @@ class JobSpec:
             _check_group(self.group)
         if self.key is not None and (not isinstance(self.key, bytes) or len(self.key) != 32):
             raise SpecError("key must be 32 bytes")
+        if self.integrity not in ("token", "mac"):
+            raise SpecError(f"integrity must be 'token' or 'mac', got {self.integrity!r:.20}")
+        if self.integrity == "mac" and (self.key is None or self.parent is not None):
+            raise SpecError("integrity 'mac' needs a key, and a job without a parent")
         self._check_width(total)
 
     def _check_packets(self) -> None:
@@ -166,11 +173,12 @@ class JobSpec:
             bits = 32
         else:
             return  # decode-sum-encode: elements counts coordinates, not lanes
-        if packed_nbytes(self.elements, bits) > MAX_PAYLOAD:
+        room = MAX_PAYLOAD - (TAG_SIZE if self.integrity == "mac" else 0)
+        if packed_nbytes(self.elements, bits) > room:
             raise SpecError(
                 f"elements {self.elements} of {bits} bits are "
                 f"{packed_nbytes(self.elements, bits)} bytes, more than one packet carries "
-                f"({MAX_PAYLOAD})"
+                f"({room})"
             )
 
     def _check_width(self, total: int) -> None:
@@ -186,6 +194,11 @@ class JobSpec:
     @property
     def workers(self) -> int:
         return len(self.addresses)
+
+    @property
+    def mac_key(self) -> bytes | None:
+        """The per-packet MAC key of an integrity-"mac" job (None: no MACs)."""
+        return packet_mac_key(self.key) if self.integrity == "mac" else None
 
     @property
     def token(self) -> int:
@@ -211,13 +224,15 @@ class JobSpec:
             "deadline": self.deadline,
             "parent": parent,
             "group": None if self.group is None else f"{self.group[0]}:{self.group[1]}",
+            "integrity": self.integrity,
         }
 
     @classmethod
-    def from_json(cls, body: object) -> JobSpec:
+    def from_json(cls, body: object, key: bytes | None = None) -> JobSpec:
         """A spec from a REGISTER body, checked field by field: every field of the right type
         and range, no unknown field, addresses as IP literals (the aggregator resolves no
-        names). ``SpecError`` names the field."""
+        names). ``key``: the job's key, which travels apart (wrapped). ``SpecError`` names the
+        field."""
         if not isinstance(body, dict):
             raise SpecError("a registration body is a JSON object")
         _known(body, _SPEC_FIELDS, "")
@@ -238,6 +253,8 @@ class JobSpec:
                 deadline=_number(body, "deadline", 0.0, 0.0, 3600.0),
                 parent=None if parent is None else _parent(parent),
                 group=None if group is None else parse_ip_address(group, "group"),
+                integrity=body.get("integrity", "token"),
+                key=key,
             )
         except (TypeError, ValueError) as error:
             if isinstance(error, SpecError):
@@ -247,7 +264,7 @@ class JobSpec:
 
 _SPEC_FIELDS = frozenset(
     {"job", "addresses", "slots", "elements", "op", "max_contributors", "quorum", "deadline",
-     "parent", "group"}
+     "parent", "group", "integrity"}
 )  # fmt: skip
 _OP_FIELDS = {
     "integer-sum": frozenset({"kind", "in_bits", "out_bits", "signed", "table"}),

@@ -43,6 +43,7 @@ def serves(spec: JobSpec) -> bool:
         and (op.signed or op.in_bits <= 8)
         and not spec.quorum
         and spec.parent is None
+        and spec.integrity == "token"
         and all(
             is_ipv4(host) for host, _ in (*spec.addresses, *([spec.group] if spec.group else []))
         )

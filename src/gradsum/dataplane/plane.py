@@ -16,7 +16,7 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from . import actions, authentication, bounded_json, native_pool
 from .actions import Drop, Send
@@ -111,6 +111,7 @@ class DataPlane:
         # anyone may (protocol 1's trust), and a job's key still guards its teardown and stats.
         self.secrets = dict(secrets or {})
         self.wall = wall  # the clock signed timestamps are checked against
+        self.port = 0  # the UDP port it serves, bound into signatures (the daemon sets it)
         self.replays = authentication.ReplayGuard()
         self.jobs: dict[int, Job] = {}
         self._children: dict[tuple[Address, int], int] = {}  # (parent, parent job) -> our job
@@ -213,7 +214,7 @@ class DataPlane:
         if job is not None and job.spec.key is not None:
             candidates.append(("job", str(header.job), job.spec.key))
         for principal in candidates:
-            if authentication.verifies(raw, principal[2]):
+            if authentication.verifies(raw, principal[2], self.port):
                 refusal = self.replays.check(stamp, nonce, self.wall())
                 if refusal:
                     raise RequestRefused("replayed", refusal)
@@ -224,13 +225,13 @@ class DataPlane:
         if header.kind is Kind.REGISTER:
             body = _json_body(payload)
             key = _job_key(body.pop("key", None), principal)
-            spec = JobSpec.from_json(body)
+            spec = JobSpec.from_json(body, key)
             if spec.job != header.job:
                 raise SpecError(f"header job {header.job} != body job {spec.job}")
             if self.secrets and (principal is None or principal[0] != "secret"):
                 raise RequestRefused("unauthenticated", "registering needs an admission secret")
             tenant = principal[1] if principal and principal[0] == "secret" else ""
-            self.register(replace(spec, key=key), tenant)
+            self.register(spec, tenant)
             return Kind.REGISTERED, {"job": spec.job}
         if header.kind is Kind.TEARDOWN:
             self._authorize(header.job, principal)
@@ -268,7 +269,7 @@ class DataPlane:
         header = Header(kind, request.job, flags=flags, chunk=request.chunk).pack()
         payload = json.dumps(body).encode()
         if key is not None:
-            signed = authentication.sign(header + payload, key, self.wall())
+            signed = authentication.sign(header + payload, key, self.wall(), self.port)
             return Send(actions.REPLY, (source,), signed[:HEADER_SIZE], signed[HEADER_SIZE:])
         if HEADER_SIZE + len(payload) > limit:
             if kind is not Kind.ERROR:  # the requester pads its request to make room

@@ -20,11 +20,13 @@ the previous result for whoever lost it.
 from __future__ import annotations
 
 import enum
+import hmac
 
 import numpy as np
 
 from . import actions
 from .actions import Drop, Send, Store
+from .authentication import TAG_SIZE, packet_tag
 from .combiners import IntegerSumOp, MaxOp
 from .jobspec import JobSpec
 from .packet import ANY_WORKER, PARTIAL, PRESUMMED, Flag, Header, Kind, MalformedPacket, Op
@@ -106,6 +108,7 @@ class SlotPool:
         # what leaves one for each other worker.
         self._most_presummed = spec.max_contributors - (spec.workers - 1)
         self.token = spec.token
+        self.mac_key = spec.mac_key
 
     @staticmethod
     def memory(spec: JobSpec) -> int:
@@ -118,6 +121,14 @@ class SlotPool:
 
     # -- packets from workers ---------------------------------------------------------------
     def on_data(self, header: Header, payload: memoryview, now: float) -> list:
+        if self.mac_key is not None:  # integrity "mac": the token, then the packet's tag
+            if header.token != self.token:
+                return [self._drop("bad_token", "not the job's data token")]
+            body = payload[: len(payload) - TAG_SIZE]
+            tag = packet_tag(self.mac_key, header.pack(), body)
+            if len(payload) < TAG_SIZE or not hmac.compare_digest(tag, payload[len(body) :]):
+                return [self._drop("bad_mac", f"worker {header.worker} chunk {header.chunk}")]
+            payload = body
         try:
             op = self._checked(header, payload)
             # Collecting ops parse the whole payload now, before any state changes.
@@ -284,15 +295,23 @@ class SlotPool:
         header = self._result_header(Kind.RESULT, r, ANY_WORKER, v, i)
         group = self.spec.group
         destinations = self.spec.addresses if group is None else (group,)
-        return Send(actions.MULTICAST, destinations, header, r.result)
+        return Send(actions.MULTICAST, destinations, header, self._tagged(header, r.result))
+
+    def _tagged(self, header: bytes, payload) -> bytes | memoryview:
+        """``payload``, followed by the packet's MAC in integrity-"mac" jobs."""
+        if self.mac_key is None:
+            return payload
+        return bytes(payload) + packet_tag(self.mac_key, header, payload)
 
     def _reply(self, kind: Kind, r: Round, asked: Header, what: str) -> Send:
         if kind is Kind.STALE:
             header = Header(Kind.STALE, self.spec.job, asked.worker, asked.slot, asked.version,
                             asked.op, 0, asked.chunk, token=self.token).pack()  # fmt: skip
-            return Send(what, (self.spec.addresses[asked.worker],), header)
+            return Send(what, (self.spec.addresses[asked.worker],), header,
+                        self._tagged(header, b""))  # fmt: skip
         header = self._result_header(kind, r, asked.worker, asked.version, asked.slot)
-        return Send(what, (self.spec.addresses[asked.worker],), header, r.result)
+        return Send(what, (self.spec.addresses[asked.worker],), header,
+                    self._tagged(header, r.result))  # fmt: skip
 
     def _forward(self, r: Round) -> Send:
         parent = self.spec.parent

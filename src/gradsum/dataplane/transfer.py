@@ -14,8 +14,11 @@ The shell peeks a result's header, asks ``destination(header, nbytes)`` where it
 
 from __future__ import annotations
 
+import hmac
+
 import numpy as np
 
+from .authentication import TAG_SIZE, packet_tag
 from .packet import MAX_PAYLOAD, PARTIAL, Header, Kind, Op
 from .stream import ChunkLayout, ChunkStream, RetryPolicy, RoundTrip, StreamStats
 
@@ -106,9 +109,12 @@ class Transfer:
         segments: int = 1,
         first_packet: int | None = None,
         token: int = 0,
+        mac_key: bytes | None = None,
     ):
         self.job, self.worker, self.op = job, worker, op
         self.token = token  # the job's data token: sent on every packet, expected on results
+        self.mac_key = mac_key  # integrity "mac": every packet ends in a tag under this key
+        self.tag_size = 0 if mac_key is None else TAG_SIZE
         self.first, self.slots = first_chunk, slots
         # the aggregator's view (collective.JobHandle.segments): packets numbered from
         # first_packet, ``segments`` per chunk, in ``slots * segments`` slots
@@ -140,6 +146,14 @@ class Transfer:
         header = Header(Kind.DATA, self.job, self.worker, slot, version, self.op, 0, chunk,
                         self.buffers.elements(index), 1, self.token)  # fmt: skip
         return header.pack(), self.buffers.upstream(index)
+
+    def tag(self, *parts) -> bytes:
+        """The MAC that follows a packet of these parts (b"" without MACs)."""
+        return b"" if self.mac_key is None else packet_tag(self.mac_key, *parts)
+
+    def verifies(self, header: bytes, payload, tag) -> bool:
+        """Whether a received packet's tag is ours (always, without MACs)."""
+        return self.mac_key is None or hmac.compare_digest(self.tag(header, payload), tag)
 
     def start(self, now: float) -> list[int]:
         return self.stream.start(now)

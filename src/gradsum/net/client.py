@@ -35,6 +35,7 @@ from ..dataplane.jobspec import Address, JobSpec
 from ..dataplane.packet import (
     HEADER_SIZE,
     MAX_DATAGRAM,
+    MAX_PAYLOAD,
     SIGNED,
     Header,
     Kind,
@@ -116,7 +117,7 @@ def control_request(
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if key is not None:
-                data = authentication.sign(message, key, time.time())
+                data = authentication.sign(message, key, time.time(), address[1])
             else:
                 data = message + b" " * max(0, pad - len(message))
             sock.sendto(data, address)
@@ -155,7 +156,7 @@ def _await_reply(sock, address, job, request, wait: float, key: bytes | None):
             continue
         if key is None:
             return header, data[HEADER_SIZE:]
-        if header.flags & SIGNED and authentication.verifies(data, key):
+        if header.flags & SIGNED and authentication.verifies(data, key, address[1]):
             return header, data[HEADER_SIZE : -authentication.TRAILER_SIZE]
         # Not signed by our key: a spoof, or an aggregator that could not verify us (it
         # echoed our unguessable request id, so it saw the request).
@@ -255,6 +256,7 @@ class UdpTransport:
         # Groups first: when they are joined, nearly every result arrives there.
         self._receivers = [*group_sockets, sock]
         self._header = bytearray(HEADER_SIZE)
+        self._tag = bytearray(authentication.TAG_SIZE)
         self._scratch = bytearray(1 << 16)
         self._poll = select.poll()
         for receiver in self._receivers:
@@ -354,19 +356,26 @@ class UdpTransport:
             header = None
         transfer = None if header is None else routes.get((source[:2], header.job))
         target = None
+        tag = transfer.tag_size if transfer is not None else 0
         if transfer is not None:
             if header.kind is Kind.STALE:
-                self._discard(sock)
-                transfer.on_stale(header)
+                received = sock.recv_into(self._scratch)
+                raw = memoryview(self._scratch)[:received]
+                if transfer.verifies(raw[:HEADER_SIZE], raw[HEADER_SIZE:received - tag],
+                                     raw[received - tag:]):  # fmt: skip
+                    transfer.on_stale(header)
                 return False
-            target = transfer.destination(header, size - HEADER_SIZE)
+            target = transfer.destination(header, size - HEADER_SIZE - tag)
         if target is None:
             self._discard(sock)
             return False
-        received, _, flags, _ = sock.recvmsg_into([self._header, target])
+        parts = [self._header, target, self._tag] if tag else [self._header, target]
+        received, _, flags, _ = sock.recvmsg_into(parts)
         if flags & socket.MSG_TRUNC or received != size:
             return False  # raced with another datagram; the timer resends
-        for chunk in transfer.on_result(header, size - HEADER_SIZE, time.monotonic()):
+        if tag and not transfer.verifies(self._header, target, self._tag):
+            return False  # a forgery landed in the result's place: the real one overwrites it
+        for chunk in transfer.on_result(header, size - HEADER_SIZE - tag, time.monotonic()):
             self._send(transfer, chunk, peers[id(transfer)])
         return True
 
@@ -385,9 +394,12 @@ class UdpTransport:
 
     def _send(self, transfer: Transfer, chunk: int, address: Address) -> None:
         header, payload = transfer.packet(chunk)
+        parts = [header, payload]
+        if transfer.mac_key is not None:
+            parts.append(transfer.tag(header, payload))
         for attempt in range(2):
             try:
-                self.sock.sendmsg([header, payload], (), 0, address)
+                self.sock.sendmsg(parts, (), 0, address)
                 return
             except BlockingIOError:
                 if attempt == 0:
@@ -451,12 +463,17 @@ class SwitchClient:
         silence: float = LIVENESS_SILENCE,
         key: bytes | None = None,
         admission: bytes | None = None,
+        integrity: str = "token",
     ):
         self.aggregators = [_address(a) for a in aggregators]
         # The job's key, the same on every worker (``sync.service`` agrees on one over
         # torch.distributed): it signs teardown and statistics. None: a protocol-1 job.
         self.key = key
         self.admission = admission  # registration's admission secret (None: client_secret())
+        self.integrity = integrity  # "token", or "mac": a keyed MAC on every packet too
+        if integrity == "mac" and key is None:
+            raise ValueError("integrity 'mac' needs the job's key")
+        room = MAX_PAYLOAD - (authentication.TAG_SIZE if integrity == "mac" else 0)
         self.job, self.worker, self.workers = job, worker, workers
         self.codec_name, self.codec_options = codec, dict(codec_options or {})
         self.codec = make_codec(codec, workers=workers, **self.codec_options)
@@ -465,7 +482,7 @@ class SwitchClient:
         if self.format.lanes:
             bits = max(self.format.in_bits, self.format.out_bits)
             self.elements, self.segments = packet_geometry(
-                bits, elements or lanes_fitting(bits), mtu
+                bits, elements or lanes_fitting(bits, room), mtu
             )
         else:  # one serialized payload per packet, of at most this many coordinates
             self.elements, self.segments = elements or PAYLOAD_ELEMENTS, 1
@@ -507,7 +524,9 @@ class SwitchClient:
     def _handles(self) -> list[JobHandle]:
         geometry = (self.slots, self.elements, self.workers, self.segments)
         token = 0 if self.key is None else authentication.data_token(self.key)
-        return [JobHandle(a, self.job, self.worker, *geometry, token) for a in self.aggregators]
+        mac_key = authentication.packet_mac_key(self.key) if self.integrity == "mac" else None
+        return [JobHandle(a, self.job, self.worker, *geometry, token, mac_key)
+                for a in self.aggregators]  # fmt: skip
 
     def relocate(self, aggregators: Sequence[Address | str]) -> None:
         """The job was registered afresh (an aggregator restarted, or a standby took over):
@@ -534,7 +553,7 @@ class SwitchClient:
             )
         slots = aggregator_slots(self.slots, self.segments)
         return JobSpec(self.job, addresses, slots, self.elements, self.format.op, key=self.key,
-                       **extra)  # fmt: skip
+                       integrity=self.integrity, **extra)  # fmt: skip
 
     def register(self, worker_addresses: Sequence[Address], **extra) -> None:
         """Register this job on every aggregator (call from one worker)."""

@@ -236,6 +236,7 @@ def _stop_pipelines(children: list[int], timeout: float = 10.0) -> None:
 
 
 def _serve(args, profile, aggregator, sock, Daemon, index: int) -> int:
+    aggregator.port = sock.getsockname()[1]  # signatures name the port they were sent to
     daemon = Daemon(
         aggregator,
         sock,

@@ -133,6 +133,7 @@ class WorkerTask:
     multicast: bool = False  # results multicast to a group the workers join (a switch's)
     mtu: int | None = None  # packets that fit this path MTU, a chunk's sent with GSO
     key: bytes | None = None  # the job's key: its control is signed, its packets carry its token
+    integrity: str = "token"  # or "mac": every packet also ends in a keyed MAC (needs key)
 
     def route(self, worker: int) -> tuple[tuple[Address, ...], int]:
         """(aggregators, worker id there) of a global worker."""
@@ -224,7 +225,7 @@ def job_spec(task: WorkerTask, addresses, aggregator=None, **extra):
     probe = SwitchClient(task.aggregators[:1], job=task.job, worker=0, workers=task.workers,
                          codec=task.codec, codec_options=task.codec_options, slots=task.slots,
                          elements=task.slot_elements, multicast=False,
-                         mtu=task.mtu, key=task.key)  # fmt: skip
+                         mtu=task.mtu, key=task.key, integrity=task.integrity)  # fmt: skip
     probe.multicast = task.multicast
     try:
         return probe.job_spec(addresses, aggregator, **extra)
@@ -261,7 +262,7 @@ def _work(task: WorkerTask, worker: int, pipe) -> WorkerResult:
                           codec=task.codec, codec_options=task.codec_options, slots=task.slots,
                           elements=task.slot_elements, seed=task.seed, rank=worker,
                           policy=policy, multicast=task.multicast, mtu=task.mtu,
-                          key=task.key)  # fmt: skip
+                          key=task.key, integrity=task.integrity)  # fmt: skip
     with client:
         pipe.send(client.address)
         if not pipe.poll(120):

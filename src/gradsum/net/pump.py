@@ -79,8 +79,9 @@ def serves(pairs: Sequence[tuple]) -> bool:
     """Whether the pump can run these (job handle, transfer) pairs; chunks of several packets
     (``segments``) only it can."""
     ours = available() and all(
-        isinstance(t.buffers, LaneBuffers) and is_ipv4(job.address[0]) for job, t in pairs
-    )
+        isinstance(t.buffers, LaneBuffers) and is_ipv4(job.address[0]) and t.mac_key is None
+        for job, t in pairs
+    )  # per-packet MACs are Python's (the pump compares tokens only)
     if not ours and any(t.segments != 1 for _, t in pairs):
         raise RuntimeError(
             "chunks of several packets need the native pump (net/_pump.c) and "

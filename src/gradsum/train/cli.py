@@ -280,6 +280,8 @@ def _check_reachable(config, timeout: float = 5.0) -> None:
         try:
             aggregator_stats(address, timeout=timeout)
         except ControlError as error:
+            if error.code != "no_reply":  # it answered (refusing us, say, without a secret)
+                continue
             raise ConnectionError(
                 f"{flag} {text}: no gradsum aggregator answers ({error})"
             ) from None
