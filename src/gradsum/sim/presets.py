@@ -26,7 +26,21 @@ class Preset:
     flops_per_s: float  # effective training FLOP/s of one worker
     batch_size: int  # samples per worker per iteration
     shards_per_worker: float = 1.0
+    # How the baselines (default, wfbp, fusion, mgwfbp, merge) place whole-layer groups:
+    # "pieces" (BytePS partitions) or "whole" (each tensor on one shard, round-robin).
+    placement: str = "pieces"
+    # How priority slices are placed: "bytescheduler" (a key per slice), "p3" (round-robin).
+    slice_placement: str = "bytescheduler"
     description: str = ""
+    fitted: str = ""  # which parameters were fitted to the seed's results, and how
+
+    def planner_options(self, policy: str) -> dict:
+        """The options ``make_planner(policy, ...)`` takes from this preset."""
+        if policy == "priority":
+            return {"slice_placement": self.slice_placement}
+        if policy in ("default", "wfbp", "fusion", "mgwfbp", "merge"):
+            return {"placement": self.placement}
+        return {}
 
     def cluster(self, workers: int) -> ClusterSpec:
         shards = max(1, round(workers * self.shards_per_worker))
