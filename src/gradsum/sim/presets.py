@@ -91,11 +91,11 @@ PRESETS: dict[str, Preset] = {
 }
 # sim/fit.py's result (2026-12-02): the grid, its losses and the winner. Rerun the fit after any
 # change to the simulator or the planners and update these values.
-FITTED = {"alpha_worker": 100e-6, "placement": "pieces", "batch_size": 128}
+FITTED = {"alpha_worker": 100e-6, "placement": "pieces", "batch_size": 64}
 FIT_RECORD = (
-    "alpha_worker in {0.1, 0.447, 1.995} ms (alpha_shard = alpha_worker / 2) x placement "
-    "{pieces, whole} at batch 128: pieces 5.049 / 5.710 / 5.104, whole 6.594 / 6.381 / 6.641; "
-    "best alpha_worker 0.1 ms, pieces, batch 128 (loss 5.049)"
+    "alpha_worker in {0.1, 0.447, 1.995} ms (alpha_shard = alpha_worker / 2); batch 128: "
+    "pieces 5.049 / 5.710 / 5.104, whole 6.594 / 6.381 / 6.641; batch 64: pieces 4.156 / "
+    "4.987 / 4.895 (whole not searched); best alpha_worker 0.1 ms, pieces, batch 64 (loss 4.156)"
 )
 PRESETS["imerge-seed-fit"] = replace(
     PRESETS["imerge-seed"],
