@@ -67,3 +67,14 @@ def test_a_gain_off_by_a_factor_of_1_5_costs_its_squared_log():
 def test_implied_default_efficiencies():
     assert implied_default_efficiency("resnet18") == (pytest.approx(1 / 1.844), "efficiency ≤")
     assert implied_default_efficiency("alexnet") == (pytest.approx(0.5 / 2.009), "efficiency")
+
+
+def test_simulate_score_prints_the_table_the_loss_and_the_fitted_values(monkeypatch, capsys):
+    from gradsum.cli import main
+    from gradsum.sim import score
+
+    monkeypatch.setattr(score, "scored_rows", lambda preset, processes=1: seed_exact_table())
+    assert main(["simulate", "--preset", "imerge-seed-fit", "--score", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "vgg16 imerge over default" in out and "loss " in out
+    assert "fitted parameters: alpha_worker" in out
