@@ -12,6 +12,7 @@ import pytest
 from gradsum.schedule import ClusterSpec, make_planner, uniform_profile
 from gradsum.sim.engine import simulate
 
+pytestmark = pytest.mark.slow  # tens of seconds on this shared host
 LAYERS = 24
 
 

@@ -20,6 +20,7 @@ from gradsum.schedule import ClusterSpec, make_planner, uniform_profile
 from gradsum.sim.engine import Simulation
 from gradsum.sync.senders import ShardSender
 
+pytestmark = pytest.mark.slow  # tens of seconds on this shared host
 SETTLE_S = 0.02  # a start the runtime should not make would show within this
 
 
