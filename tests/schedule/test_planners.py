@@ -294,3 +294,27 @@ def test_partitioned_stage_gets_faster_per_byte_with_more_pieces():
     cost = PSCost(ClusterSpec(8, 8, 1, worker_bw=10e9, shard_bw=1e9, alpha_shard=0, alpha_worker=0))
     assert cost.partitioned_time(8e6, 1e6) == pytest.approx(8e6 / 1e9)  # 8 shards, 8 senders each
     assert cost.partitioned_time(1e6, 1e6) == pytest.approx(8 * 1e6 / 1e9)
+
+
+def test_baseline_placement_is_a_stated_parameter():
+    profile = uniform_profile([3_000_000, 10, 500_000, 20], [0.01] * 4)
+    cluster = ClusterSpec(4, 4)
+    pieces = make_planner("wfbp", placement="pieces")(profile, cluster)
+    whole = make_planner("wfbp", placement="whole")(profile, cluster)
+    assert len(pieces.groups[0].parts) == 3  # BytePS: ≤ 1,024,000-element partitions
+    assert [[p.shard for p in g.parts] for g in whole.groups] == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError, match="placement"):
+        make_planner("default", placement="hashed")(profile, cluster)
+
+
+def test_priority_slices_are_placed_as_bytescheduler_or_p3():
+    profile = uniform_profile([400_000, 100_000], [0.01] * 2)
+    cluster = ClusterSpec(4, 4)
+    shards = {
+        name: [g.parts[0].shard for g in make_planner("priority", slice_placement=name)(
+            profile, cluster).groups]
+        for name in ("bytescheduler", "p3", "layer")
+    }  # fmt: skip
+    assert len(set(shards["bytescheduler"][:4])) == 4  # a key per slice: the layer spreads
+    assert shards["p3"] == [0, 1, 2, 3, 0]
+    assert len(set(shards["layer"][:4])) == 1  # every slice on its layer's shard

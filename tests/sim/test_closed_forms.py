@@ -5,7 +5,7 @@ import pytest
 
 from gradsum.schedule import ClusterSpec, Group, Part, Plan, make_planner, uniform_profile
 from gradsum.schedule.costs import AllReduceCost, AlphaBeta
-from gradsum.sim.engine import simulate
+from gradsum.sim.engine import Simulation, simulate
 from gradsum.sim.fluid import FluidNetwork, max_min_rates
 
 MB = 1_000_000
@@ -66,7 +66,9 @@ def test_sharded_push_and_pull_match_the_bottleneck_formula():
     assert simulate(profile, plan, cluster).iteration_s == pytest.approx(expected)
 
 
-def test_sharded_push_without_interleaving_serialises_on_one_shard_at_a_time():
+def test_a_groups_parts_are_in_flight_together_with_or_without_interleaving():
+    # The window admits a group whole and each part travels on its own shard's stream, so with
+    # one group the synchronised plan moves as fast as the rotated one: the bottleneck formula.
     n, m = 4, 2
     cluster = ClusterSpec(n, m, 1, worker_bw=1e10, shard_bw=5e8, alpha_worker=0, alpha_shard=0)
     profile = one_layer(MB)
@@ -74,10 +76,28 @@ def test_sharded_push_without_interleaving_serialises_on_one_shard_at_a_time():
     groups = (Group(0, MB, (Part(0, 0, half), Part(1, half, MB))),)
     plain = Plan("synchronised", groups, (0, MB), ((0,),))
     rotated = Plan("interleaved", groups, (0, MB), ((0,),), interleave=True)
-    assert (
-        simulate(profile, plain, cluster).iteration_s
-        > simulate(profile, rotated, cluster).iteration_s
-    )
+    expected = 2 * max(4 * MB / 1e10, n * 4 * MB / (m * 5e8))
+    assert simulate(profile, plain, cluster).iteration_s == pytest.approx(expected)
+    assert simulate(profile, rotated, cluster).iteration_s == pytest.approx(expected)
+
+
+def test_one_shard_stream_carries_one_part_at_a_time():
+    # Two groups on the same shard, both in the window: the second part waits for the first's
+    # round trip (push, sum, pull) on the worker's stream to that shard.
+    cluster = ClusterSpec(1, 1, 1, worker_bw=1e9, shard_bw=1e9, alpha_worker=0, alpha_shard=0)
+    profile = uniform_profile([MB, MB], [0.0, 0.0], [0.0, 0.0])
+    groups = (Group(0, MB, (Part(0, 0, MB),)), Group(MB, 2 * MB, (Part(0, MB, 2 * MB),)))
+    plan = Plan("one shard", groups, (0, MB, 2 * MB), ((0,), (1,)), credit_bytes=8 * MB)
+    trace = []
+    Simulation(profile, plan, cluster, trace=trace).run()
+    first = [(t, event, g) for t, event, _w, g, _k in trace if event != "release"][:4]
+    assert [(event, g) for _, event, g in first] == [
+        ("start", 0),
+        ("back", 0),
+        ("start", 1),
+        ("back", 1),
+    ]
+    assert first[1][0] == first[2][0] == pytest.approx(2 * 4 * MB / 1e9)  # push and pull
 
 
 @pytest.mark.parametrize("workers", [2, 4, 8])

@@ -58,13 +58,14 @@ def test_rejects_a_plan_for_another_profile():
 def test_a_period_is_never_shorter_than_one_forward_and_backward():
     """With per-layer forward gates the next iteration starts before the last group is back; a
     period taken between iteration ends came out shorter than the compute here (0.454 s
-    against 0.482 s: VGG16 at batch 256, 32 workers, priority slicing)."""
+    against 0.482 s: VGG16 at batch 256, 32 workers, priority slicing, when slices of a layer
+    shared one shard and the window counted pushes until acknowledged)."""
     import dataclasses
 
     from gradsum.sim.presets import get_preset
 
     preset = dataclasses.replace(get_preset("imerge-seed"), batch_size=256)
     profile, cluster = preset.profile("vgg16"), preset.cluster(32)
-    result = simulate(profile, make_planner("priority")(profile, cluster), cluster, 3)
-    assert result.iteration_ends[1] - result.iteration_ends[0] < profile.compute_s  # the trap
+    plan = make_planner("priority", slice_placement="layer")(profile, cluster)
+    result = simulate(profile, plan, cluster, 3)
     assert result.iteration_s >= profile.compute_s

@@ -7,6 +7,7 @@ import pytest
 from gradsum.sim import fluid
 from gradsum.sim.fluid import FluidNetwork, max_min_rates
 
+pytestmark = pytest.mark.slow  # tens of seconds on this shared host
 needs_native = pytest.mark.skipif(fluid._maxmin is None, reason="the C solver is not built")
 
 

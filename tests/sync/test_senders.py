@@ -63,9 +63,11 @@ def send_one_group(plan: Plan, worker: int = 0) -> tuple[RecordingShards, torch.
 @pytest.mark.parametrize(
     ("interleave", "credit_bytes", "together"),
     [
-        (False, None, 1),  # one push at a time: parts one after another
-        (False, 48, 3),  # a window the size of the group: all parts at once, as in the simulator
-        (True, None, 3),  # interleaved parts always go at once (a rotated sequence would deadlock)
+        # An admitted group puts every part in flight, each on its shard's stream (SendWindow,
+        # as in the simulator), with or without a window, interleaved or not.
+        (False, None, 3),
+        (False, 48, 3),
+        (True, None, 3),
     ],
 )
 def test_parts_in_flight_follow_the_plan(interleave, credit_bytes, together):
@@ -76,7 +78,21 @@ def test_parts_in_flight_follow_the_plan(interleave, credit_bytes, together):
     assert torch.equal(result, 2 * torch.arange(12, dtype=torch.float32))
 
 
-def test_non_interleaved_parts_start_in_plan_order_on_every_worker():
-    for worker in range(3):
-        shards, _ = send_one_group(three_part_plan(interleave=False, credit_bytes=None), worker)
-        assert [shard for shard, _ in shards.calls] == [0, 1, 2]
+def test_a_window_of_one_group_keeps_the_next_group_waiting():
+    parts = (Part(0, 0, 4), Part(1, 4, 8))
+    plan = Plan(
+        "test",
+        (Group(0, 8, parts), Group(8, 12, (Part(2, 8, 12),))),
+        layer_offsets=(0, 8, 12),
+        credit_bytes=None,
+    )
+    shards = RecordingShards(3)
+    sender = ShardSender(shards, plan, 0, timeout=10, codec=make_codec("none"))
+    try:
+        first = sender.submit(0, torch.arange(8, dtype=torch.float32), step=1)
+        second = sender.submit(1, torch.arange(4, dtype=torch.float32), step=1)
+        second.wait(), first.wait()
+    finally:
+        sender.close()
+    assert shards.most_active == 2  # group 1 (shard 2) waited for both parts of group 0
+    assert [shard for shard, _ in shards.calls][-1] == 2

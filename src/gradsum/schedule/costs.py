@@ -160,13 +160,17 @@ class PSCost:
         rate = min(c.worker_bw, c.shards * c.shard_bw / c.workers, self.nic_rate())
         return span * c.alpha_worker + nbytes / rate
 
-    def best_span(self, nbytes: float, interleaved: bool) -> int:
-        """The span that minimises :meth:`time` (1 when not interleaved: parts only add α)."""
-        if not interleaved:
-            return 1
+    def span_candidates(self) -> list[int]:
+        """Spans a planner considers: powers of two, the worker count and every shard."""
         candidates = sorted(
             {1, self.cluster.shards, self.cluster.workers}
             | {2**k for k in range(int(math.log2(self.cluster.shards)) + 1)}
         )
-        candidates = [s for s in candidates if 1 <= s <= self.cluster.shards]
-        return min(candidates, key=lambda s: (self.time(nbytes, s, True), s))
+        return [s for s in candidates if 1 <= s <= self.cluster.shards]
+
+    def best_span(self, nbytes: float, interleaved: bool) -> int:
+        """The span that minimises :meth:`time` alone (1 when not interleaved: parts only add
+        α). A group's own optimum; ``plan_imerge`` chooses against the step's end instead."""
+        if not interleaved:
+            return 1
+        return min(self.span_candidates(), key=lambda s: (self.time(nbytes, s, True), s))

@@ -134,32 +134,71 @@ def overlapped_pipeline_groups(
     A tie (e.g. both bound by the shared stream) keeps them apart: separate groups sit on more
     shards, which the stream's aggregate rate does not see.
     """
+    ranges, _ = overlapped_span_groups(
+        params, ready, lambda n, _: own_time(n), lambda n, _: stream_time(n), (1,)
+    )
+    return ranges
+
+
+def overlapped_span_groups(
+    params: Sequence[int],
+    ready: Sequence[float],
+    own_time: Callable[[int, int], float],
+    stream_time: Callable[[int, int], float],
+    spans: Sequence[int],
+) -> tuple[LayerRanges, list[int]]:
+    """:func:`overlapped_pipeline_groups` with each group's span (shards its parts sit on) chosen
+    against the step's end as well: ``own_time(size, span)`` and ``stream_time(size, span)``, and
+    every group takes the candidate span that ends its pull earliest given the groups before it
+    (ties: the one that leaves the shared streams freest, then the smaller span), the end
+    counting what the later layers must still put on the shared stream. A wider span
+    shortens a group's own incast but costs α_worker per part on the worker's one thread (the
+    stream), which every later group waits behind — so a span that only helps the group itself
+    loses here. Returns the layer ranges and their spans.
+    """
     ready = np.asarray(ready, dtype=float)
     ranges: LayerRanges = []
+    chosen: list[int] = []
     closed = (0.0, 0.0, 0.0)  # push stream free, pull stream free, latest pull end
+    # What the layers after k add to the shared stream at the least (each sent alone at its
+    # cheapest span): the step cannot end before the pull stream has carried them too. Without
+    # this the walk is myopic: early on a group's own incast dominates its end, so merging
+    # looks worse even where the start-ups it saves are what later groups wait behind.
+    alone = [min(stream_time(int(p), span) for span in spans) for p in params]
+    future = np.concatenate([np.cumsum(alone[::-1])[::-1], [0.0]])
+
+    def send(state, ready_at, count, after_layer):
+        best = None
+        for span in spans:
+            sent = _overlapped(state, ready_at, count, own_time, stream_time, span)
+            end = max(sent[2], sent[1] + future[after_layer + 1])
+            key = (end, sent[1], sent[0], span)
+            if best is None or key < best[0]:
+                best = (key, sent, span)
+        return best[1], best[2], best[0][0]
+
     first, size = 0, int(params[0])
-
-    def send(state, ready_at, count):
-        return _overlapped(state, ready_at, count, own_time, stream_time)
-
     for layer in range(1, len(params)):
         extra = int(params[layer])
-        open_sent = send(closed, ready[layer - 1], size)
-        separate = send(open_sent, ready[layer], extra)
-        merged = send(closed, ready[layer], size + extra)
-        if merged[2] < separate[2]:
+        open_sent, open_span, _ = send(closed, ready[layer - 1], size, layer - 1)
+        _, _, separate = send(open_sent, ready[layer], extra, layer)
+        _, _, merged = send(closed, ready[layer], size + extra, layer)
+        if merged < separate:
             size += extra
             continue
         closed = open_sent
         ranges.append((first, layer))
+        chosen.append(open_span)
         first, size = layer, extra
+    _, last_span, _ = send(closed, ready[-1], size, len(params) - 1)
     ranges.append((first, len(params)))
-    return ranges
+    chosen.append(last_span)
+    return ranges, chosen
 
 
-def _overlapped(state, ready_at, size, own_time, stream_time):
+def _overlapped(state, ready_at, size, own_time, stream_time, span):
     push_stream, pull_stream, latest = state
-    own, stream = own_time(size), stream_time(size)
+    own, stream = own_time(size, span), stream_time(size, span)
     push_stream = max(push_stream, ready_at) + stream
     push_end = max(ready_at + own, push_stream)
     pull_stream = max(pull_stream, push_end) + stream

@@ -8,8 +8,14 @@
 * :func:`place_partitioned` — BytePS-style: a group larger than ``partition`` elements is cut
   into near-equal pieces of at most ``partition`` elements, each on the least-loaded shard, so no
   big tensor sits whole on one server.
-* :func:`place_by_layer` — every range on the shard of the layer it belongs to (ByteScheduler's
-  slices keep their tensor's key, hence its server).
+* :func:`place_round_robin` — range i whole on shard i mod m: each tensor on one shard in turn
+  (a PS without partitioning), or P3's slices dealt over the servers.
+* :func:`place_by_layer` — every range on the shard of the layer it belongs to (all of a
+  tensor's slices on one server; neither ByteScheduler, whose slices are keys of their own, nor
+  P3 does this; kept for comparison).
+
+``PLACEMENTS`` names the ways a baseline places whole-layer groups, ``SLICE_PLACEMENTS`` the ways
+priority slices are placed (see :func:`place_groups`, :func:`place_slices`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,44 @@ def place_whole(ranges: Sequence[tuple[int, int]], num_shards: int) -> list[tupl
         load[shard] += stop - start
         parts.append((Part(shard, start, stop),))
     return parts
+
+
+def place_round_robin(ranges: Sequence[tuple[int, int]], num_shards: int) -> list[tuple[Part, ...]]:
+    return [(Part(i % num_shards, a, b),) for i, (a, b) in enumerate(ranges)]
+
+
+PLACEMENTS = ("pieces", "whole")  # BytePS partitions; each tensor whole, round-robin
+SLICE_PLACEMENTS = ("bytescheduler", "p3", "layer")
+
+
+def place_groups(
+    ranges: Sequence[tuple[int, int]], num_shards: int, placement: str, partition: int
+) -> list[tuple[Part, ...]]:
+    """Whole-layer groups of a baseline: ``"pieces"`` (BytePS: cut into ≤ ``partition`` elements
+    on distinct least-loaded shards) or ``"whole"`` (each group on one shard, round-robin)."""
+    if placement == "pieces":
+        return place_partitioned(ranges, num_shards, partition)
+    if placement == "whole":
+        return place_round_robin(ranges, num_shards)
+    raise ValueError(f"unknown placement {placement!r}; choose one of {PLACEMENTS}")
+
+
+def place_slices(
+    slices: Sequence[tuple[int, int]],
+    layer_offsets: Sequence[int],
+    num_shards: int,
+    placement: str,
+) -> list[tuple[Part, ...]]:
+    """Priority slices: ``"bytescheduler"`` (each slice its own key, placed like any key on the
+    least-loaded server), ``"p3"`` (dealt round-robin over the servers) or ``"layer"`` (all of a
+    layer's slices on its shard)."""
+    if placement == "bytescheduler":
+        return place_whole(slices, num_shards)
+    if placement == "p3":
+        return place_round_robin(slices, num_shards)
+    if placement == "layer":
+        return place_by_layer(slices, layer_offsets, num_shards)
+    raise ValueError(f"unknown slice placement {placement!r}; choose one of {SLICE_PLACEMENTS}")
 
 
 def place_spread(

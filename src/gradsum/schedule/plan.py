@@ -12,16 +12,20 @@ Execution semantics shared by the simulator and the runtime:
 
 ``trigger``      ``"when_ready"``: a group is eligible once its gradients exist;
                  ``"after_backward"``: only once the whole backward pass has finished.
-``order``        ``"fifo"``: groups are sent strictly in list order;
-                 ``"priority"``: whenever the sender is free it takes the eligible group with the
-                 smallest ``priority`` (front layers first) — pre-emption only between groups.
+``order``        ``"fifo"``: groups are released strictly in list order;
+                 ``"priority"``: in the order of a one-sender replay on the profile that takes
+                 the eligible group with the smallest ``priority`` (front layers first) whenever
+                 it is free (``schedule/ordering.py: send_order``), fixed so every worker agrees.
 ``forward_gate`` ``"barrier"``: the next forward starts once every group is back (optimizer
                  step after a full sync); ``"layer"``: each layer's forward waits only for the
                  groups holding its own gradients.
 ``interleave``   worker w sends the parts of a group starting at part ``w mod len(parts)``, so at
                  any moment different workers talk to different shards (no synchronised incast).
-``credit_bytes`` push window: bytes a worker may have pushed and not yet had acknowledged by their
-                 shards (at least one message). ``None``: one push at a time.
+``credit_bytes`` window: bytes of admitted groups a worker may have in flight (a group counts
+                 until its last part is back; one group always fits). ``None``: one group at a
+                 time. An admitted group has every part in flight at once, one part per shard
+                 stream at a time (``schedule/dispatch.py: SendWindow``, which the simulator and
+                 the runtime's ``ShardSender`` both run).
 ``aggregator``   ``"ps"`` (parts go to shards) or ``"allreduce"`` (ring; parts are empty).
 """
 

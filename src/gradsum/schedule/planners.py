@@ -19,6 +19,7 @@ is passed as ``cost=``; see :mod:`gradsum.schedule.costs`.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 
 from .cluster import ClusterSpec
@@ -27,10 +28,11 @@ from .grouping import (
     LayerRanges,
     mgwfbp_groups,
     overlapped_pipeline_groups,
+    overlapped_span_groups,
     single_layers,
     threshold_groups,
 )
-from .placement import place_by_layer, place_partitioned, place_spread
+from .placement import place_groups, place_slices, place_spread
 from .plan import Group, Plan, plan_skeleton
 from .profile import ModelProfile
 
@@ -45,29 +47,40 @@ def _element_ranges(profile: ModelProfile, layer_ranges: LayerRanges) -> list[tu
     return [(int(offsets[a]), int(offsets[b])) for a, b in layer_ranges]
 
 
-def _layer_plan(profile, cluster, policy, layer_ranges, aggregator="ps", **fields) -> Plan:
-    """Groups of whole layers, partitioned over shards as BytePS does (no parts for all-reduce).
+def _layer_plan(
+    profile, cluster, policy, layer_ranges, aggregator="ps", placement="pieces", **fields
+) -> Plan:
+    """Groups of whole layers placed over shards (``placement``: BytePS ``"pieces"`` or each
+    group ``"whole"`` on one shard, round-robin; no parts for all-reduce).
 
-    A PS client pushes every partition of a tensor asynchronously, so the window admits the
-    largest group whole: its pieces are in flight together, each an n-way incast at its shard.
+    A BytePS client pushes every tensor (every partition) asynchronously as soon as it is
+    ready, with no credit by default (``BYTEPS_SCHEDULING_CREDIT`` = 0), so the window admits
+    every group: what limits the messages in flight is one round trip per shard stream.
     """
     ranges = _element_ranges(profile, layer_ranges)
     if aggregator != "ps":
         groups = tuple(Group(a, b) for a, b in ranges)
         return Plan(policy, groups, aggregator=aggregator, **plan_skeleton(profile), **fields)
-    parts = place_partitioned(ranges, cluster.shards, PARTITION_ELEMENTS)
+    parts = place_groups(ranges, cluster.shards, placement, PARTITION_ELEMENTS)
     groups = tuple(Group(a, b, p) for (a, b), p in zip(ranges, parts, strict=True))
-    window = max(g.numel for g in groups) * cluster.bytes_per_element
+    window = profile.total_params * cluster.bytes_per_element
     return Plan(policy, groups, credit_bytes=window, **plan_skeleton(profile), **fields)
 
 
-def plan_default(profile: ModelProfile, cluster: ClusterSpec, *, aggregator: str = "ps") -> Plan:
+def plan_default(
+    profile: ModelProfile, cluster: ClusterSpec, *, aggregator: str = "ps", placement="pieces"
+) -> Plan:
     layers = single_layers(len(profile.layers))
-    return _layer_plan(profile, cluster, "default", layers, aggregator, trigger="after_backward")
+    return _layer_plan(
+        profile, cluster, "default", layers, aggregator, placement, trigger="after_backward"
+    )
 
 
-def plan_wfbp(profile: ModelProfile, cluster: ClusterSpec, *, aggregator: str = "ps") -> Plan:
-    return _layer_plan(profile, cluster, "wfbp", single_layers(len(profile.layers)), aggregator)
+def plan_wfbp(
+    profile: ModelProfile, cluster: ClusterSpec, *, aggregator: str = "ps", placement="pieces"
+) -> Plan:
+    layers = single_layers(len(profile.layers))
+    return _layer_plan(profile, cluster, "wfbp", layers, aggregator, placement)
 
 
 def plan_fusion(
@@ -76,10 +89,11 @@ def plan_fusion(
     *,
     threshold: int = 500_000,
     aggregator: str = "ps",
+    placement: str = "pieces",
 ) -> Plan:
     layers = threshold_groups(profile.params, threshold)
     return _layer_plan(
-        profile, cluster, "fusion", layers, aggregator, options={"threshold": threshold}
+        profile, cluster, "fusion", layers, aggregator, placement, options={"threshold": threshold}
     )
 
 
@@ -89,6 +103,7 @@ def plan_mgwfbp(
     *,
     cost: AllReduceCost | None = None,
     aggregator: str = "ps",
+    placement: str = "pieces",
 ) -> Plan:
     if cost is None:
         # MG-WFBP fits α, β on the transfers it actually makes: here, through the PS.
@@ -106,15 +121,22 @@ def plan_mgwfbp(
         "mgwfbp",
         layers,
         aggregator,
+        placement,
         options={"alpha": cost.alpha, "workers": cost.workers},
     )
 
 
-def plan_merge(profile: ModelProfile, cluster: ClusterSpec, *, cost: PSCost | None = None) -> Plan:
+def plan_merge(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    *,
+    cost: PSCost | None = None,
+    placement: str = "pieces",
+) -> Plan:
     cost = cost or PSCost(cluster)
     element_bytes = cluster.bytes_per_element
-
-    partition_bytes = PARTITION_ELEMENTS * element_bytes
+    # "whole": a group is one piece on one shard, whatever its size.
+    partition_bytes = PARTITION_ELEMENTS * element_bytes if placement == "pieces" else math.inf
 
     def own(n: int) -> float:
         return cost.partitioned_time(n * element_bytes, partition_bytes)
@@ -123,28 +145,38 @@ def plan_merge(profile: ModelProfile, cluster: ClusterSpec, *, cost: PSCost | No
         return cost.stream_time(n * element_bytes, partition_bytes)
 
     layers = overlapped_pipeline_groups(profile.params, profile.ready_times(), own, stream)
-    return _layer_plan(profile, cluster, "merge", layers)
+    return _layer_plan(profile, cluster, "merge", layers, placement=placement)
 
 
 def plan_imerge(profile: ModelProfile, cluster: ClusterSpec, *, cost: PSCost | None = None) -> Plan:
+    """Groups and their spans from the PS merge rule, each span chosen against the step's end
+    (``grouping.overlapped_span_groups``). The window admits every group as it is released, as
+    the baselines' does: the rule assumes consecutive groups overlap on different shards, and a
+    window of one group (one round trip after another) measured 51.6 ms against merge's 30.5 ms
+    where per-message costs dominate (tests/schedule/test_regimes.py's setup)."""
     cost = cost or PSCost(cluster)
     element_bytes = cluster.bytes_per_element
 
-    def own(n: int) -> float:
-        nbytes = n * element_bytes
-        return cost.time(nbytes, cost.best_span(nbytes, True), interleaved=True)
+    def own(n: int, span: int) -> float:
+        return cost.time(n * element_bytes, span, interleaved=True)
 
-    def stream(n: int) -> float:
-        nbytes = n * element_bytes
-        return cost.interleaved_stream_time(nbytes, cost.best_span(nbytes, True))
+    def stream(n: int, span: int) -> float:
+        return cost.interleaved_stream_time(n * element_bytes, span)
 
-    layers = overlapped_pipeline_groups(profile.params, profile.ready_times(), own, stream)
+    layers, spans = overlapped_span_groups(
+        profile.params, profile.ready_times(), own, stream, cost.span_candidates()
+    )
     ranges = _element_ranges(profile, layers)
-    spans = [cost.best_span((b - a) * element_bytes, True) for a, b in ranges]
     parts = place_spread(ranges, spans, cluster.shards)
     groups = tuple(Group(a, b, p) for (a, b), p in zip(ranges, parts, strict=True))
+    window = profile.total_params * element_bytes
     return Plan(
-        "imerge", groups, interleave=True, **plan_skeleton(profile), options={"spans": spans}
+        "imerge",
+        groups,
+        interleave=True,
+        credit_bytes=window,
+        **plan_skeleton(profile),
+        options={"spans": spans},
     )
 
 
@@ -154,6 +186,7 @@ def plan_priority(
     *,
     slice_elements: int = 100_000,
     credit_elements: int | None = 4_000_000,
+    slice_placement: str = "bytescheduler",
 ) -> Plan:
     if slice_elements < 1:
         raise ValueError("slice_elements must be at least 1")
@@ -164,7 +197,7 @@ def plan_priority(
         for start in range(int(offsets[layer]), int(offsets[layer + 1]), slice_elements):
             slices.append((start, min(start + slice_elements, int(offsets[layer + 1]))))
             priorities.append(last - layer)  # front layers (highest backward index) first
-    parts = place_by_layer(slices, profile.offsets, cluster.shards)
+    parts = place_slices(slices, profile.offsets, cluster.shards, slice_placement)
     groups = tuple(
         Group(a, b, p, prio) for (a, b), p, prio in zip(slices, parts, priorities, strict=True)
     )
@@ -175,7 +208,11 @@ def plan_priority(
         order="priority",
         forward_gate="layer",
         credit_bytes=credit,
-        options={"slice_elements": slice_elements, "credit_elements": credit_elements},
+        options={
+            "slice_elements": slice_elements,
+            "credit_elements": credit_elements,
+            "slice_placement": slice_placement,
+        },
         **plan_skeleton(profile),
     )
 

@@ -41,6 +41,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=0,
         help="simulations run in parallel (default 0: one per core)",
     )
+    parser.add_argument(
+        "--score",
+        action="store_true",
+        help="score the preset against the IMerge seed's 32-worker findings (all four models; "
+        "prints the per-finding table and the loss; --model/--workers/--policies are ignored)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write one JSON row per simulation")
     parser.add_argument("--plot", metavar="PATH.png", help="write speedup plots")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -88,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--iterations: at least 3 (the first iteration is warm-up)")
     if args.plot and not args.plot.lower().endswith(".png"):
         raise UsageError(f"--plot: expected a .png path, got {args.plot!r}")
+    if args.score:
+        return _score(get_preset(args.preset), args)
     rows = _run_sweep(get_preset(args.preset), models, workers, policies, args)
     print(format_tables(rows, models, workers, policies))
     if args.json:
@@ -98,6 +106,20 @@ def run(args: argparse.Namespace) -> int:
 
         plot_speedups(rows, args.plot)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _score(preset, args) -> int:
+    from .scaling import default_processes
+    from .score import findings, format_score, scored_rows
+
+    table = scored_rows(preset, processes=args.processes or default_processes())
+    print(format_score(table, findings(table), preset.name))
+    if preset.fitted:
+        print(f"\nfitted parameters: {preset.fitted}")
+    if args.json:
+        _write_json(args.json, list(table.values()), args.preset)
+        print(f"wrote {args.json}")
     return 0
 
 

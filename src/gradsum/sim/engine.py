@@ -5,34 +5,40 @@ by layer; groups become eligible according to the plan's trigger and are sent pa
 the fluid network; PS shards aggregate and answer pulls; the next forward waits as the plan's
 forward gate says. Everything is deterministic.
 
-PS message life cycle (one part of one group, one worker):
+Groups are released in the send order (``schedule/ordering.py``, as the runtime's
+``GradientSync`` releases them) and admitted, part by part onto per-shard streams, by the same
+:class:`~gradsum.schedule.dispatch.SendWindow` the runtime's ``ShardSender`` uses, so both agree
+on what is in flight. PS message life cycle (one part of one group, one worker):
 
-1. the worker takes the next eligible part (plan order, or most urgent first) when its push
-   window allows: without a credit one push at a time, with one as many as fit in
-   ``credit_bytes``; its communication thread spends ``alpha_worker`` on the message (one thread:
-   messages queue FIFO);
+1. the window starts the part (its group admitted, its shard's stream free); the worker's
+   communication thread spends ``alpha_worker`` on the message (one thread: messages queue
+   FIFO);
 2. the bytes flow worker → shard (max-min fair share of every port and NIC on the way);
-3. the shard's core spends ``alpha_shard`` on the message (one core: FIFO); only then is the push
-   acknowledged and its bytes leave the worker's window;
+3. the shard's core spends ``alpha_shard`` on the message (one core: FIFO);
 4. when all n workers' pushes of the part are in, the shard answers each worker, in arrival order,
    with ``alpha_shard`` of CPU and a flow shard → worker;
-5. the worker's thread spends ``alpha_worker`` receiving it; a group is done at a worker when all
-   its parts are received.
+5. the worker's thread spends ``alpha_worker`` receiving it; the part is back (its stream and,
+   with the group's last part, the window's bytes are free); a group is done at a worker when
+   all its parts are back.
 
 All-reduce plans run each group as a ring all-reduce (2(n−1) steps of n concurrent neighbour
 flows of M/n bytes, each step paying ``alpha_worker``), one group at a time, once every worker has
-the group ready.
+released the group.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..schedule.cluster import ClusterSpec
+from ..schedule.costs import AllReduceCost
+from ..schedule.dispatch import SendWindow
+from ..schedule.ordering import send_order
 from ..schedule.plan import Plan
 from ..schedule.profile import ModelProfile
 from .events import EventQueue
@@ -50,9 +56,27 @@ class SimResult:
     rate_updates: int
 
 
+def default_send_order(plan: Plan, profile: ModelProfile, cluster: ClusterSpec) -> tuple[int, ...]:
+    """The order a runtime would fix for this plan: list order, or the priority replay with one
+    uncontended message's α + β·M per group (what start-up's fit measures)."""
+    link = AllReduceCost.from_cluster(cluster).link
+    return send_order(plan, profile, lambda n: link.time(n * cluster.bytes_per_element))
+
+
 class Simulation:
+    """``order``: the send order (default :func:`default_send_order`); ``trace``: a list that
+    receives ``(time, event, worker, group, part)`` for every ``"release"`` (part None),
+    ``"start"`` and ``"back"`` of a PS plan's messages, in the order they happen."""
+
     def __init__(
-        self, profile: ModelProfile, plan: Plan, cluster: ClusterSpec, iterations: int = 3
+        self,
+        profile: ModelProfile,
+        plan: Plan,
+        cluster: ClusterSpec,
+        iterations: int = 3,
+        *,
+        order: Sequence[int] | None = None,
+        trace: list | None = None,
     ) -> None:
         if iterations < 3:
             raise ValueError(
@@ -67,6 +91,10 @@ class Simulation:
                 raise ValueError("the plan uses more shards than the cluster has")
         self.profile, self.plan, self.cluster = profile, plan, cluster
         self.iterations = iterations
+        self.order = tuple(default_send_order(plan, profile, cluster) if order is None else order)
+        if sorted(self.order) != list(range(len(plan.groups))):
+            raise ValueError("a send order must list every group once")
+        self.trace = trace
         self.clock = EventQueue()
         self.topology = Topology(cluster)
         self.network = FluidNetwork(self.topology.capacity)
@@ -92,26 +120,31 @@ class Simulation:
         element_bytes = self.cluster.bytes_per_element
         self.part_bytes = [[p.numel * element_bytes for p in group.parts] for group in plan.groups]
         self.group_bytes = [group.numel * element_bytes for group in plan.groups]
-        self.send_key = [group.priority if plan.order == "priority" else 0 for group in plan.groups]
+        self.position = {g: k for k, g in enumerate(self.order)}
 
     def _init_workers(self) -> None:
         n, L = self.cluster.workers, self.plan.num_layers
         self.ops = [("F", layer) for layer in reversed(range(L))]
         self.ops += [("B", layer) for layer in range(L)]
         self.iteration = [0] * n
-        self.position = [0] * n
+        self.op_index = [0] * n
         self.blocked = [False] * n
         self.group_done = np.zeros((n, self.num_groups), dtype=bool)
         self.done_count = [0] * n
         self.layers_pending = np.tile(self.layer_count, (n, 1))
         self.parts_pending = np.zeros((n, self.num_groups), dtype=np.int64)
-        self.queue: list[list] = [[] for _ in range(n)]
-        self.in_flight = [0] * n  # bytes pushed and not yet acknowledged by their shard
+        self.ready = np.zeros((n, self.num_groups), dtype=bool)
+        self.released = [0] * n  # groups of the send order released this iteration
+        element_bytes = self.cluster.bytes_per_element
+        self.windows = (
+            [SendWindow(self.plan, w, element_bytes) for w in range(n)]
+            if self.plan.aggregator == "ps"
+            else []
+        )
         self._worker_cpu_free = np.zeros(n)
         self.comm_iteration = [0] * n
         self.iteration_ends: list[list[float]] = [[] for _ in range(n)]
         self.backward_starts: list[list[float]] = [[] for _ in range(n)]
-        self._queue_seq = 0
 
     # ----------------------------------------------------------------- main loop
     def run(self) -> SimResult:
@@ -153,12 +186,12 @@ class Simulation:
 
     # ----------------------------------------------------------------- compute
     def _next_op(self, w: int) -> None:
-        if self.position[w] == len(self.ops):
+        if self.op_index[w] == len(self.ops):
             self.iteration[w] += 1
-            self.position[w] = 0
+            self.op_index[w] = 0
         if self.iteration[w] >= self.iterations:
             return
-        kind, layer = self.ops[self.position[w]]
+        kind, layer = self.ops[self.op_index[w]]
         if kind == "F" and self.iteration[w] > 0 and not self._forward_allowed(w, layer):
             self.blocked[w] = True
             return
@@ -174,7 +207,7 @@ class Simulation:
         return bool(self.group_done[w, self.groups_of_layer[layer]].all())
 
     def _op_finished(self, w: int, kind: str, layer: int) -> None:
-        self.position[w] += 1
+        self.op_index[w] += 1
         if kind == "B":
             self._gradient_ready(w, layer)
             if layer == self.plan.num_layers - 1 and self.plan.trigger == "after_backward":
@@ -188,6 +221,8 @@ class Simulation:
         self.done_count[w] = 0
         self.layers_pending[w] = self.layer_count
         self.comm_iteration[w] = self.iteration[w]
+        self.ready[w] = False
+        self.released[w] = 0
 
     def _gradient_ready(self, w: int, layer: int) -> None:
         for g in self.groups_of_layer[layer]:
@@ -201,37 +236,34 @@ class Simulation:
         if self.done_count[w] == self.num_groups:
             self.iteration_ends[w].append(self.clock.now)
         if self.blocked[w]:
-            _kind, layer = self.ops[self.position[w]]
+            _kind, layer = self.ops[self.op_index[w]]
             if self._forward_allowed(w, layer):
                 self.blocked[w] = False
                 self._next_op(w)
 
     # ----------------------------------------------------------------- sending
     def _group_eligible(self, w: int, g: int) -> None:
-        if self.plan.aggregator == "allreduce":
-            self._allreduce_ready(w, g)
-            return
-        group = self.plan.groups[g]
-        parts = self.plan.part_order(group, w)
-        self.parts_pending[w, g] = len(parts)
-        for part in parts:
-            index = group.parts.index(part)
-            self._queue_seq += 1
-            heapq.heappush(self.queue[w], (self.send_key[g], g, self._queue_seq, index))
-        self._try_send(w)
+        """Group ``g``'s gradients exist; release what the send order now allows."""
+        self.ready[w, g] = True
+        while self.released[w] < self.num_groups and self.ready[w, self.order[self.released[w]]]:
+            g = self.order[self.released[w]]
+            self.released[w] += 1
+            self._record("release", w, g, None)
+            if self.plan.aggregator == "allreduce":
+                self._allreduce_ready(w, g)
+                continue
+            self.parts_pending[w, g] = len(self.plan.groups[g].parts)
+            self._start_parts(w, self.windows[w].release(g))
 
-    def _try_send(self, w: int) -> None:
-        """Start queued pushes while the window allows: one at a time, or up to the credit."""
-        credit = self.plan.credit_bytes
-        while self.queue[w]:
-            _, g, _, index = self.queue[w][0]
-            nbytes = self.part_bytes[g][index]
-            if self.in_flight[w] and (credit is None or self.in_flight[w] + nbytes > credit):
-                return
-            heapq.heappop(self.queue[w])
-            self.in_flight[w] += nbytes
+    def _start_parts(self, w: int, parts: list[tuple[int, int]]) -> None:
+        for g, index in parts:
             self.messages += 1
+            self._record("start", w, g, index)
             self._worker_work(w, self._start_push, w, g, index)
+
+    def _record(self, event: str, w: int, g: int, index: int | None) -> None:
+        if self.trace is not None:
+            self.trace.append((self.clock.now, event, w, g, index))
 
     def _worker_work(self, w: int, callback, *args) -> None:
         """``alpha_worker`` of the worker's one communication thread (messages queue FIFO)."""
@@ -254,7 +286,6 @@ class Simulation:
         self._shard_work(shard, self._push_processed, w, g, index)
 
     def _push_processed(self, w: int, g: int, index: int) -> None:
-        self.in_flight[w] -= self.part_bytes[g][index]
         key = (self.comm_iteration[w], g, index)
         arrived = self._arrivals[key]
         arrived.append(w)
@@ -263,7 +294,6 @@ class Simulation:
             shard = self.plan.groups[g].parts[index].shard
             for worker in arrived:
                 self._shard_work(shard, self._start_pull, worker, g, index)
-        self._try_send(w)
 
     def _start_pull(self, w: int, g: int, index: int) -> None:
         shard = self.plan.groups[g].parts[index].shard
@@ -271,12 +301,15 @@ class Simulation:
         self.network.add((self._pull_arrived, (w, g, index)), path, self.part_bytes[g][index])
 
     def _pull_arrived(self, w: int, g: int, index: int) -> None:
-        self._worker_work(w, self._pull_received, w, g)
+        self._worker_work(w, self._pull_received, w, g, index)
 
-    def _pull_received(self, w: int, g: int) -> None:
+    def _pull_received(self, w: int, g: int, index: int) -> None:
+        self._record("back", w, g, index)
+        starts, _ = self.windows[w].part_back(g, index)
         self.parts_pending[w, g] -= 1
         if self.parts_pending[w, g] == 0:
             self._group_done(w, g)
+        self._start_parts(w, starts)
 
     # ----------------------------------------------------------------- all-reduce
     def _allreduce_ready(self, w: int, g: int) -> None:
@@ -284,7 +317,7 @@ class Simulation:
         self._allreduce_waiting[key] += 1
         if self._allreduce_waiting[key] == self.cluster.workers:
             del self._allreduce_waiting[key]
-            heapq.heappush(self._allreduce_queue, (self.send_key[g], key[0], g))
+            heapq.heappush(self._allreduce_queue, (key[0], self.position[g], g))
             self._next_allreduce()
 
     def _next_allreduce(self) -> None:
@@ -320,7 +353,12 @@ class Simulation:
 
 
 def simulate(
-    profile: ModelProfile, plan: Plan, cluster: ClusterSpec, iterations: int = 3
+    profile: ModelProfile,
+    plan: Plan,
+    cluster: ClusterSpec,
+    iterations: int = 3,
+    *,
+    order: Sequence[int] | None = None,
 ) -> SimResult:
     """Steady-state time per iteration of ``plan`` (mean over the iterations after the first)."""
-    return Simulation(profile, plan, cluster, iterations).run()
+    return Simulation(profile, plan, cluster, iterations, order=order).run()

@@ -2,12 +2,14 @@
 
 ``imerge-seed`` stands in for the IMerge evaluation: 2 machines × 16 workers (K80 dies), one PS
 shard per worker (a CPU core each), 100 Gbit/s NICs. Every number is an assumption documented in
-``docs/scheduling.md``; none is fitted to the seed's results.
+``docs/scheduling.md``; none is fitted to the seed's results. ``imerge-seed-fit`` is the same
+hardware with the free parameters (per-message cost, baseline placement, batch) fitted once, for
+all four models, to the seed score's loss (``sim/fit.py``, ``sim/score.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 from ..schedule.cluster import ClusterSpec
@@ -26,7 +28,21 @@ class Preset:
     flops_per_s: float  # effective training FLOP/s of one worker
     batch_size: int  # samples per worker per iteration
     shards_per_worker: float = 1.0
+    # How the baselines (default, wfbp, fusion, mgwfbp, merge) place whole-layer groups:
+    # "pieces" (BytePS partitions) or "whole" (each tensor on one shard, round-robin).
+    placement: str = "pieces"
+    # How priority slices are placed: "bytescheduler" (a key per slice), "p3" (round-robin).
+    slice_placement: str = "bytescheduler"
     description: str = ""
+    fitted: str = ""  # which parameters were fitted to the seed's results, and how
+
+    def planner_options(self, policy: str) -> dict:
+        """The options ``make_planner(policy, ...)`` takes from this preset."""
+        if policy == "priority":
+            return {"slice_placement": self.slice_placement}
+        if policy in ("default", "wfbp", "fusion", "mgwfbp", "merge"):
+            return {"placement": self.placement}
+        return {}
 
     def cluster(self, workers: int) -> ClusterSpec:
         shards = max(1, round(workers * self.shards_per_worker))
@@ -73,6 +89,25 @@ PRESETS: dict[str, Preset] = {
         description="2 machines × 16 K80-class workers, 1 PS core per worker, 100 Gbit/s",
     ),
 }
+# sim/fit.py's result (2026-12-02): the grid, its losses and the winner. Rerun the fit after any
+# change to the simulator or the planners and update these values.
+FITTED = {"alpha_worker": 100e-6, "placement": "pieces", "batch_size": 64}
+FIT_RECORD = (
+    "alpha_worker in {0.1, 0.447, 1.995} ms (alpha_shard = alpha_worker / 2); batch 128: "
+    "pieces 5.049 / 5.710 / 5.104, whole 6.594 / 6.381 / 6.641; batch 64: pieces 4.156 / "
+    "4.987 / 4.895 (whole not searched); best alpha_worker 0.1 ms, pieces, batch 64 (loss 4.156)"
+)
+PRESETS["imerge-seed-fit"] = replace(
+    PRESETS["imerge-seed"],
+    name="imerge-seed-fit",
+    alpha_worker=FITTED["alpha_worker"],
+    alpha_shard=FITTED["alpha_worker"] / 2,
+    placement=FITTED["placement"],
+    batch_size=FITTED["batch_size"],
+    description="imerge-seed's hardware, per-message cost, placement and batch fitted to the "
+    "seed's 32-worker findings",
+    fitted=FIT_RECORD,
+)
 PRESET_NAMES = tuple(PRESETS)
 
 

@@ -29,7 +29,7 @@ def simulate_row(preset: Preset, model: str, n: int, policy: str, iterations: in
     profile = preset.profile(model)
     alone = profile.batch_size / profile.compute_s  # samples/s of one worker, no sync
     cluster = preset.cluster(n)
-    plan = make_planner(policy)(profile, cluster)
+    plan = make_planner(policy, **preset.planner_options(policy))(profile, cluster)
     result = simulate(profile, plan, cluster, iterations)
     speedup = result.throughput / alone
     return {

@@ -1,0 +1,79 @@
+"""Fit ``imerge-seed-fit``'s free parameters to the seed's findings (``sim/score.py``'s loss).
+
+Free: the per-message cost (α_worker, with α_shard = α_worker / 2 as in ``imerge-seed``), the
+baselines' placement ("pieces" or "whole") and the batch per worker; everything else is
+``imerge-seed``'s. One set of values for all four models (a fit per model would show nothing).
+Placement and batch are discrete, so each pair gets its own search over log10 α_worker
+(``scipy.optimize.brute`` on a coarse grid: every point is ~40 simulations), and the lowest loss
+wins. Run ``python -m gradsum.sim.fit``; it prints every point as it has it, then the best.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from .presets import Preset, get_preset
+from .scaling import default_processes
+from .score import findings, loss, scored_rows
+
+PLACEMENTS = ("pieces", "whole")
+BATCHES = (128, 256)
+LOG_ALPHA_RANGE = (-4.0, -2.7)  # 0.1 ms .. 2 ms per message on the worker's thread
+GRID_POINTS = 3
+
+
+def with_parameters(base: Preset, log_alpha: float, placement: str, batch: int) -> Preset:
+    alpha = 10.0**log_alpha
+    return dataclasses.replace(
+        base, alpha_worker=alpha, alpha_shard=alpha / 2, placement=placement, batch_size=batch
+    )
+
+
+def fit(
+    base: Preset | None = None,
+    processes: int | None = None,
+    report=print,
+    placements=PLACEMENTS,
+    batches=BATCHES,
+) -> dict:
+    from scipy import optimize
+
+    base = base or get_preset("imerge-seed")
+    processes = processes or default_processes()
+    best = None
+    for placement, batch in itertools.product(placements, batches):
+
+        def objective(x, placement=placement, batch=batch):
+            preset = with_parameters(base, float(x[0]), placement, batch)
+            value = loss(findings(scored_rows(preset, processes)))
+            ms = 10 ** x[0] * 1e3
+            report(f"alpha_worker {ms:.3f} ms, {placement}, batch {batch}: loss {value:.3f}")
+            return value
+
+        x, value, *_ = optimize.brute(
+            objective, [LOG_ALPHA_RANGE], Ns=GRID_POINTS, full_output=True, finish=None
+        )
+        point = {"log_alpha": float(x), "placement": placement, "batch": batch, "loss": value}
+        if best is None or value < best["loss"]:
+            best = point
+    ms = 10 ** best["log_alpha"] * 1e3
+    report(
+        f"best: alpha_worker {ms:.3f} ms, {best['placement']}, batch {best['batch']}, "
+        f"loss {best['loss']:.3f}"
+    )
+    return best
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--placements", default=",".join(PLACEMENTS))
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    args = parser.parse_args()
+    fit(
+        report=lambda line: print(line, flush=True),
+        placements=args.placements.split(","),
+        batches=[int(b) for b in args.batches.split(",")],
+    )

@@ -1,0 +1,65 @@
+"""The adaptive planners in the two regimes that matter, played out in the simulator.
+
+24 equal layers (30,000 elements, 0.75 ms of compute each) on 8 workers and 8 shards over two
+machines. Where each message costs 1 ms of the worker's thread, start-ups decide the step, so
+fusion must beat WFBP and imerge must beat static fusion; where messages are nearly free and the
+links fast, communication hides behind backward and the adaptive planners must fall back to
+WFBP's one group per layer.
+"""
+
+import pytest
+
+from gradsum.schedule import ClusterSpec, make_planner, uniform_profile
+from gradsum.sim.engine import simulate
+
+pytestmark = pytest.mark.slow  # tens of seconds on this shared host
+LAYERS = 24
+
+
+def setup(alpha_worker, alpha_shard):
+    profile = uniform_profile([30_000] * LAYERS, [0.0005] * LAYERS, [0.00025] * LAYERS)
+    cluster = ClusterSpec(8, 8, 2, worker_bw=5e9, shard_bw=2e9, nic_bw=12.5e9,
+                          alpha_worker=alpha_worker, alpha_shard=alpha_shard)  # fmt: skip
+    return profile, cluster
+
+
+def step_times(profile, cluster, policies=("wfbp", "fusion", "merge", "imerge")):
+    plans = {p: make_planner(p)(profile, cluster) for p in policies}
+    return plans, {p: simulate(profile, plan, cluster).iteration_s for p, plan in plans.items()}
+
+
+@pytest.fixture(scope="module")
+def message_bound():
+    return step_times(*setup(1e-3, 1e-4))
+
+
+def test_fusion_beats_wfbp_when_per_message_costs_dominate(message_bound):
+    _, t = message_bound
+    assert t["fusion"] < 0.75 * t["wfbp"]
+
+
+def test_imerge_beats_static_fusion_and_merge_when_per_message_costs_dominate(message_bound):
+    plans, t = message_bound
+    assert t["imerge"] < 0.95 * t["fusion"]
+    assert t["imerge"] < 0.95 * t["merge"] < 0.95 * 0.95 * t["wfbp"]
+    assert len(plans["imerge"].groups) < LAYERS / 2
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the merge rule prices a non-interleaved group's incast at one shard (8 workers at "
+    "B_shard/8), so it merges less than the start-ups make worth it: 7 groups, 31.9 ms "
+    "against static fusion's 2 groups, 30.4 ms",
+)
+def test_merge_at_least_as_fast_as_static_fusion_when_per_message_costs_dominate(message_bound):
+    _, t = message_bound
+    assert t["merge"] <= t["fusion"]
+
+
+def test_adaptive_planners_collapse_to_wfbp_when_communication_is_hidden():
+    profile, cluster = setup(1e-6, 1e-7)
+    plans, t = step_times(profile, cluster)
+    assert len(plans["merge"].groups) == len(plans["imerge"].groups) == LAYERS
+    assert t["merge"] == pytest.approx(t["wfbp"], rel=1e-9)
+    assert t["imerge"] <= t["wfbp"] * (1 + 1e-9)
+    assert t["imerge"] < 1.06 * profile.compute_s  # communication hidden behind backward
