@@ -32,21 +32,6 @@ from ..dataplane.memnet import MemoryNetwork
 
 META = torch.device("meta")
 LENGTH = (1 << 20) + 12_345  # a whole partition and a ragged one
-# What still reads the host or has no device form, each for a reason of its own:
-HOST_BOUND = {
-    "dgc": "its sample draws from a torch.Generator on the device, which meta lacks; nonzero",
-    "terngrad": "its scale is a Python float (float(max |x|)) in the payload's meta",
-}
-
-
-def codec_params():
-    return [
-        pytest.param(n, marks=pytest.mark.xfail(reason=HOST_BOUND[n], strict=True))
-        if n in HOST_BOUND else n
-        for n in CODEC_NAMES
-    ]  # fmt: skip
-
-
 def run_steps(codec, reducer, worker=0, steps=2):
     round_ = CodecRound(codec, seed=3)
     for step in range(steps):  # a second step: error feedback and momentum carry over
@@ -89,7 +74,7 @@ def allreduce(world: int, deterministic: bool = False) -> AllReduceAggregator:
     return aggregator
 
 
-@pytest.mark.parametrize("name", codec_params())
+@pytest.mark.parametrize("name", CODEC_NAMES)
 def test_every_codec_round_runs_on_the_device_through_allreduce(fake_collectives, name):
     run_steps(make_codec(name, workers=2), allreduce(2))
     data = [(what, device) for what, device, dtype in fake_collectives if dtype != torch.int64]
@@ -126,7 +111,7 @@ def fake_boundary(monkeypatch):
     return moved
 
 
-@pytest.mark.parametrize("name", codec_params())
+@pytest.mark.parametrize("name", CODEC_NAMES)
 def test_every_codec_round_runs_on_the_device_through_the_udp_client(fake_boundary, name):
     codec = make_codec(name, workers=1)
     fmt = wire_format(codec, seed=3)

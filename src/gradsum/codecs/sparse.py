@@ -104,27 +104,30 @@ class DGC(TopK):
     ) -> Payload:
         require_finite(x)
         flat = x.reshape(-1).to(torch.float32)
-        indices = self._select(flat, ctx.worker_seed())
+        indices, sent = self._select(flat, ctx.worker_seed())
         if ctx.state_key in self._state:
             for tensor in self._state[ctx.state_key]:
-                tensor[indices] = 0.0
-        return sparse_payload(flat, indices)
+                tensor[indices] = torch.where(sent, 0.0, tensor[indices])
+        payload = sparse_payload(flat, indices)
+        payload.fields["values"].mul_(sent)
+        return payload
 
-    def _select(self, x: torch.Tensor, seed: int) -> torch.Tensor:
-        """Threshold from a sample of |x| (DGC's cheap selection), refined to at most k."""
+    def _select(self, x: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """DGC's selection: the coordinates at or above a threshold estimated from a sample of
+        |x|, at most k of them (the largest). Returned as the k largest coordinates and a mask
+        of those at or above the threshold, the others sent as zeros: a fixed-size payload,
+        since how many pass the threshold is known only on the device (reading it would wait
+        for the device). The set sent is the variable-size selection's."""
         k = self.kept(x.numel())
         magnitude = x.abs()
         sample_size = min(x.numel(), max(k, math.ceil(self.sample_ratio * x.numel()), 256))
-        generator = torch.Generator(device=x.device).manual_seed(seed)
-        positions = torch.randint(
-            0, x.numel(), (sample_size,), generator=generator, device=x.device
-        )
-        sample = magnitude[positions]
+        # drawn on the CPU, the same positions on every device (no device generator needed)
+        generator = torch.Generator().manual_seed(seed)
+        positions = torch.randint(0, x.numel(), (sample_size,), generator=generator)
+        sample = magnitude[positions.to(x.device, non_blocking=True)]
         threshold = torch.topk(sample, max(1, math.ceil(self.ratio * sample_size))).values[-1]
-        selected = (magnitude >= threshold).nonzero().flatten()
-        if selected.numel() > k:
-            selected = selected[torch.topk(magnitude[selected], k, sorted=False).indices]
-        return selected
+        largest = torch.topk(magnitude, k, sorted=False)
+        return largest.indices, largest.values >= threshold
 
     def reset(self, key=None) -> None:
         if key is None:

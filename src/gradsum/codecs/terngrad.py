@@ -28,11 +28,14 @@ class TernGrad(DecodingCodec):
         self.clip = clip
 
     def compress(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+        # The bound and the scale stay 0-d tensors on x's device (no host read): float32
+        # products and quotients of them round as the Python floats of the same values did.
         if self.clip is not None and x.numel():
-            bound = self.clip * float(x.std(correction=0))
+            bound = x.std(correction=0).mul_(self.clip)
             x = x.clamp(-bound, bound)
-        scale = float(x.abs().max()) if x.numel() else 0.0
-        keep_probability = x.abs().div_(scale) if scale > 0 else torch.zeros_like(x)
+        scale = x.abs().max() if x.numel() else torch.zeros((), device=x.device)
+        magnitude = x.abs()
+        keep_probability = torch.where(scale > 0, magnitude.div_(scale), 0.0)
         draws = ctx.uniform(x.numel(), x.device)
         ternary = torch.sign(x).mul_(draws.lt_(keep_probability)).add_(1).to(torch.int32)
         return Payload(

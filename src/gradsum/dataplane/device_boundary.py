@@ -52,14 +52,18 @@ class DeviceBoundary:
         return moved
 
     def payload_to_host(self, payload):
-        """A payload with every field in host memory (a server decodes it there)."""
+        """A payload with every field and meta value in host memory (a server decodes it
+        there; a meta value computed on the device, such as TernGrad's scale, comes down as a
+        one-element tensor)."""
         if not self.crosses:
             return payload
         from dataclasses import replace
 
         fields = {name: self.to_host(t) for name, t in payload.fields.items()}
+        meta = {name: self.to_host(v) if isinstance(v, torch.Tensor) else v
+                for name, v in payload.meta.items()}  # fmt: skip
         self.ready()
-        return replace(payload, fields=fields)
+        return replace(payload, fields=fields, meta=meta)
 
     def payload_to_device(self, payload):
         if not self.crosses:
