@@ -10,6 +10,7 @@ the same as in one process: the simulator is deterministic); rows come back in s
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
@@ -63,7 +64,10 @@ def sweep(
             if progress:
                 progress(f"{model} n={n} {policy}")
         return rows
-    with ProcessPoolExecutor(min(processes, len(cells))) as pool:
+    # spawned, not forked: a fork of a process whose torch already ran OpenMP threads can hang
+    # in its first convolution (the analytic profile runs one)
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(min(processes, len(cells)), mp_context=spawn) as pool:
         futures = [pool.submit(simulate_row, preset, *cell, iterations) for cell in cells]
         rows = []
         for (model, n, policy), future in zip(cells, futures, strict=True):
