@@ -197,9 +197,7 @@ def teardown_job(
         return control_request(address, Kind.TEARDOWN, job, timeout=timeout, key=key,
                                pad=UNSIGNED_PAD)  # fmt: skip
     except ControlError as error:
-        # An aggregator that never held the job cannot verify its key (a standby, or one that
-        # restarted): to a signed teardown that is the same answer as ``unknown_job``.
-        if error.code == "unknown_job" or (key is not None and error.code == "unauthenticated"):
+        if error.code == "unknown_job":
             return {"job": job}
         raise
 
@@ -573,7 +571,14 @@ class SwitchClient:
             worker_addresses, extra = self.registered
         for address in aggregators:
             address = _address(address)
-            teardown_job(address, self.job, key=self.key)
+            try:
+                teardown_job(address, self.job, key=self.key)
+            except ControlError as error:
+                # An aggregator that never held the job (a standby, or one that restarted)
+                # cannot verify its key; one that holds another job of this id under another
+                # key refuses the registration below, saying so.
+                if error.code != "unauthenticated":
+                    raise
             spec = self.job_spec(worker_addresses, address, **extra)
             register_job(address, spec, admission=self.admission)
 
