@@ -160,10 +160,15 @@ class _Rows:
                 flush=True,
             )
         if self.path:
-            # a sibling then a rename: a crash mid-write leaves the previous file, not half of one
-            partial = self.path.with_name(self.path.name + ".partial")
-            partial.write_text(json.dumps([asdict(r) for r in self.rows], indent=2) + "\n")
-            os.replace(partial, self.path)
+            write_rows(self.path, [asdict(r) for r in self.rows])
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """The rows so far as a JSON list: a sibling then a rename, so a crash mid-write leaves the
+    previous file, not half of one."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(rows, indent=2, default=str) + "\n")
+    os.replace(partial, path)
 
 
 def _row(args, aggregator: str, codec: str, scheduler: str, outcome: dict | Failure) -> TrainRow:

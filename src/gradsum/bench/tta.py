@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -168,20 +167,14 @@ def run(args: argparse.Namespace) -> int:
         rows.append(make_row(args, name, fields, outcome))
         _print_row(rows[-1], args.target_loss)
         if args.json:
+            from .train import write_rows
+
             write_rows(args.json, [asdict(row) for row in rows])
     print(format_table(rows, args.target_loss))
     if args.plot:
         plot_runs(rows, args.plot, args.target_loss)
         print(f"plot: {args.plot}")
     return 1 if any(row.failed for row in rows) else 0
-
-
-def write_rows(path: Path, rows: list[dict]) -> None:
-    """The rows so far as a JSON list: a sibling then a rename, so a crash mid-write leaves the
-    previous file, not half of one."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(rows, indent=2, default=str) + "\n")
-    os.replace(partial, path)
 
 
 def _config(args, fields: dict):
