@@ -169,5 +169,10 @@ def test_a_torchrun_restart_after_a_killed_worker_resumes_from_the_checkpoint(tm
     assert epochs == set(range(1, 9)), epochs
     trained = int(re.search(r"^done: .* over (\d+) epochs", out, re.MULTILINE).group(1))
     assert 1 <= trained < 8, f"started again from the beginning: {trained} epochs"
-    assert "worker 0 failed: Terminated" in err  # the survivor, stopped by the agent
+    # The survivor reports and exits either way the race goes: stopped by the agent's SIGTERM,
+    # or first through its own collective, whose peer's socket the kill closed.
+    survivor = re.search(r"^gradsum train: worker 0 failed: (.*)$", err, re.MULTILINE)
+    assert survivor, err[-3000:]
+    assert re.match(r"Terminated|RuntimeError: .*Connection (reset|closed) by peer",
+                    survivor.group(1)), survivor.group(1)
     assert jobs == {}, "the stale job and the last one were torn down"
