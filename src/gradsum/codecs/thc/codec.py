@@ -35,7 +35,7 @@ from ..bits import bits_for, pack_bits, unpack_bits
 from ..buffers import Recycler
 from . import native, triton_kernels
 from .hadamard import Rotation, padded_length
-from .tables import clamp_threshold, correlated_clamp, solve_table
+from .tables import clamp_threshold, correlated_clamp, correlated_table, solve_table
 
 CORRELATED_GRANULARITY = 31
 UPSTREAM = "indices"
@@ -312,20 +312,25 @@ class THC(GridCodec):
         correlated: bool = False,
     ):
         # Correlated rounding's table: 31 grid steps (n * 31 sums need the bits n * 30 do at
-        # every n, so the wire is THC's) and the clamp that minimises its error.
+        # every n, so the wire is THC's), and the table and clamp that minimise its error.
         if granularity is None:
             granularity = CORRELATED_GRANULARITY if correlated else 30
         if p is None:
             p = correlated_clamp(bits, granularity, workers) if correlated else 1 / 32
-        super().__init__(workers, bits, self._table(bits, granularity, p), correlated)
+        table = self._table(bits, granularity, p, workers if correlated else None)
+        super().__init__(workers, bits, table, correlated)
         self.p = p
         self.threshold = clamp_threshold(p)
         self.rotation_block = rotation_block
         self._rotations: OrderedDict[tuple, Rotation] = OrderedDict()  # least recently used first
 
     @staticmethod
-    def _table(bits: int, granularity: int, p: float) -> tuple[int, ...]:
-        return solve_table(bits, granularity, p)
+    def _table(bits: int, granularity: int, p: float, correlated: int | None) -> tuple[int, ...]:
+        """The table for independent rounding, or for correlated rounding over ``correlated``
+        workers (the objectives differ: ``tables.correlated_expected_error``)."""
+        if correlated is None:
+            return solve_table(bits, granularity, p)
+        return correlated_table(bits, granularity, p, correlated)
 
     def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         flat = x.reshape(-1).to(torch.float32)
@@ -468,8 +473,8 @@ class UniformTHC(THC):
         super().__init__(workers, bits, (1 << bits) - 1, p, rotation_block, correlated)
 
     @staticmethod
-    def _table(bits: int, granularity: int, p: float) -> tuple[int, ...]:
-        return tuple(range(1 << bits))
+    def _table(bits: int, granularity: int, p: float, correlated: int | None) -> tuple[int, ...]:
+        return tuple(range(1 << bits))  # the authors' uniform levels, correlated or not
 
     def __repr__(self) -> str:
         return (f"UniformTHC(workers={self.workers}, bits={self.bits}, p={self.p:g}, "
