@@ -104,3 +104,20 @@ def test_correlated_thc_on_real_gradients():
                       / nmse(run_round(thc, inputs).average, inputs))  # fmt: skip
     # bench codecs' seed 0 gives 0.62x, seeds 1 and 2 0.60x and 0.54x (docs/benchmarks.md)
     assert sum(ratios) / len(ratios) <= 0.62 and max(ratios) <= 0.65, ratios
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
+def test_identical_inputs_round_in_distinct_strata_on_either_path(native, monkeypatch):
+    # four workers with the same input: stratified thresholds make the number of them that
+    # round up within one of its mean at every coordinate, so the error of their mean is about
+    # a quarter of independent rounding's (E f(1-f) / (n E q(1-q)) = 1/4 for uniform q)
+    monkeypatch.setenv("GRADSUM_NATIVE", native)
+    x = gaussian_inputs(1, 1 << 16, seed=4)[0]
+    inputs = [x] * 4
+
+    def error(correlated):
+        codec = make_codec("thc", workers=4, error_feedback=False, correlated=correlated,
+                           granularity=31, p=1e-9)  # fmt: skip
+        return nmse(run_round(codec, inputs).average, inputs)
+
+    assert 0.15 < error(True) / error(False) < 0.35

@@ -104,12 +104,15 @@ class CodecContext:
         distinct strata, plus this worker's private jitter within its stratum. Each worker's
         draws are U[0, 1) (rounding stays unbiased); together they cover [0, 1) evenly."""
         out = self.uniform(count, device, out)  # the private jitter
-        shared = draw_uniform(_derive_seed("stratum", self.seed, self.step, self.partition),
-                              count, device)  # fmt: skip
+        shared = draw_uniform(self.stratum_seed(), count, device)
         strata = shared.mul_(workers).floor_().add_(self.worker % workers).remainder_(workers)
         # (n - 1 + jitter) / n rounds to 1.0 in float32 for jitter within 2**-24 of 1; a
         # threshold of 1.0 would never round a coordinate up from probability 1
         return out.add_(strata).div_(workers).clamp_(max=1.0 - 2.0**-24)
+
+    def stratum_seed(self) -> int:
+        """The seed of the strata every worker of this round shares (correlated rounding)."""
+        return _derive_seed("stratum", self.seed, self.step, self.partition)
 
     def shared_seed(self) -> int:
         """Fixed for the run (as in THC's reference code): a partition's rotation depends only

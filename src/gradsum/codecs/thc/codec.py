@@ -181,10 +181,9 @@ class GridCodec(Codec):
         lookups = self._tables(x.device)
         seed = ctx.worker_seed()
         g = self.granularity
-        packed = None
-        if not self.correlated:  # the kernel draws independent thresholds of its own
-            packed = native.encode(x, rotation, a, c, g, lookups.cell_entries, seed, self.bits,
-                                   empty=self._recycler.empty)  # fmt: skip
+        # the kernel draws thresholds of its own, independent or stratified
+        packed = native.encode(x, rotation, a, c, g, lookups.cell_entries, seed, self.bits,
+                               empty=self._recycler.empty, strata=self._strata(ctx))  # fmt: skip
         if packed is None:
             require_finite(x)
             a, c = _float32(a), _float32(c)
@@ -233,6 +232,12 @@ class GridCodec(Codec):
             if rotation is not None:
                 return rotation.inverse(y)
         return y[: payload.length] if trim else y
+
+    def _strata(self, ctx: CodecContext) -> tuple[int, int, int] | None:
+        """Correlated rounding's strata for the native kernel (None: independent rounding)."""
+        if not self.correlated:
+            return None
+        return ctx.stratum_seed(), self.workers, ctx.worker % self.workers
 
     def _rotated(self, x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
         rotated = native.rotate(x, rotation)
@@ -409,9 +414,9 @@ class THC(GridCodec):
         a, c = self._grid_scale(max_norm, w.numel()), self.granularity / 2
         error = self._recycler.empty(w.numel(), torch.float32) if w.device.type == "cpu" else None
         lookups = self._tables(w.device)
-        packed = None if self.correlated else native.encode(
+        packed = native.encode(
             w, None, a, c, self.granularity, lookups.cell_entries, ctx.worker_seed(), self.bits,
-            error=error, empty=self._recycler.empty,
+            error=error, empty=self._recycler.empty, strata=self._strata(ctx),
         )  # fmt: skip
         if packed is not None:
             return Payload({UPSTREAM: packed}, length), error
