@@ -193,6 +193,10 @@ class Codec(ABC):
     * ``blockwise``: coordinates per block that summarizes, encodes and decodes independently
       of every other block (one summary entry per block); a round may then cut a partition into
       pieces of whole blocks and stream them, with the whole partition's values bit for bit.
+    * ``costly_preparation``: ``precondition`` and ``summarize`` cost about what the encode
+      does (THC under error feedback: its rotation), so a streaming round prepares partitions
+      in waves behind the SUM of earlier ones (``codecs.round``); a cheap one (bfp) is better
+      served by one MAX for all.
     * ``stages``: how many MAX and SUM rounds one round takes (1; PowerSGD: 2). A codec of
       several stages derives each stage's inputs with ``stage_input`` and the partition's
       average with ``finish``; its wire facts hold for every stage.
@@ -209,6 +213,7 @@ class Codec(ABC):
     lane_fields: tuple[str, str] | None = None
     linear_decode: bool = False
     blockwise: int | None = None
+    costly_preparation: bool = False
     stages: int = 1
     # Whether the codec carries its own error feedback (an option of its constructor) instead
     # of the generic wrapper's, which assumes one encode per round.

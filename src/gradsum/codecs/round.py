@@ -91,10 +91,12 @@ def wave_partitions(count: int) -> list[list[int]]:
     return waves
 
 
-def pipelines(reducer: Reducer) -> bool:
-    """Whether a round through ``reducer`` runs in waves (``CodecRound.reduce``): it streams,
-    so work can run behind pieces in flight."""
-    return bool(getattr(reducer, "streams", False))
+def pipelines(reducer: Reducer, codec: Codec) -> bool:
+    """Whether a round of ``codec`` through ``reducer`` runs in waves (``CodecRound.reduce``):
+    the reducer streams, so work can run behind pieces in flight, and the codec's preparation
+    is worth running there (``Codec.costly_preparation``) in rounds of one stage with a MAX."""
+    return (bool(getattr(reducer, "streams", False)) and codec.costly_preparation
+            and codec.stages == 1 and codec.needs_summary)  # fmt: skip
 
 
 class Reducer(Protocol):
@@ -275,7 +277,7 @@ class CodecRound:
         checks = DeviceChecks() if own else checks
         with checks.deferring():
             prepared = self.prepare(flat, worker=worker, key=key, step=step,
-                                    lazy=pipelines(reducer))  # fmt: skip
+                                    lazy=pipelines(reducer, self.codec))  # fmt: skip
             result = self.reduce(prepared, reducer)
         if own:
             checks.raise_if_failed()
@@ -288,8 +290,8 @@ class CodecRound:
         codec of several stages starts again from its first."""
         if prepared.stages is not None:
             prepared.stages.rewind()
-        streamed = pipelines(reducer)
-        if streamed and prepared.stages is None and self.codec.needs_summary:
+        streamed = getattr(reducer, "streams", False)
+        if pipelines(reducer, self.codec) and prepared.stages is None:
             return self._reduce_in_waves(prepared, reducer)
         prepared.prepare_all()
         current: Prepared | None = prepared

@@ -175,7 +175,7 @@ class ServiceAggregator(Aggregator):
         checks = DeviceChecks()  # the round's device checks, read once at its end
         with checks.deferring():
             prepared = round_.prepare(flat, worker=self.rank, key=key, step=step,
-                                      lazy=pipelines(reducer))  # fmt: skip
+                                      lazy=pipelines(reducer, codec))  # fmt: skip
             position = client.rounds
             client.rounds += 1
             while True:
