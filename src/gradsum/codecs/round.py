@@ -16,6 +16,12 @@ estimator with the same random streams:
   in any order; a transport that streams encodes the next piece while earlier ones are in
   flight and decodes a piece as soon as its sum is in.
 
+Through a reducer that streams, a codec whose preparation costs about its encode
+(``codec.costly_preparation``: THC's rotation under error feedback) runs its partitions in
+waves of 1, 2, 4, ...: each wave's MAX, then its SUM, while the next wave is preconditioned and
+summarized behind the pieces in flight (``SumPhase.work_behind``); the values are those of one
+MAX and one SUM.
+
 A codec of several stages (``codec.stages > 1``: PowerSGD sums P = MQ, then Q = M^T P) runs
 the MAX and the SUM once per stage, each stage's inputs derived by ``codec.stage_input`` from
 the partition and the previous stage's average, and ``codec.finish`` makes the partition's
@@ -308,8 +314,8 @@ class CodecRound:
 
     def _reduce_in_waves(self, prepared: Prepared, reducer: Reducer) -> torch.Tensor:
         """The round of one stage through a streaming reducer, its partitions in waves of 1,
-        2, 4, ... (``waves``): each wave's MAX, then its SUM, during which the next wave is
-        preconditioned and summarized behind the pieces in flight. So the first chunks leave
+        2, 4, ... (``wave_partitions``): each wave's MAX, then its SUM, during which the next
+        wave is preconditioned and summarized behind the pieces in flight. So the first chunks leave
         after one partition's preparation instead of the whole tensor's, and a rotation (THC's
         precondition under error feedback) overlaps the wire. Every partition's MAX is its own
         elementwise max whatever wave carries it, so the averages are those of one MAX and one
