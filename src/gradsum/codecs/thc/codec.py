@@ -187,11 +187,11 @@ class GridCodec(Codec):
         if packed is None:
             require_finite(x)
             a, c = _float32(a), _float32(c)
-            if rotation is not None and not self.correlated and self._fused(rotation):
-                # 3 launches instead of ~55; correlated rounding draws on the torch path
+            if rotation is not None and self._fused(rotation):
+                # 3 launches instead of ~55, on the torch path's draws
                 y = triton_kernels.rotate(x, rotation.signs, rotation.padded, rotation.block)
                 draws = self._workspace(y.numel(), y.device)[3]
-                ctx.uniform(y.numel(), y.device, out=draws)
+                self._draw(ctx, y.numel(), y.device, draws)
                 packed = triton_kernels.quantize(y, draws, lookups, a, c, g, self.bits)
                 return Payload({UPSTREAM: packed}, x.numel() if length is None else length)
             y = x.mul(a) if rotation is None else self._rotated(x, rotation).mul_(a)
@@ -266,13 +266,19 @@ class GridCodec(Codec):
         torch.index_select(lookups.low_of_cell, 0, cell, out=low)
         torch.index_select(lookups.inverse_width_of_cell, 0, cell, out=up_probability)
         up_probability.mul_(torch.sub(u, low, out=low))
-        if self.correlated:
-            ctx.stratified_uniform(u.numel(), self.workers, u.device, out=draws)
-        else:
-            ctx.uniform(u.numel(), u.device, out=draws)
+        self._draw(ctx, u.numel(), u.device, draws)
         torch.lt(draws, up_probability, out=rounds_up)
         torch.index_select(lookups.interval_of_cell, 0, cell, out=indices)
         return indices.add_(rounds_up)
+
+    def _draw(self, ctx: CodecContext, count: int, device: torch.device,
+              out: torch.Tensor) -> None:  # fmt: skip
+        """The rounding thresholds of the torch path and the fused kernels: independent, or
+        stratified across the workers (correlated rounding)."""
+        if self.correlated:
+            ctx.stratified_uniform(count, self.workers, device, out=out)
+        else:
+            ctx.uniform(count, device, out=out)
 
     def _workspace(self, count: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """Reused rounding buffers of this thread: a codec may encode on several shard
