@@ -43,9 +43,11 @@ def test_fwht_matches_the_butterflies_bit_for_bit(kernels, block, count):
     assert torch.equal(kernels.fwht(x, block), butterflies(x, block))
 
 
+@pytest.mark.parametrize("correlated", [False, True], ids=["independent", "correlated"])
 @pytest.mark.parametrize("length", [5, 1000, 4096])
-def test_thc_encode_matches_the_torch_path_bit_for_bit(kernels, length):
-    codec = THC(workers=3)
+def test_thc_encode_matches_the_torch_path_bit_for_bit(kernels, length, correlated):
+    codec = THC(workers=3, correlated=correlated)
+    g = codec.granularity
     x = torch.randn(length, generator=torch.Generator().manual_seed(length))
     ctx = CodecContext(seed=1, worker=2, step=3)
     rotation = Rotation(length, None, ctx.shared_seed(), "cpu")
@@ -56,9 +58,10 @@ def test_thc_encode_matches_the_torch_path_bit_for_bit(kernels, length):
 
     max_norm = codec.summarize(x, ctx).reshape(()).to(torch.float64)
     a = _float32(codec._grid_scale(max_norm, rotation.padded))
-    draws = ctx.uniform(rotation.padded)
-    got = kernels.quantize(rotated, draws, codec._tables(x.device), a, 15.0, 30, codec.bits)
-    u = rotated.mul(a).add_(15.0).clamp_(0, 30)
+    draws = torch.empty(rotation.padded)
+    codec._draw(ctx, rotation.padded, x.device, draws)  # stratified where correlated
+    got = kernels.quantize(rotated, draws, codec._tables(x.device), a, g / 2, g, codec.bits)
+    u = rotated.mul(a).add_(g / 2).clamp_(0, g)
     want = pack_bits(codec._round_to_table(u, ctx), codec.bits, check=False)
     assert torch.equal(got, want)
 

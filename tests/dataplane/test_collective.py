@@ -144,3 +144,18 @@ def test_partial_aggregation_completes_without_a_missing_worker(name):
         assert torch.allclose(outputs[0], expected, atol=1e-6)
     (aggregator,) = aggregators.values()
     assert aggregator.jobs[1].pool.stats["completed"] > 0
+
+
+def test_thc_in_waves_gives_the_bits_of_the_in_process_round_at_realistic_size():
+    # several 2**20 partitions and a tail that is no power of two: the streamed round prepares
+    # them in waves of 1, 2, ... behind the SUM of earlier ones, each wave with its own MAX
+    from gradsum.codecs.round import PARTITION_ELEMENTS, wave_partitions
+
+    length = 3 * PARTITION_ELEMENTS + 12345
+    assert wave_partitions(4) == [[0], [1, 2], [3]]
+    inputs = inputs_for(2, length, seed=5)
+    expected = run_round(make_codec("thc", workers=2), inputs, step=0).average
+    results = allreduce_over(MemoryNetwork(), one_switch(), "thc", inputs, slots=16,
+                             elements=8192)  # fmt: skip
+    for outputs, _ in results.values():
+        assert torch.equal(outputs[0], expected)

@@ -104,12 +104,15 @@ class CodecContext:
         distinct strata, plus this worker's private jitter within its stratum. Each worker's
         draws are U[0, 1) (rounding stays unbiased); together they cover [0, 1) evenly."""
         out = self.uniform(count, device, out)  # the private jitter
-        shared = draw_uniform(_derive_seed("stratum", self.seed, self.step, self.partition),
-                              count, device)  # fmt: skip
+        shared = draw_uniform(self.stratum_seed(), count, device)
         strata = shared.mul_(workers).floor_().add_(self.worker % workers).remainder_(workers)
         # (n - 1 + jitter) / n rounds to 1.0 in float32 for jitter within 2**-24 of 1; a
         # threshold of 1.0 would never round a coordinate up from probability 1
         return out.add_(strata).div_(workers).clamp_(max=1.0 - 2.0**-24)
+
+    def stratum_seed(self) -> int:
+        """The seed of the strata every worker of this round shares (correlated rounding)."""
+        return _derive_seed("stratum", self.seed, self.step, self.partition)
 
     def shared_seed(self) -> int:
         """Fixed for the run (as in THC's reference code): a partition's rotation depends only
@@ -190,6 +193,10 @@ class Codec(ABC):
     * ``blockwise``: coordinates per block that summarizes, encodes and decodes independently
       of every other block (one summary entry per block); a round may then cut a partition into
       pieces of whole blocks and stream them, with the whole partition's values bit for bit.
+    * ``costly_preparation``: ``precondition`` and ``summarize`` cost about what the encode
+      does (THC under error feedback: its rotation), so a streaming round prepares partitions
+      in waves behind the SUM of earlier ones (``codecs.round``); a cheap one (bfp) is better
+      served by one MAX for all.
     * ``stages``: how many MAX and SUM rounds one round takes (1; PowerSGD: 2). A codec of
       several stages derives each stage's inputs with ``stage_input`` and the partition's
       average with ``finish``; its wire facts hold for every stage.
@@ -206,6 +213,7 @@ class Codec(ABC):
     lane_fields: tuple[str, str] | None = None
     linear_decode: bool = False
     blockwise: int | None = None
+    costly_preparation: bool = False
     stages: int = 1
     # Whether the codec carries its own error feedback (an option of its constructor) instead
     # of the generic wrapper's, which assumes one encode per round.

@@ -27,6 +27,7 @@ class ErrorFeedback(Codec):
         # partition, so its pieces cannot be encoded one by one.
         self.lane_fields = inner.lane_fields
         self.linear_decode = inner.linear_decode
+        self.costly_preparation = inner.costly_preparation
         self.memory: dict[Hashable, torch.Tensor] = {}
 
     def precondition(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
@@ -141,6 +142,7 @@ class TransformedErrorFeedback(ErrorFeedback):
         if not isinstance(inner, FeedbackTransform):
             raise TypeError(f"{type(inner).__name__} has no transformed domain")
         super().__init__(inner)
+        self.costly_preparation = True  # the precondition runs the transform
         self._lengths: dict[Hashable, int | None] = {}  # per key: length, None if untransformed
 
     def precondition(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:

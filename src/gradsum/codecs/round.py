@@ -16,6 +16,12 @@ estimator with the same random streams:
   in any order; a transport that streams encodes the next piece while earlier ones are in
   flight and decodes a piece as soon as its sum is in.
 
+Through a reducer that streams, a codec whose preparation costs about its encode
+(``codec.costly_preparation``: THC's rotation under error feedback) runs its partitions in
+waves of 1, 2, 4, ...: each wave's MAX, then its SUM, while the next wave is preconditioned and
+summarized behind the pieces in flight (``SumPhase.work_behind``); the values are those of one
+MAX and one SUM.
+
 A codec of several stages (``codec.stages > 1``: PowerSGD sums P = MQ, then Q = M^T P) runs
 the MAX and the SUM once per stage, each stage's inputs derived by ``codec.stage_input`` from
 the partition and the previous stage's average, and ``codec.finish`` makes the partition's
@@ -80,6 +86,25 @@ def partition_id(key: Hashable, index: int) -> int:
     return zlib.crc32(repr((key, index)).encode())
 
 
+def wave_partitions(count: int) -> list[list[int]]:
+    """Partitions 0..count-1 in waves of 1, 2, 4, ...: a wave's preparation behind the SUM of
+    one half its size keeps pace with it (THC prepares a partition in about the CPU time of
+    its encode and decode), and a round of P partitions takes log2(P) + 1 MAX rounds."""
+    waves, start, size = [], 0, 1
+    while start < count:
+        waves.append(list(range(start, min(count, start + size))))
+        start, size = start + size, size * 2
+    return waves
+
+
+def pipelines(reducer: Reducer, codec: Codec) -> bool:
+    """Whether a round of ``codec`` through ``reducer`` runs in waves (``CodecRound.reduce``):
+    the reducer streams, so work can run behind pieces in flight, and the codec's preparation
+    is worth running there (``Codec.costly_preparation``) in rounds of one stage with a MAX."""
+    return (bool(getattr(reducer, "streams", False)) and codec.costly_preparation
+            and codec.stages == 1 and codec.needs_summary)  # fmt: skip
+
+
 class Reducer(Protocol):
     """What an aggregator implements for a round (see the module docstring)."""
 
@@ -121,9 +146,14 @@ class SumPhase:
     """
 
     def __init__(self, codec: Codec, pieces: list[Piece], prepared: list[torch.Tensor],
-                 shared: list[torch.Tensor | None], out: torch.Tensor):  # fmt: skip
+                 shared: list[torch.Tensor | None], out: torch.Tensor,
+                 background: Sequence[Callable[[], None]] = ()):  # fmt: skip
         self.codec, self.pieces, self.out = codec, pieces, out
         self._prepared, self._shared = prepared, shared
+        # the next wave's preparation (``CodecRound.reduce``), done while this one's pieces
+        # are in flight: a streaming transport calls ``work_behind`` when it has nothing else
+        # to do, and whatever is left runs once the SUM is back
+        self._background = list(background)
         self._payloads: list[Payload | None] = [None] * len(pieces)
         self._delivered = [False] * len(pieces)
         # the round's deferred checks, also where a transport encodes or decodes on a thread
@@ -180,6 +210,20 @@ class SumPhase:
     def deliver_all(self, sums: Sequence[Payload]) -> None:
         for index, summed in enumerate(sums):
             self.deliver(index, summed)
+
+    @property
+    def has_background(self) -> bool:
+        return bool(self._background)
+
+    def work_behind(self) -> None:
+        """One item of the work that runs behind this SUM (the next wave's preparation)."""
+        if self._background:
+            with self._deferring():
+                self._background.pop(0)()
+
+    def finish_background(self) -> None:
+        while self._background:
+            self.work_behind()
 
     def check_complete(self) -> None:
         missing = [i for i, done in enumerate(self._delivered) if not done]
@@ -238,7 +282,8 @@ class CodecRound:
         own = checks is None
         checks = DeviceChecks() if own else checks
         with checks.deferring():
-            prepared = self.prepare(flat, worker=worker, key=key, step=step)
+            prepared = self.prepare(flat, worker=worker, key=key, step=step,
+                                    lazy=pipelines(reducer, self.codec))  # fmt: skip
             result = self.reduce(prepared, reducer)
         if own:
             checks.raise_if_failed()
@@ -252,6 +297,9 @@ class CodecRound:
         if prepared.stages is not None:
             prepared.stages.rewind()
         streamed = getattr(reducer, "streams", False)
+        if pipelines(reducer, self.codec) and prepared.stages is None:
+            return self._reduce_in_waves(prepared, reducer)
+        prepared.prepare_all()
         current: Prepared | None = prepared
         while True:
             if self.codec.needs_summary:
@@ -264,8 +312,35 @@ class CodecRound:
                 return current.result(phase)
             current = following
 
-    def prepare(self, flat: torch.Tensor, *, worker: int, key: Hashable, step: int) -> Prepared:
-        """Partition, precondition and summarize: everything before the MAX."""
+    def _reduce_in_waves(self, prepared: Prepared, reducer: Reducer) -> torch.Tensor:
+        """The round of one stage through a streaming reducer, its partitions in waves of 1,
+        2, 4, ... (``wave_partitions``): each wave's MAX, then its SUM, during which the next
+        wave is preconditioned and summarized behind the pieces in flight. So the first chunks leave
+        after one partition's preparation instead of the whole tensor's, and a rotation (THC's
+        precondition under error feedback) overlaps the wire. Every partition's MAX is its own
+        elementwise max whatever wave carries it, so the averages are those of one MAX and one
+        SUM bit for bit; the waves follow from the layout alone, so every worker runs the same
+        rounds (a redone round too, on the inputs its first try prepared)."""
+        waves = wave_partitions(len(prepared.bounds))
+        out = prepared.output()
+        for k, wave in enumerate(waves):
+            for i in wave:
+                prepared.prepare_partition(i)  # a redone round's: already there
+            prepared.share_some(wave, reducer.max([prepared.summaries[i] for i in wave]))
+            following = waves[k + 1] if k + 1 < len(waves) else []
+            background = [lambda i=i: prepared.prepare_partition(i) for i in following]
+            phase = prepared.sum_phase(streamed=True, partitions=wave, out=out,
+                                       background=background)  # fmt: skip
+            reducer.sum(phase)
+            phase.finish_background()
+            phase.check_complete()
+        return out
+
+    def prepare(self, flat: torch.Tensor, *, worker: int, key: Hashable, step: int,
+                lazy: bool = False) -> Prepared:  # fmt: skip
+        """Partition, precondition and summarize: everything before the MAX. ``lazy``: leave
+        preconditioning and summaries to ``reduce`` through a streaming reducer, which does
+        them partition by partition behind the SUM of earlier ones (see ``pipelines``)."""
         if flat.dim() != 1:
             raise ValueError(f"a round takes a flat gradient, got shape {tuple(flat.shape)}")
         codec = self.codec
@@ -276,12 +351,15 @@ class CodecRound:
             CodecContext(self.seed, worker, step, partition_id(key, i), key=(key, i))
             for i in range(len(bounds))
         ]
+        if codec.stages == 1:
+            count = len(bounds)
+            round_ = Prepared(self, flat, bounds, contexts, [None] * count, [None] * count)
+            if not lazy:
+                round_.prepare_all()
+            return round_
         prepared = [
             codec.precondition(flat[a:b], ctx) for (a, b), ctx in zip(bounds, contexts, strict=True)
         ]
-        if codec.stages == 1:
-            summaries = [codec.summarize(x, ctx) for x, ctx in zip(prepared, contexts, strict=True)]
-            return Prepared(self, flat, bounds, contexts, prepared, summaries)
         stages = Stages(self, flat, bounds, contexts, prepared)
         return stages.prepare([codec.stage_input(x, ctx, 0, None)
                                for x, ctx in zip(prepared, contexts, strict=True)])  # fmt: skip
@@ -305,6 +383,36 @@ class Prepared:
 
     def __post_init__(self) -> None:
         self.shared: list[torch.Tensor | None] = [None] * len(self.bounds)
+        # partitions not yet preconditioned and summarized (a lazy ``CodecRound.prepare``)
+        self._unprepared = {i for i, x in enumerate(self.inputs) if x is None}
+
+    def prepare_partition(self, i: int) -> None:
+        """Precondition and summarize partition ``i`` of the flat gradient, once."""
+        if i not in self._unprepared:
+            return
+        codec, (a, b), ctx = self.round.codec, self.bounds[i], self.contexts[i]
+        x = codec.precondition(self.flat[a:b], ctx)
+        self.inputs[i], self.summaries[i] = x, codec.summarize(x, ctx)
+        self._unprepared.discard(i)
+
+    def prepare_all(self) -> None:
+        for i in sorted(self._unprepared):
+            self.prepare_partition(i)
+
+    def share_some(self, partitions: Sequence[int], shared: Sequence[torch.Tensor]) -> None:
+        """The MAX round's result for ``partitions`` (one wave of them)."""
+        if len(shared) != len(partitions):
+            raise ValueError(f"{len(shared)} summaries back for {len(partitions)} partitions")
+        for i, value in zip(partitions, shared, strict=True):
+            self.shared[i] = value
+
+    def output(self) -> torch.Tensor:
+        """A fresh output for the round's average (recycled on the CPU for a round of one
+        stage, whose caller copies it away)."""
+        count, device = (self.bounds[-1][1] if self.bounds else 0), self.flat.device
+        if device.type == "cpu" and self.stages is None:
+            return _OUTPUTS.empty(count, torch.float32)
+        return torch.empty(count, dtype=torch.float32, device=device)
 
     def next_stage(self, phase: SumPhase) -> Prepared | None:
         """The next stage's round, once ``phase`` (this one's SUM) is complete; None: done."""
@@ -320,19 +428,22 @@ class Prepared:
             raise ValueError(f"{len(shared)} summaries back for {len(self.bounds)} partitions")
         self.shared = list(shared)
 
-    def sum_phase(self, streamed: bool = False) -> SumPhase:
-        """The SUM half; ``streamed``: a blockwise codec's partitions in pieces of whole blocks."""
-        count, device = (self.bounds[-1][1] if self.bounds else 0), self.flat.device
-        if device.type == "cpu" and self.stages is None:
-            out = _OUTPUTS.empty(count, torch.float32)
-        else:
-            out = torch.empty(count, dtype=torch.float32, device=device)
-        return SumPhase(self.round.codec, self._pieces(streamed), self.inputs, self.shared, out)
+    def sum_phase(self, streamed: bool = False, partitions: Sequence[int] | None = None,
+                  out: torch.Tensor | None = None,
+                  background: Sequence[Callable[[], None]] = ()) -> SumPhase:  # fmt: skip
+        """The SUM half; ``streamed``: a blockwise codec's partitions in pieces of whole blocks.
+        ``partitions`` (default all) and ``out`` (default a fresh ``output``): one wave's SUM
+        into the round's output; ``background``: work to do behind it (``SumPhase``)."""
+        out = self.output() if out is None else out
+        chosen = range(len(self.bounds)) if partitions is None else partitions
+        return SumPhase(self.round.codec, self._pieces(streamed, chosen), self.inputs,
+                        self.shared, out, background)  # fmt: skip
 
-    def _pieces(self, streamed: bool) -> list[Piece]:
+    def _pieces(self, streamed: bool, partitions: Sequence[int]) -> list[Piece]:
         block = self.round.codec.blockwise if streamed else None
         pieces = []
-        for p, ((start, stop), ctx) in enumerate(zip(self.bounds, self.contexts, strict=True)):
+        for p in partitions:
+            (start, stop), ctx = self.bounds[p], self.contexts[p]
             size = stop - start
             step = size if block is None else block * max(1, -(-PIECE_ELEMENTS // block))
             for offset in range(0, size, step):

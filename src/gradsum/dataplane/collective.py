@@ -272,8 +272,9 @@ class StreamedSum:
 
     ``hold`` keeps every chunk back; then each ``step`` (the transport calls it between batches
     of packets while ``pending``) encodes the next piece into the upstream buffer and releases
-    the chunks it completes, or decodes the next piece whose chunks are all back. ``finish``
-    decodes what is left once the transfers are done.
+    the chunks it completes, or decodes the next piece whose chunks are all back, or else does
+    one item of the phase's work behind it (the round's next wave, ``SumPhase.work_behind``).
+    ``finish`` decodes what is left once the transfers are done.
     """
 
     def __init__(self, phase: SumPhase, fmt: WireFormat, offsets: list[int],
@@ -301,7 +302,7 @@ class StreamedSum:
 
     @property
     def pending(self) -> bool:
-        return self.encoded < len(self.phase) or self._decodable()
+        return self.encoded < len(self.phase) or self._decodable() or self.phase.has_background
 
     def hold(self) -> None:
         for _, transfer, _ in self.shards:
@@ -317,6 +318,8 @@ class StreamedSum:
             return self._release(now)
         if self._decodable():
             self._decode_next()
+        elif self.phase.has_background:  # the next wave's preparation, behind these pieces
+            self.phase.work_behind()
         return []
 
     def finish(self) -> None:

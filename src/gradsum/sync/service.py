@@ -167,14 +167,15 @@ class ServiceAggregator(Aggregator):
         """The round, redone from its start (same prepared inputs, same random streams) on
         the job registered afresh when its aggregator is lost (``sync.recovery``)."""
         from ..codecs.base import DeviceChecks
-        from ..codecs.round import CodecRound
+        from ..codecs.round import CodecRound, pipelines
         from ..net.client import AggregatorLost
 
         client = self._clients[id(reducer)]
         round_ = CodecRound(codec, seed, self.partition_size(codec, partition_elements))
         checks = DeviceChecks()  # the round's device checks, read once at its end
         with checks.deferring():
-            prepared = round_.prepare(flat, worker=self.rank, key=key, step=step)
+            prepared = round_.prepare(flat, worker=self.rank, key=key, step=step,
+                                      lazy=pipelines(reducer, codec))  # fmt: skip
             position = client.rounds
             client.rounds += 1
             while True:

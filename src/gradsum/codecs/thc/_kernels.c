@@ -419,6 +419,8 @@ INLINE f32x8 blend(i32x8 mask, f32x8 a, f32x8 b) {
     return (f32x8)((mask & (i32x8)a) | (~mask & (i32x8)b));
 }
 
+INLINE i32x8 blend_i(i32x8 mask, i32x8 a, i32x8 b) { return (mask & a) | (~mask & b); }
+
 enum { SMALL_GRID = 32 }; /* cell tables that fit four vectors */
 
 struct grid {
@@ -459,8 +461,26 @@ INLINE u32x8 cell_entries(const struct grid *grid, i32x8 cell, int small) {
 /* u lies in unit cell floor(u), inside table interval k = [low, low + width]: the index is k,
    plus one with probability (u - low) / width, i.e. when draw * width < u - low (a product
    rounded once, like the quotient it replaces, but without a divide in the loop). */
+/* Correlated rounding's thresholds (Suresh et al. 2022; ``CodecContext.stratified_uniform``):
+   a stratum per coordinate drawn from a stream every worker of the round shares, shifted by the
+   worker's rank mod n, plus this worker's private jitter: (stratum + jitter) / n, below 1. */
+struct strata {
+    struct rng8 shared;
+    int n, rank; /* n = 0: independent thresholds */
+};
+
+INLINE f32x8 stratified(struct strata *strata, f32x8 jitter) {
+    int n = strata->n;
+    i32x8 k = __builtin_convertvector(rng8_uniform(&strata->shared) * (float)n, i32x8);
+    k = blend_i(k < n - 1, k, (i32x8){0} + (n - 1)) + strata->rank; /* in [0, 2n - 1) */
+    k -= (k >= n) & n;
+    f32x8 draw = (__builtin_convertvector(k, f32x8) + jitter) / (float)n;
+    f32x8 top = (f32x8){0} + (1.0f - 0x1p-24f);
+    return blend(draw < top, draw, top);
+}
+
 INLINE i32x8 round_to_table(const struct grid *grid, struct rng8 *rng, f32x8 y, int small,
-                            f32x8 *value) {
+                            f32x8 *value, struct strata *strata) {
     f32x8 zero = {0}, g = zero + grid->g;
     f32x8 u = y * grid->a + grid->c;
     u = blend(u > zero, u, zero); /* NaN -> 0 */
@@ -469,7 +489,9 @@ INLINE i32x8 round_to_table(const struct grid *grid, struct rng8 *rng, f32x8 y, 
     u32x8 entry = cell_entries(grid, cell, small);
     f32x8 low = __builtin_convertvector((i32x8)(entry >> 8 & 0xFFF), f32x8);
     f32x8 width = __builtin_convertvector((i32x8)(entry >> 20), f32x8);
-    i32x8 up = rng8_uniform(rng) * width < u - low; /* -1 where it rounds up */
+    f32x8 draw = rng8_uniform(rng);
+    if (strata) draw = stratified(strata, draw);
+    i32x8 up = draw * width < u - low; /* -1 where it rounds up */
     if (value) *value = low + (f32x8)((i32x8)width & up); /* the table value T[index] */
     return (i32x8)(entry & 0xFF) - up;
 }
@@ -482,15 +504,17 @@ struct quantizer {
     /* optional: error feedback's y - reconstruction, the reconstruction of T[index] being
        (T[index] - c) * step (step = 1 / a, or 0 where a is) */
     float *error, step;
+    struct strata strata; /* correlated rounding's, where strata.n > 0 */
 };
 
 /* indices[0, count) of y[0, count), count a multiple of LANES; with `error`, also
    error[i] = y[i] - (T[index] - c) * step */
 INLINE void round_all(const struct grid *grid, struct rng8 *rng, const float *y, size_t count,
-                      int32_t *indices, int small, float *error, float step) {
+                      int32_t *indices, int small, float *error, float step,
+                      struct strata *strata) {
     for (size_t i = 0; i < count; i += LANES) {
         f32x8 value, v = load(y + i);
-        i32x8 index = round_to_table(grid, rng, v, small, error ? &value : NULL);
+        i32x8 index = round_to_table(grid, rng, v, small, error ? &value : NULL, strata);
         memcpy(indices + i, &index, sizeof index);
         if (error) store(error + i, v - (value - grid->c) * step);
     }
@@ -502,24 +526,29 @@ MULTIVERSION static void quantize_leaf(void *state, float *y, size_t offset, siz
     /* locals, kept in registers: stores to the arrays cannot alias them */
     const struct grid grid = q->grid;
     struct rng8 rng = q->rng;
+    struct strata strata = q->strata;
+    struct strata *correlated = strata.n ? &strata : NULL;
     int32_t wide[LEAF];
     uint8_t indices[LEAF + 32];
     size_t whole = count / LANES * LANES;
     float *error = q->error ? q->error + offset : NULL;
-    if (grid.small && error)
-        round_all(&grid, &rng, y, whole, wide, 1, error, q->step);
+    if (correlated)
+        round_all(&grid, &rng, y, whole, wide, grid.small, error, q->step, correlated);
+    else if (grid.small && error)
+        round_all(&grid, &rng, y, whole, wide, 1, error, q->step, NULL);
     else if (grid.small)
-        round_all(&grid, &rng, y, whole, wide, 1, NULL, 0);
+        round_all(&grid, &rng, y, whole, wide, 1, NULL, 0, NULL);
     else
-        round_all(&grid, &rng, y, whole, wide, 0, error, q->step);
+        round_all(&grid, &rng, y, whole, wide, 0, error, q->step, NULL);
     if (whole < count) {
         float tail[LANES] = {0}, tail_error[LANES];
         memcpy(tail, y + whole, (count - whole) * sizeof(float));
         round_all(&grid, &rng, tail, LANES, wide + whole, grid.small, error ? tail_error : NULL,
-                  q->step);
+                  q->step, correlated);
         if (error) memcpy(error + whole, tail_error, (count - whole) * sizeof(float));
     }
     q->rng = rng;
+    q->strata = strata;
     for (size_t i = 0; i < count; i++) indices[i] = (uint8_t)wide[i];
     memset(indices + count, 0, sizeof indices - count); /* padding packs as zero bits */
     pack(indices, count, q->bits, q->out + offset / 8 * q->bits, q->end);
@@ -795,14 +824,20 @@ PyDoc_STRVAR(encode_doc,
              "Returns False, and no indices, where the rotated src holds an Inf or NaN.");
 
 static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long src, buffer, signs, cells, seed, out, error = 0;
+    unsigned long long src, buffer, signs, cells, seed, out, error = 0, stratum_seed = 0;
     Py_ssize_t length, n, block, out_size;
     int g, bits;
     struct quantizer q = {.step = 0};
-    if (!PyArg_ParseTuple(args, "KnKnnKffiKKiKn|Kf", &src, &length, &buffer, &n, &block, &signs,
-                          &q.grid.a, &q.grid.c, &g, &cells, &seed, &bits, &out, &out_size,
-                          &error, &q.step))
+    if (!PyArg_ParseTuple(args, "KnKnnKffiKKiKn|KfKii", &src, &length, &buffer, &n, &block,
+                          &signs, &q.grid.a, &q.grid.c, &g, &cells, &seed, &bits, &out,
+                          &out_size, &error, &q.step, &stratum_seed, &q.strata.n,
+                          &q.strata.rank))
         return NULL;
+    if (q.strata.n < 0 || (q.strata.n && (q.strata.rank < 0 || q.strata.rank >= q.strata.n))) {
+        PyErr_Format(PyExc_ValueError, "rank %d of %d strata", q.strata.rank, q.strata.n);
+        return NULL;
+    }
+    if (q.strata.n) rng8_seed(&q.strata.shared, stratum_seed);
     if (error && block) {
         PyErr_SetString(PyExc_ValueError, "the error output needs an unrotated input (block 0)");
         return NULL;

@@ -35,7 +35,7 @@ from ..bits import bits_for, pack_bits, unpack_bits
 from ..buffers import Recycler
 from . import native, triton_kernels
 from .hadamard import Rotation, padded_length
-from .tables import clamp_threshold, correlated_clamp, solve_table
+from .tables import clamp_threshold, correlated_clamp, correlated_table, solve_table
 
 CORRELATED_GRANULARITY = 31
 UPSTREAM = "indices"
@@ -181,18 +181,17 @@ class GridCodec(Codec):
         lookups = self._tables(x.device)
         seed = ctx.worker_seed()
         g = self.granularity
-        packed = None
-        if not self.correlated:  # the kernel draws independent thresholds of its own
-            packed = native.encode(x, rotation, a, c, g, lookups.cell_entries, seed, self.bits,
-                                   empty=self._recycler.empty)  # fmt: skip
+        # the kernel draws thresholds of its own, independent or stratified
+        packed = native.encode(x, rotation, a, c, g, lookups.cell_entries, seed, self.bits,
+                               empty=self._recycler.empty, strata=self._strata(ctx))  # fmt: skip
         if packed is None:
             require_finite(x)
             a, c = _float32(a), _float32(c)
-            if rotation is not None and not self.correlated and self._fused(rotation):
-                # 3 launches instead of ~55; correlated rounding draws on the torch path
+            if rotation is not None and self._fused(rotation):
+                # 3 launches instead of ~55, on the torch path's draws
                 y = triton_kernels.rotate(x, rotation.signs, rotation.padded, rotation.block)
                 draws = self._workspace(y.numel(), y.device)[3]
-                ctx.uniform(y.numel(), y.device, out=draws)
+                self._draw(ctx, y.numel(), y.device, draws)
                 packed = triton_kernels.quantize(y, draws, lookups, a, c, g, self.bits)
                 return Payload({UPSTREAM: packed}, x.numel() if length is None else length)
             y = x.mul(a) if rotation is None else self._rotated(x, rotation).mul_(a)
@@ -234,6 +233,12 @@ class GridCodec(Codec):
                 return rotation.inverse(y)
         return y[: payload.length] if trim else y
 
+    def _strata(self, ctx: CodecContext) -> tuple[int, int, int] | None:
+        """Correlated rounding's strata for the native kernel (None: independent rounding)."""
+        if not self.correlated:
+            return None
+        return ctx.stratum_seed(), self.workers, ctx.worker % self.workers
+
     def _rotated(self, x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
         rotated = native.rotate(x, rotation)
         return rotation.forward(x) if rotated is None else rotated
@@ -261,13 +266,19 @@ class GridCodec(Codec):
         torch.index_select(lookups.low_of_cell, 0, cell, out=low)
         torch.index_select(lookups.inverse_width_of_cell, 0, cell, out=up_probability)
         up_probability.mul_(torch.sub(u, low, out=low))
-        if self.correlated:
-            ctx.stratified_uniform(u.numel(), self.workers, u.device, out=draws)
-        else:
-            ctx.uniform(u.numel(), u.device, out=draws)
+        self._draw(ctx, u.numel(), u.device, draws)
         torch.lt(draws, up_probability, out=rounds_up)
         torch.index_select(lookups.interval_of_cell, 0, cell, out=indices)
         return indices.add_(rounds_up)
+
+    def _draw(self, ctx: CodecContext, count: int, device: torch.device,
+              out: torch.Tensor) -> None:  # fmt: skip
+        """The rounding thresholds of the torch path and the fused kernels: independent, or
+        stratified across the workers (correlated rounding)."""
+        if self.correlated:
+            ctx.stratified_uniform(count, self.workers, device, out=out)
+        else:
+            ctx.uniform(count, device, out=out)
 
     def _workspace(self, count: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """Reused rounding buffers of this thread: a codec may encode on several shard
@@ -312,20 +323,25 @@ class THC(GridCodec):
         correlated: bool = False,
     ):
         # Correlated rounding's table: 31 grid steps (n * 31 sums need the bits n * 30 do at
-        # every n, so the wire is THC's) and the clamp that minimises its error.
+        # every n, so the wire is THC's), and the table and clamp that minimise its error.
         if granularity is None:
             granularity = CORRELATED_GRANULARITY if correlated else 30
         if p is None:
             p = correlated_clamp(bits, granularity, workers) if correlated else 1 / 32
-        super().__init__(workers, bits, self._table(bits, granularity, p), correlated)
+        table = self._table(bits, granularity, p, workers if correlated else None)
+        super().__init__(workers, bits, table, correlated)
         self.p = p
         self.threshold = clamp_threshold(p)
         self.rotation_block = rotation_block
         self._rotations: OrderedDict[tuple, Rotation] = OrderedDict()  # least recently used first
 
     @staticmethod
-    def _table(bits: int, granularity: int, p: float) -> tuple[int, ...]:
-        return solve_table(bits, granularity, p)
+    def _table(bits: int, granularity: int, p: float, correlated: int | None) -> tuple[int, ...]:
+        """The table for independent rounding, or for correlated rounding over ``correlated``
+        workers (the objectives differ: ``tables.correlated_expected_error``)."""
+        if correlated is None:
+            return solve_table(bits, granularity, p)
+        return correlated_table(bits, granularity, p, correlated)
 
     def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         flat = x.reshape(-1).to(torch.float32)
@@ -404,9 +420,9 @@ class THC(GridCodec):
         a, c = self._grid_scale(max_norm, w.numel()), self.granularity / 2
         error = self._recycler.empty(w.numel(), torch.float32) if w.device.type == "cpu" else None
         lookups = self._tables(w.device)
-        packed = None if self.correlated else native.encode(
+        packed = native.encode(
             w, None, a, c, self.granularity, lookups.cell_entries, ctx.worker_seed(), self.bits,
-            error=error, empty=self._recycler.empty,
+            error=error, empty=self._recycler.empty, strata=self._strata(ctx),
         )  # fmt: skip
         if packed is not None:
             return Payload({UPSTREAM: packed}, length), error
@@ -468,8 +484,8 @@ class UniformTHC(THC):
         super().__init__(workers, bits, (1 << bits) - 1, p, rotation_block, correlated)
 
     @staticmethod
-    def _table(bits: int, granularity: int, p: float) -> tuple[int, ...]:
-        return tuple(range(1 << bits))
+    def _table(bits: int, granularity: int, p: float, correlated: int | None) -> tuple[int, ...]:
+        return tuple(range(1 << bits))  # the authors' uniform levels, correlated or not
 
     def __repr__(self) -> str:
         return (f"UniformTHC(workers={self.workers}, bits={self.bits}, p={self.p:g}, "

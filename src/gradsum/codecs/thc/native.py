@@ -86,8 +86,11 @@ def encode(
     bits: int,
     error: torch.Tensor | None = None,
     empty: Empty = fresh,
+    strata: tuple[int, int, int] | None = None,
 ) -> torch.Tensor | None:
     """Packed ``bits``-bit table indices of u = clamp(a*y + c, 0, g), stochastically rounded.
+    ``strata`` = (the round's shared stratum seed, workers, this worker's rank mod workers):
+    correlated rounding's thresholds (``CodecContext.stratified_uniform``), drawn here.
 
     y is x itself, or ``rotation.forward(x)`` (computed in the rotation's scratch buffer).
     ``cells`` (int32, one per unit cell [i, i + 1) of the grid, i = 0..g, the last repeating
@@ -134,6 +137,7 @@ def encode(
         out.numel(),
         0 if error is None else error.data_ptr(),
         1.0 / a if a else 0.0,
+        *((0, 0, 0) if strata is None else strata),
     )
     if not finite:
         check_finite(x)  # raises, naming the coordinates
