@@ -2,6 +2,7 @@
 
 import json
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -45,6 +46,14 @@ def test_fp32_trains_the_same_model_at_every_worker_count_and_the_loss_falls(dat
     thc = train_simulated("thc", 4, TINY, dataset=dataset)
     assert abs(thc.val_loss - four.val_loss) > 1e-3  # compressed: not fp32's trajectory
     assert thc.bits_up < 8 and four.bits_up == 32
+
+
+def test_a_scaled_global_batch_gives_each_worker_its_own_sequences(dataset):
+    scaled = replace(TINY, per_worker_batch=1)
+    assert scaled.batch(2) == 2 and scaled.batch(4) == 4 and TINY.batch(4) == 8
+    two = train_simulated("none", 2, scaled, dataset=dataset)
+    four = train_simulated("none", 4, scaled, dataset=dataset)
+    assert abs(two.val_loss - four.val_loss) > 1e-3  # twice the sequences per step
 
 
 def test_vmap_and_the_loop_give_every_worker_the_same_gradient(dataset):

@@ -84,6 +84,9 @@ class ScaleRow:
     grads: str  # "vmap" or "loop"
     seconds: float  # this run's wall time on this machine (not a benchmark)
     evals: list[dict] = field(default_factory=list)
+    # the round's ||average - true mean||^2 / ||true mean||^2 (mean over the workers that
+    # contributed), averaged over steps: the codec's error where the optimizer sees it
+    relative_error: float | None = None
 
     @property
     def key(self) -> tuple:
@@ -352,7 +355,7 @@ def train_simulated(
     order = torch.Generator().manual_seed(setup.seed)
     train = dataset.train
     per_worker = global_batch // workers
-    evals, losses, modelled, bits_up = [], [], 0.0, 0.0
+    evals, losses, modelled, bits_up, errors = [], [], 0.0, 0.0, []
 
     def evaluate(step: int) -> None:
         loss, _ = validation(model, dataset.test, samples=setup.eval_samples)
@@ -377,6 +380,7 @@ def train_simulated(
             contributors=None if quorum == workers else chosen,
         )
         bits_up = result.bits_per_coordinate()[0]
+        errors.append(_relative_error(result.average, [flat[w] for w in chosen]))
         offset = 0
         for parameter in model.parameters():
             count = parameter.numel()
@@ -401,7 +405,16 @@ def train_simulated(
         grads=how,
         seconds=time.perf_counter() - started,
         evals=evals,
+        relative_error=sum(errors) / len(errors),
     )
+
+
+def _relative_error(estimate, contributed) -> float:
+    import torch
+
+    truth = torch.stack(contributed).to(torch.float64).mean(dim=0)
+    scale = float(truth.pow(2).sum())
+    return float((estimate.to(torch.float64) - truth).pow(2).sum()) / scale if scale else 0.0
 
 
 def gap(row: ScaleRow, rows: list[ScaleRow]) -> float | None:
@@ -440,14 +453,15 @@ def format_table(rows: list[ScaleRow]) -> str:
     lines = [
         f"gpt {first.parameters:,} parameters, {first.setup['steps']} steps, {batch} x "
         f"{first.setup['context']} tokens, AdamW lr {first.setup['lr']:g}",
-        f"{'method':<8} {'n':>4} {'quorum':>6} {'bits up':>8} {'val loss':>9} {'vs fp32':>8} "
-        f"{'modelled t':>11} {'vs full':>8}",
+        f"{'method':<8} {'n':>4} {'quorum':>6} {'bits up':>8} {'rel err':>8} {'val loss':>9} "
+        f"{'vs fp32':>8} {'modelled t':>11} {'vs full':>8}",
     ]
     for row in sorted(rows, key=lambda r: (r.workers, -r.quorum, r.method)):
         relative = gap(row, rows)
         full = full_quorum(row, rows)
         lines.append(
             f"{row.method:<8} {row.workers:>4} {row.quorum:>6} {row.bits_up:>8.2f} "
+            f"{'-' if row.relative_error is None else f'{row.relative_error:.4f}':>8} "
             f"{row.val_loss:>9.4f} "
             f"{'-' if relative is None else f'{100 * relative:+.2f}%':>8} "
             f"{row.modelled_time:>11.1f} "
