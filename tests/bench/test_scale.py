@@ -96,7 +96,7 @@ def test_the_command_writes_rows_as_it_goes_and_keeps_them_on_the_next_run(tmp_p
         "bench",
         "scale",
         "--workers",
-        "2",
+        "1,2",
         "--methods",
         "none,thc",
         "--steps",
@@ -124,10 +124,15 @@ def test_the_command_writes_rows_as_it_goes_and_keeps_them_on_the_next_run(tmp_p
     ]
     assert main(flags) == 0
     written = json.loads(rows.read_text())
-    assert [(r["method"], r["workers"]) for r in written] == [("none", 2), ("thc", 2)]
+    assert [(r["method"], r["workers"]) for r in written] == [
+        ("none", 1),
+        ("thc", 1),
+        ("none", 2),
+        ("thc", 2),
+    ]
     assert (tmp_path / "g.png").stat().st_size > 0
     assert main(flags) == 0
-    assert capsys.readouterr().out.count("kept from") == 2
+    assert capsys.readouterr().out.count("kept from") == 4
     with pytest.raises(SystemExit) as usage:  # 3 does not divide the global batch
         main([*flags[:-4], "--workers", "3"])
     assert usage.value.code == 2

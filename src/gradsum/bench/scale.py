@@ -471,36 +471,39 @@ def format_table(rows: list[ScaleRow]) -> str:
 
 
 def plot_rows(rows: list[ScaleRow], path: Path) -> list[Path]:
-    """The gap to fp32 against workers, one line per method and quorum; with several quorums
-    also validation loss against modelled time (``<path stem>-quorum.png``)."""
+    """With several worker counts, the gap to fp32 against workers, one line per method and
+    quorum, at ``path``; with several quorums, validation loss against modelled time, at
+    ``path`` for one worker count, else at ``<path stem>-quorum.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
-    figure, axes = plt.subplots(figsize=(6.4, 4.2))
-    series: dict[tuple[str, float], list[tuple[int, float]]] = {}
-    for row in rows:
-        relative = gap(row, rows)
-        if relative is not None and row.method != REFERENCE:
-            series.setdefault((row.method, row.quorum / row.workers), []).append(
-                (row.workers, 100 * relative)
-            )
-    for (method, fraction), points in sorted(series.items()):
-        points.sort()
-        label = method if fraction == 1 else f"{method}, quorum {fraction:.0%}"
-        axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
-    axes.axhline(0.0, color="black", linewidth=0.8)
-    axes.set_xscale("log", base=2)
-    axes.set_xlabel("workers (simulated, fixed global batch)")
-    axes.set_ylabel("final validation loss vs fp32 (%)")
-    axes.legend()
-    axes.grid(True, alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    written.append(path)
+    several_n = len({row.workers for row in rows}) > 1
+    if several_n:
+        figure, axes = plt.subplots(figsize=(6.4, 4.2))
+        series: dict[tuple[str, float], list[tuple[int, float]]] = {}
+        for row in rows:
+            relative = gap(row, rows)
+            if relative is not None and row.method != REFERENCE:
+                series.setdefault((row.method, row.quorum / row.workers), []).append(
+                    (row.workers, 100 * relative)
+                )
+        for (method, fraction), points in sorted(series.items()):
+            points.sort()
+            label = method if fraction == 1 else f"{method}, quorum {fraction:.0%}"
+            axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        axes.axhline(0.0, color="black", linewidth=0.8)
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("workers (simulated in one process)")
+        axes.set_ylabel("final validation loss vs fp32 (%)")
+        axes.legend()
+        axes.grid(True, alpha=0.3)
+        figure.tight_layout()
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
     if len({row.quorum / row.workers for row in rows}) > 1:
         figure, axes = plt.subplots(figsize=(6.4, 4.2))
         for row in sorted(rows, key=lambda r: (r.method, -r.quorum)):
@@ -515,7 +518,7 @@ def plot_rows(rows: list[ScaleRow], path: Path) -> list[Path]:
         axes.legend(fontsize=8)
         axes.grid(True, alpha=0.3)
         figure.tight_layout()
-        other = path.with_name(f"{path.stem}-quorum{path.suffix}")
+        other = path.with_name(f"{path.stem}-quorum{path.suffix}") if several_n else path
         figure.savefig(other, dpi=110)
         plt.close(figure)
         written.append(other)
