@@ -4,14 +4,17 @@ import pytest
 import torch
 
 from gradsum.codecs import make_codec, nmse, run_round
-from gradsum.codecs.round import CodecRound
+from gradsum.codecs import round as round_module
+from gradsum.codecs.round import CodecRound, run_quorum_round
 from gradsum.dataplane import (
     AggregationTimeout,
     Collective,
     DataPlane,
     JobHandle,
     JobSpec,
+    Op,
     RetryPolicy,
+    parse_header,
     server_profile,
     switch_profile,
 )
@@ -159,3 +162,50 @@ def test_thc_in_waves_gives_the_bits_of_the_in_process_round_at_realistic_size()
                              elements=8192)  # fmt: skip
     for outputs, _ in results.values():
         assert torch.equal(outputs[0], expected)
+
+
+class LateWorker(MemoryNetwork):
+    """Worker ``late``'s first send of every other SUM chunk is lost, so those chunks complete
+    at the quorum's deadline without it (its resend comes after and gets the result), the
+    others with every worker: one round whose chunks have different quorums."""
+
+    def __init__(self, late, **kwargs):
+        super().__init__(**kwargs)
+        self.late, self.dropped = worker_address(late), set()
+
+    def _post(self, destination, source, data, faults):
+        header = parse_header(data)
+        first = (source, header.chunk) not in self.dropped
+        if source == self.late and header.op is Op.SUM and header.chunk % 2 == 0 and first:
+            self.dropped.add((source, header.chunk))
+            return
+        super()._post(destination, source, data, faults)
+
+
+@pytest.mark.parametrize("name", ["thc", "bfp"])
+def test_chunks_of_different_quorums_decode_lane_by_lane_as_the_in_process_round(name, monkeypatch):
+    """The switch's per-chunk counts reach the decode as each lane's count (THC: its rotated
+    lanes, before the inverse rotation), giving the in-process quorum round's bits."""
+    inputs, delivered = inputs_for(3, 3000, seed=5), []
+    original = round_module.decode
+
+    def recording(codec, summed, ctx, shared, out):
+        delivered.append((ctx.worker, summed.counts))
+        original(codec, summed, ctx, shared, out)
+
+    monkeypatch.setattr(round_module, "decode", recording)
+    # a deadline well inside the resend timer: the lost chunks complete without worker 2
+    results = allreduce_over(LateWorker(late=2), one_switch(), name, inputs, quorum=2,
+                             deadline=5e-5)  # fmt: skip
+    counts = {worker: c for worker, c in delivered}
+    assert set(counts) == {0, 1, 2} and all(c is not None for c in counts.values())
+    lane_counts = counts[0]
+    assert all(torch.equal(c, lane_counts) for c in counts.values())
+    assert set(lane_counts.tolist()) == {2.0, 3.0}  # chunks of both quorums
+    codec = make_codec(name, workers=3)
+    mask = torch.ones(3, codec.lanes(3000), dtype=torch.bool)
+    mask[2] = lane_counts == 3
+    expected = run_quorum_round(codec, inputs, [mask])
+    for outputs, _ in results.values():
+        assert torch.equal(outputs[0], expected)
+    assert not torch.allclose(expected, run_round(codec, inputs).average, atol=1e-3)

@@ -30,7 +30,7 @@ import hashlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -154,8 +154,9 @@ class Payload:
 
     ``length`` is the number of gradient coordinates represented, ``contributors`` how many
     workers' payloads were summed into it (1 upstream; up to n downstream). ``counts``, only
-    downstream after partial aggregation, holds the contributors of every coordinate when they
-    differ (chunks completed by different quorums); ``contributors`` is then 1.
+    downstream after partial aggregation, holds the contributors of every lane
+    (``Codec.lanes(length)`` of them) when they differ (chunks completed by different quorums);
+    ``contributors`` is then 1.
     """
 
     fields: dict[str, torch.Tensor]
@@ -187,9 +188,11 @@ class Codec(ABC):
       per coordinate of ``lanes(length)``, ``lane_widths()[0]`` bits each) and the field the
       downstream sum fills (``lane_widths()[1]`` bits each). ``None``: whole payloads, which an
       aggregator decodes, sums and re-encodes.
-    * ``linear_decode``: decoding a sum is linear coordinate by coordinate (the sum times a
-      factor, divided by the contributors), so chunks summed by different quorums decode lane
-      by lane (``Payload.counts``).
+    * ``linear_decode``: the decode is linear in every lane's average (its sum divided by its
+      contributors) before anything mixes lanes, so chunks summed by different quorums decode
+      with each lane's own count (``Payload.counts``, ``decode_counted``): bfp and fp32, whose
+      lanes are the coordinates, and THC, whose lanes are rotated coordinates that the decode
+      divides one by one before the inverse rotation.
     * ``blockwise``: coordinates per block that summarizes, encodes and decodes independently
       of every other block (one summary entry per block); a round may then cut a partition into
       pieces of whole blocks and stream them, with the whole partition's values bit for bit.
@@ -305,6 +308,17 @@ class Codec(ABC):
         """``decode`` written into ``out`` (float32, the payload's length), which codecs that
         can do it in one pass override: a round decodes every piece into its place."""
         out.copy_(self.decode(payload, ctx, shared))
+
+    def decode_counted(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
+                       out: torch.Tensor) -> None:  # fmt: skip
+        """``decode_into`` of a sum whose lanes have contributor counts of their own
+        (``payload.counts``; a ``linear_decode`` codec only). This default holds where lanes are
+        the coordinates and the decode is the sum times a factor: it decodes the sums as one
+        contributor's and divides coordinate by coordinate. A codec whose lanes are not its
+        coordinates (THC's rotation) divides them itself before they mix."""
+        sums = self.decode(replace(payload, contributors=1, counts=None), ctx, shared)
+        counts = payload.counts.reshape(-1)[: payload.length]
+        torch.div(sums, counts.to(sums.device, torch.float32), out=out)
 
     def reconstruct(
         self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None

@@ -72,6 +72,10 @@ class ErrorFeedback(Codec):
                     out: torch.Tensor) -> None:  # fmt: skip
         self.inner.decode_into(payload, ctx, shared, out)
 
+    def decode_counted(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
+                       out: torch.Tensor) -> None:  # fmt: skip
+        self.inner.decode_counted(payload, ctx, shared, out)
+
     def reconstruct(
         self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> torch.Tensor:

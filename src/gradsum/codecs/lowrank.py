@@ -217,6 +217,10 @@ class PowerSGD(Codec):
                     out: torch.Tensor) -> None:  # fmt: skip
         self.carrier.decode_into(payload, ctx, shared, out)
 
+    def decode_counted(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
+                       out: torch.Tensor) -> None:  # fmt: skip
+        self.carrier.decode_counted(payload, ctx, shared, out)
+
     def integer_op(self):
         return self.carrier.integer_op()
 

@@ -246,9 +246,9 @@ class SumPhase:
 
 
 def decode(codec: Codec, summed: Payload, ctx: CodecContext, shared, out: torch.Tensor) -> None:
-    """The average a summed payload stands for, into ``out``; per-coordinate contributor counts
+    """The average a summed payload stands for, into ``out``; per-lane contributor counts
     (partial aggregation by different quorums) divide lane by lane where the codec's decode is
-    linear."""
+    linear (``Codec.decode_counted``)."""
     if summed.counts is None:
         codec.decode_into(summed, ctx, shared, out)
         return
@@ -258,8 +258,7 @@ def decode(codec: Codec, summed: Payload, ctx: CodecContext, shared, out: torch.
             f"chunks of this {codec.name} round were summed over {low}..{high} workers (partial "
             "aggregation); its decode is not linear, so it needs one count for the whole piece"
         )
-    sums = codec.decode(replace(summed, contributors=1, counts=None), ctx, shared)
-    torch.div(sums, summed.counts.to(sums.device, torch.float32), out=out)
+    codec.decode_counted(summed, ctx, shared, out)
 
 
 @dataclass(frozen=True)
@@ -621,6 +620,61 @@ def _run_round(codec, inputs, seed, step, key, contributors, partition_elements,
     for w in deciders[1:]:  # each worker's own finish (its error feedback)
         last[w].result(phases[w])
     return RoundResult(average, pieces)
+
+
+def run_quorum_round(
+    codec: Codec,
+    inputs: Sequence[torch.Tensor],
+    present: Sequence[torch.Tensor],
+    *,
+    seed: int = 0,
+    step: int = 0,
+    key: Hashable = None,
+    partition_elements: int = PARTITION_ELEMENTS,
+) -> torch.Tensor:
+    """The reference of a round whose chunks completed with different quorums (a switch's
+    partial aggregation): lane j of piece i sums the workers w with ``present[i][w, j]`` (one
+    bool tensor of (workers, ``codec.lanes``) per piece), and the decode divides each lane by
+    its own count (``Payload.counts``). Every worker takes part in the preliminary round, as on
+    the switch, where a quorum's MAX waits for all that arrive in time. For integer-summing
+    codecs of one stage; ``run_round(contributors=...)`` is the round of one quorum for all."""
+    from .integers import from_integers, sum_dtype, to_integers
+
+    if codec.stages != 1 or not codec.aggregation.integer_only:
+        raise TypeError(f"a quorum round sums integer lanes; {codec.name!r} has none to sum")
+    checks = DeviceChecks()
+    with checks.deferring():
+        rounds = CodecRound(codec, seed, partition_elements)
+        workers = [rounds.prepare(x.reshape(-1).to(torch.float32), worker=w, key=key, step=step)
+                   for w, x in enumerate(inputs)]  # fmt: skip
+        if codec.needs_summary:
+            summaries = zip(*(w.summaries for w in workers), strict=True)
+            shared = [combine_summaries(s) for s in summaries]
+            for prepared in workers:
+                prepared.share(shared)
+        phases = [prepared.sum_phase() for prepared in workers]
+        if len(present) != len(phases[0]):
+            raise ValueError(f"{len(present)} masks for a round of {len(phases[0])} pieces")
+        for i, mask in enumerate(present):
+            if tuple(mask.shape) != (len(inputs), phases[0].lanes(i)):
+                raise ValueError(
+                    f"piece {i}'s mask is {tuple(mask.shape)}, not "
+                    f"(workers, lanes) = ({len(inputs)}, {phases[0].lanes(i)})"
+                )
+            total = sum(to_integers(codec, phase.encode(i)).to(torch.int64) * mask[w]
+                        for w, phase in enumerate(phases))  # fmt: skip
+            counts = mask.sum(dim=0)
+            low, high = int(counts.min()), int(counts.max())
+            if low < 1:
+                raise ValueError(f"piece {i} has lanes that no worker contributed to")
+            summed = from_integers(codec, total.to(sum_dtype(codec)), phases[0].pieces[i].length,
+                                   low)  # fmt: skip
+            if low != high:
+                summed = replace(summed, contributors=1, counts=counts.to(torch.float32))
+            phases[0].deliver(i, summed)
+        average = workers[0].result(phases[0])
+    checks.raise_if_failed()
+    return average
 
 
 def worker_contexts(

@@ -403,14 +403,14 @@ class StreamedSum:
         return counts
 
     def _lane_counts(self, i: int) -> torch.Tensor:
-        """Contributors of every coordinate of piece ``i`` (lanes are coordinates where a
-        codec's decode is linear)."""
+        """Contributors of every lane of piece ``i`` (``Payload.counts``: THC's lanes are its
+        padded rotation, which its decode divides before rotating back)."""
         low = self.offsets[i]
         counts = np.empty(self._lane_end(i) - low, dtype=np.float32)
         for transfer, first, a, b in self._spans[i]:
             per_lane = np.repeat(transfer.contributors, transfer.buffers.layout.lanes_per_chunk)
             counts[a - low : b - low] = per_lane[a - first : b - first]
-        return torch.from_numpy(counts[: self.phase.pieces[i].length])
+        return torch.from_numpy(counts)
 
     def _total_lanes(self) -> int:
         return sum(transfer.buffers.layout.lanes for _, transfer, _ in self.shards)

@@ -91,6 +91,9 @@ class GridCodec(Codec):
     """Shared machinery: stochastic rounding onto a table of the grid [0, g], packing, sums."""
 
     lane_fields = (UPSTREAM, DOWNSTREAM)
+    # y = a * S / contributors + c lane by lane before any rotation back: a quorum's lanes
+    # decode with counts of their own (``_per_contributor``)
+    linear_decode = True
 
     def __init__(self, workers: int, bits: int, table: Sequence[int], correlated: bool = False):
         super().__init__(workers)
@@ -220,7 +223,9 @@ class GridCodec(Codec):
             y = native.decode(sums, width, count, a, c, rotation, empty=empty)
         if y is None:
             a, c = _float32(a), _float32(c)
-            if rotation is not None and DOWNSTREAM in payload.fields and self._fused(rotation):
+            per_lane = isinstance(a, torch.Tensor) and a.dim() > 0  # a quorum's counts
+            if (rotation is not None and DOWNSTREAM in payload.fields and not per_lane
+                    and self._fused(rotation)):  # fmt: skip
                 sums = payload.fields[DOWNSTREAM]
                 if not payload.unpacked:
                     sums = unpack_bits(sums, self.sum_bits, count)
@@ -386,7 +391,7 @@ class THC(GridCodec):
         step = self._step(max_norm, rotation.padded)
         # y = (S / contributors - g/2) * step
         g = self.granularity
-        return self._decode_grid(payload, _divide(step, payload.contributors), -step * g / 2,
+        return self._decode_grid(payload, _per_contributor(step, payload), -step * g / 2,
                                  rotation, out=out)  # fmt: skip
 
     def decode_into(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
@@ -394,6 +399,10 @@ class THC(GridCodec):
         y = self.decode(payload, ctx, shared, out=out)
         if y.data_ptr() != out.data_ptr():  # padded, or not the native kernel: one copy
             out.copy_(y)
+
+    def decode_counted(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
+                       out: torch.Tensor) -> None:  # fmt: skip
+        self.decode_into(payload, ctx, shared, out)  # the decode divides lane by lane
 
     # -- error feedback in the rotated domain (feedback.TransformedErrorFeedback) --------------
     def transform_keeps_length(self, length: int) -> bool:
@@ -524,8 +533,12 @@ class UnrotatedUniformTHC(GridCodec):
         self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> torch.Tensor:
         low, span = self._range(shared)
-        a = _divide(_divide(span, self.granularity), payload.contributors)
+        a = _per_contributor(_divide(span, self.granularity), payload)
         return self._decode_grid(payload, a, low, rotation=None)
+
+    def decode_counted(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
+                       out: torch.Tensor) -> None:  # fmt: skip
+        out.copy_(self.decode(payload, ctx, shared))  # the decode divides lane by lane
 
     def _range(self, shared: torch.Tensor | None) -> tuple[Scalar, Scalar]:
         if shared is None or shared.numel() != 2:
@@ -563,6 +576,17 @@ def _divide(a: Scalar, b: Scalar) -> Scalar:
         return torch.full((), v, dtype=torch.float64, device=device)
 
     return torch.div(tensor(a), tensor(b))
+
+
+def _per_contributor(value: Scalar, payload: Payload) -> Scalar:
+    """``value`` / the payload's contributors: lane by lane where chunks of the sum completed
+    with different quorums (``Payload.counts``, one per lane), so that each rotated coordinate's
+    sum is divided by its own count before the inverse rotation mixes them (a float64 tensor of
+    lanes, which also keeps the CPU's native kernels, taking one scalar, off this path)."""
+    if payload.counts is None:
+        return _divide(value, payload.contributors)
+    counts = payload.counts.reshape(-1).to(_device_of(payload), torch.float64)
+    return _divide(value, counts)
 
 
 def _float32(value: Scalar) -> Scalar:

@@ -1,0 +1,525 @@
+"""`gradsum bench scale`: a codec's accuracy against the number of workers, and under stragglers.
+
+n workers are simulated in one process: the codec round and its aggregation are exact
+(``run_round``, the reference every aggregator is tested against bit for bit), only the
+transport is skipped. By default the global batch is fixed: every step draws ``--global-batch``
+sequences and each of the n workers gets global/n of them, so fp32 (``none``) trains the same
+model at every n (up to the order of additions) and any gap to it is the codec's;
+``--per-worker-batch B`` scales it instead (n * B, the THC paper's setting), and each n has an
+fp32 run of its own. Each worker's gradient
+comes from one vectorised call (``torch.func.vmap`` over the workers' micro-batches) or a loop
+over them (``--grads``; ``auto`` takes the one measured faster at the worker count).
+
+Stragglers (``--quorums 1,0.9,0.8``): each round aggregates only the ceil(q*n) workers that
+arrive first under a seeded straggler model, a worker's step time being ``1 + Exp(mean
+--straggler-delay)`` in units of its straggler-free step time, independent over workers and
+steps; the round ends at the k-th arrival, and the others' gradients are dropped. The reported
+time is that model's (``modelled_time``, in those units), not a measurement.
+
+Reported per (method, n, quorum): the final validation loss (and bits per byte) on a fixed set
+of validation windows, its gap to fp32's at the same n and quorum, bits per coordinate up, and
+the modelled time. Rows are written to ``--json`` as each run ends; a row of the same settings
+already there is kept instead of run again, so a sweep can be split over several invocations.
+``--plot`` draws the gap against n per method (and, for several quorums, validation loss
+against modelled time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .cli import positive_int
+
+DEFAULT_WORKERS = (4, 8, 16, 32, 64)
+DEFAULT_METHODS = ("none", "thc", "topk", "qsgd")
+REFERENCE = "none"
+VMAP_FROM = 16  # workers; measured: vmap beats the loop from here (docs/benchmarks.md)
+
+
+@dataclass(frozen=True)
+class ScaleSetup:
+    """What a row's number depends on besides its method, workers and quorum."""
+
+    steps: int = 120
+    global_batch: int = 64
+    layers: int = 2
+    width: int = 64
+    heads: int = 4
+    context: int = 64
+    lr: float = 3e-3
+    seed: int = 0
+    eval_every: int = 40
+    eval_samples: int = 256
+    data_bytes: int = 1 << 20
+    straggler_delay: float = 0.2
+    # None: the global batch is fixed; B: each worker gets B sequences (global n * B)
+    per_worker_batch: int | None = None
+
+    def batch(self, workers: int) -> int:
+        """Sequences per step over all workers."""
+        return (
+            self.global_batch
+            if self.per_worker_batch is None
+            else (workers * self.per_worker_batch)
+        )
+
+
+@dataclass
+class ScaleRow:
+    method: str
+    workers: int
+    quorum: int  # workers aggregated per round
+    setup: dict
+    val_loss: float
+    bits_per_byte: float
+    train_loss: float  # mean over the last tenth of the steps
+    bits_up: float  # one worker's wire bits per coordinate
+    modelled_time: float  # sum over steps of the round's k-th arrival (straggler model units)
+    parameters: int
+    grads: str  # "vmap" or "loop"
+    seconds: float  # this run's wall time on this machine (not a benchmark)
+    evals: list[dict] = field(default_factory=list)
+    # the round's ||average - true mean||^2 / ||true mean||^2 (mean over the workers that
+    # contributed), averaged over steps: the codec's error where the optimizer sees it
+    relative_error: float | None = None
+
+    @property
+    def key(self) -> tuple:
+        return (self.method, self.workers, self.quorum, json.dumps(self.setup, sort_keys=True))
+
+
+def register(benches: argparse._SubParsersAction) -> None:
+    parser = benches.add_parser(
+        "scale",
+        help="a codec's validation loss against the number of workers (simulated) and quorums",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    defaults = ScaleSetup()
+    parser.add_argument(
+        "--workers",
+        default=",".join(map(str, DEFAULT_WORKERS)),
+        help="comma-separated worker counts",
+    )
+    parser.add_argument(
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help=f"comma-separated codecs; {REFERENCE} (fp32) is the reference",
+    )
+    parser.add_argument(
+        "--quorums",
+        default="1",
+        help="comma-separated fractions of the workers each round waits for",
+    )
+    parser.add_argument("--steps", type=positive_int, default=defaults.steps)
+    parser.add_argument(
+        "--global-batch",
+        type=positive_int,
+        default=defaults.global_batch,
+        help="sequences per step over all workers (each n must divide it)",
+    )
+    parser.add_argument(
+        "--per-worker-batch",
+        type=positive_int,
+        help="scale the global batch instead: each worker gets this many sequences",
+    )
+    parser.add_argument("--layers", type=positive_int, default=defaults.layers)
+    parser.add_argument("--width", type=positive_int, default=defaults.width)
+    parser.add_argument("--heads", type=positive_int, default=defaults.heads)
+    parser.add_argument("--context", type=positive_int, default=defaults.context)
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="AdamW's")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--eval-every", type=positive_int, default=defaults.eval_every)
+    parser.add_argument("--eval-samples", type=positive_int, default=defaults.eval_samples)
+    parser.add_argument("--data-bytes", type=positive_int, default=defaults.data_bytes)
+    parser.add_argument(
+        "--straggler-delay",
+        type=float,
+        default=defaults.straggler_delay,
+        help="mean of a worker's exponential delay, in step times",
+    )
+    parser.add_argument("--grads", choices=("auto", "vmap", "loop"), default="auto")
+    parser.add_argument("--json", type=Path, help="rows here, kept across invocations")
+    parser.add_argument("--plot", type=Path, help="PNG of the gap to fp32 against workers")
+    parser.set_defaults(run=run)
+
+
+def _parse_list(text: str, convert, flag: str) -> list:
+    from ..cli import UsageError
+
+    try:
+        values = [convert(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise UsageError(f"--{flag} {text!r}: not a comma-separated list") from None
+    if not values:
+        raise UsageError(f"--{flag} is empty")
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cli import UsageError
+    from ..codecs.names import CODEC_NAMES
+
+    workers = _parse_list(args.workers, int, "workers")
+    methods = _parse_list(args.methods, str.strip, "methods")
+    quorums = _parse_list(args.quorums, float, "quorums")
+    unknown = [m for m in methods if m not in CODEC_NAMES]
+    if unknown:
+        raise UsageError(
+            f"--methods: unknown codec {unknown[0]!r}; choose from {', '.join(CODEC_NAMES)}"
+        )
+    for n in workers:
+        if n < 1 or (args.per_worker_batch is None and args.global_batch % n):
+            raise UsageError(f"--workers {n}: must divide --global-batch {args.global_batch}")
+    if any(not 0.0 < q <= 1.0 for q in quorums):
+        raise UsageError(f"--quorums {args.quorums}: each must be in (0, 1]")
+    if args.straggler_delay < 0:
+        raise UsageError(f"--straggler-delay must be >= 0, got {args.straggler_delay}")
+    setup = ScaleSetup(
+        steps=args.steps,
+        global_batch=args.global_batch,
+        per_worker_batch=args.per_worker_batch,
+        layers=args.layers,
+        width=args.width,
+        heads=args.heads,
+        context=args.context,
+        lr=args.lr,
+        seed=args.seed,
+        eval_every=args.eval_every,
+        eval_samples=args.eval_samples,
+        data_bytes=args.data_bytes,
+        straggler_delay=args.straggler_delay,
+    )
+    rows = load_rows(args.json) if args.json and args.json.exists() else []
+    done = {row.key for row in rows}
+    dataset = None
+    for n in workers:
+        for q in quorums:
+            for method in methods:
+                quorum = quorum_size(n, q)
+                key = (method, n, quorum, json.dumps(asdict(setup), sort_keys=True))
+                if key in done:
+                    print(f"  {method} n={n} quorum={quorum}: kept from {args.json}")
+                    continue
+                if dataset is None:
+                    dataset = lm_dataset(setup)
+                print(f"  {method} n={n} quorum={quorum} ...", flush=True)
+                row = train_simulated(
+                    method, n, setup, quorum=quorum, dataset=dataset, grads=args.grads
+                )
+                print(
+                    f"    val loss {row.val_loss:.4f}, modelled time {row.modelled_time:.1f} "
+                    f"({row.seconds:.0f} s)",
+                    flush=True,
+                )
+                rows.append(row)
+                done.add(row.key)
+                if args.json:
+                    from .train import write_rows
+
+                    write_rows(args.json, [asdict(r) for r in rows])
+    print(format_table(rows))
+    if args.plot:
+        for path in plot_rows(rows, args.plot):
+            print(f"wrote {path}")
+    return 0
+
+
+def quorum_size(workers: int, fraction: float) -> int:
+    """The workers a round waits for: ceil(fraction * n), at least one (a tolerance keeps
+    0.9 * 10 from rounding up to 10)."""
+    return max(1, math.ceil(fraction * workers - 1e-9))
+
+
+def load_rows(path: Path) -> list[ScaleRow]:
+    """Rows of a --json file; a setting that rows written before it existed lack is taken at
+    its default (what they ran with)."""
+    defaults = asdict(ScaleSetup())
+    rows = [ScaleRow(**row) for row in json.loads(path.read_text())]
+    for row in rows:
+        row.setup = {**defaults, **row.setup}
+    return rows
+
+
+def lm_dataset(setup: ScaleSetup):
+    from ..train.data import load_dataset
+
+    return load_dataset("stdlib", input_shape=(setup.context,), max_bytes=setup.data_bytes)
+
+
+class Stragglers:
+    """The seeded straggler model: worker w's time at step s is 1 + Exp(mean ``delay``), in
+    units of a straggler-free step; a round of quorum k ends at the k-th arrival."""
+
+    def __init__(self, workers: int, delay: float, seed: int):
+        self.workers, self.delay, self.seed = workers, delay, seed
+
+    def round(self, step: int, quorum: int) -> tuple[list[int], float]:
+        """The workers that arrive first (sorted) and the time the round ends."""
+        import numpy as np
+
+        generator = np.random.Generator(np.random.PCG64([self.seed, step, 0x5CA1E]))
+        times = (
+            1.0 + generator.exponential(self.delay, self.workers)
+            if self.delay
+            else (np.ones(self.workers))
+        )
+        order = np.argsort(times, kind="stable")
+        return sorted(int(w) for w in order[:quorum]), float(times[order[quorum - 1]])
+
+
+class WorkerGradients:
+    """Every worker's gradient of its micro-batch, flat, from one model: ``vmap`` over the
+    workers (one vectorised forward and backward) or a loop of ordinary backward passes."""
+
+    def __init__(self, model, how: str):
+        import torch
+        from torch.func import functional_call, grad_and_value, vmap
+
+        from ..train.loop import task_loss
+
+        self.model, self.how = model, how
+        self.names = [name for name, _ in model.named_parameters()]
+
+        def loss(parameters, inputs, labels):
+            return task_loss(functional_call(model, parameters, (inputs,)), labels)
+
+        self._grad = vmap(grad_and_value(loss), in_dims=(None, 0, 0))
+        self._torch = torch
+
+    def __call__(self, inputs, labels) -> tuple[list, float]:
+        """``inputs``, ``labels``: (workers, batch, context). One flat gradient per worker, and
+        the mean of the workers' losses."""
+        torch = self._torch
+        if self.how == "vmap":
+            parameters = {n: p.detach() for n, p in self.model.named_parameters()}
+            grads, losses = self._grad(parameters, inputs, labels)
+            flat = torch.cat([grads[n].reshape(len(inputs), -1) for n in self.names], dim=1)
+            return list(flat.unbind(0)), float(losses.mean())
+        from ..train.loop import task_loss
+
+        out, total = [], 0.0
+        for x, y in zip(inputs, labels, strict=True):
+            self.model.zero_grad(set_to_none=True)
+            loss = task_loss(self.model(x), y)
+            loss.backward()
+            total += float(loss)
+            out.append(torch.cat([p.grad.reshape(-1) for p in self.model.parameters()]))
+        return out, total / len(out)
+
+
+def train_simulated(
+    method: str,
+    workers: int,
+    setup: ScaleSetup,
+    *,
+    quorum: int | None = None,
+    dataset=None,
+    grads: str = "auto",
+) -> ScaleRow:
+    """Train the byte-level GPT with ``workers`` simulated workers through ``method``'s exact
+    codec round; ``quorum``: the workers each round aggregates (all when None)."""
+    import torch
+
+    from ..codecs import make_codec, run_round
+    from ..train.loop import validation
+    from ..train.models import build_model, count_parameters
+
+    global_batch = setup.batch(workers)
+    if global_batch % workers:
+        raise ValueError(f"{workers} workers do not divide a global batch of {global_batch}")
+    quorum = workers if quorum is None else quorum
+    if not 1 <= quorum <= workers:
+        raise ValueError(f"a quorum of {quorum} of {workers} workers")
+    how = grads if grads != "auto" else ("vmap" if workers >= VMAP_FROM else "loop")
+    dataset = dataset if dataset is not None else lm_dataset(setup)
+    started = time.perf_counter()
+    torch.manual_seed(setup.seed)
+    model = build_model(
+        "gpt",
+        dataset.num_classes,
+        layers=setup.layers,
+        width=setup.width,
+        heads=setup.heads,
+        context=setup.context,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0)
+    codec = make_codec(method, workers=workers)
+    gradients = WorkerGradients(model, how)
+    stragglers = Stragglers(workers, setup.straggler_delay, setup.seed)
+    order = torch.Generator().manual_seed(setup.seed)
+    train = dataset.train
+    per_worker = global_batch // workers
+    evals, losses, modelled, bits_up, errors = [], [], 0.0, 0.0, []
+
+    def evaluate(step: int) -> None:
+        loss, _ = validation(model, dataset.test, samples=setup.eval_samples)
+        evals.append({"step": step, "val_loss": loss, "modelled_time": modelled})
+        model.train()
+
+    evaluate(0)
+    for step in range(1, setup.steps + 1):
+        batch = torch.randint(0, len(train), (global_batch,), generator=order)
+        inputs = train.inputs[batch].view(workers, per_worker, -1)
+        labels = train.labels[batch].view(workers, per_worker, -1)
+        flat, loss = gradients(inputs, labels)
+        losses.append(loss)
+        chosen, ends = stragglers.round(step, quorum)
+        modelled += ends
+        result = run_round(
+            codec,
+            flat,
+            seed=setup.seed,
+            step=step,
+            key="gpt",
+            contributors=None if quorum == workers else chosen,
+        )
+        bits_up = result.bits_per_coordinate()[0]
+        errors.append(_relative_error(result.average, [flat[w] for w in chosen]))
+        offset = 0
+        for parameter in model.parameters():
+            count = parameter.numel()
+            parameter.grad = result.average[offset : offset + count].view_as(parameter).clone()
+            offset += count
+        optimizer.step()
+        if step % setup.eval_every == 0 or step == setup.steps:
+            evaluate(step)
+    val_loss = evals[-1]["val_loss"]
+    tail = losses[-max(1, len(losses) // 10) :]
+    return ScaleRow(
+        method=method,
+        workers=workers,
+        quorum=quorum,
+        setup=asdict(setup),
+        val_loss=val_loss,
+        bits_per_byte=val_loss / math.log(2),
+        train_loss=sum(tail) / len(tail),
+        bits_up=bits_up,
+        modelled_time=modelled,
+        parameters=count_parameters(model),
+        grads=how,
+        seconds=time.perf_counter() - started,
+        evals=evals,
+        relative_error=sum(errors) / len(errors),
+    )
+
+
+def _relative_error(estimate, contributed) -> float:
+    import torch
+
+    truth = torch.stack(contributed).to(torch.float64).mean(dim=0)
+    scale = float(truth.pow(2).sum())
+    return float((estimate.to(torch.float64) - truth).pow(2).sum()) / scale if scale else 0.0
+
+
+def gap(row: ScaleRow, rows: list[ScaleRow]) -> float | None:
+    """The row's validation loss relative to fp32's at the same workers, quorum and setup."""
+    for other in rows:
+        if (
+            other.method == REFERENCE
+            and other.workers == row.workers
+            and other.quorum == row.quorum
+            and other.setup == row.setup
+        ):
+            return row.val_loss / other.val_loss - 1.0
+    return None
+
+
+def full_quorum(row: ScaleRow, rows: list[ScaleRow]) -> ScaleRow | None:
+    """The same method and setup with every worker in each round."""
+    for other in rows:
+        if (
+            other.method == row.method
+            and other.workers == row.workers
+            and other.quorum == other.workers
+            and other.setup == row.setup
+        ):
+            return other
+    return None
+
+
+def format_table(rows: list[ScaleRow]) -> str:
+    if not rows:
+        return "no rows"
+    first = rows[0]
+    per_worker = first.setup.get("per_worker_batch")
+    batch = (f"global batch {first.setup['global_batch']} (fixed)" if per_worker is None
+             else f"{per_worker} per worker (global scaled with n)")  # fmt: skip
+    lines = [
+        f"gpt {first.parameters:,} parameters, {first.setup['steps']} steps, {batch} x "
+        f"{first.setup['context']} tokens, AdamW lr {first.setup['lr']:g}",
+        f"{'method':<8} {'n':>4} {'quorum':>6} {'bits up':>8} {'rel err':>8} {'val loss':>9} "
+        f"{'vs fp32':>8} {'modelled t':>11} {'vs full':>8}",
+    ]
+    for row in sorted(rows, key=lambda r: (r.workers, -r.quorum, r.method)):
+        relative = gap(row, rows)
+        full = full_quorum(row, rows)
+        lines.append(
+            f"{row.method:<8} {row.workers:>4} {row.quorum:>6} {row.bits_up:>8.2f} "
+            f"{'-' if row.relative_error is None else f'{row.relative_error:.4f}':>8} "
+            f"{row.val_loss:>9.4f} "
+            f"{'-' if relative is None else f'{100 * relative:+.2f}%':>8} "
+            f"{row.modelled_time:>11.1f} "
+            f"{'-' if full is None else f'{row.modelled_time / full.modelled_time:.3f}':>8}"
+        )
+    return "\n".join(lines)
+
+
+def plot_rows(rows: list[ScaleRow], path: Path) -> list[Path]:
+    """With several worker counts, the gap to fp32 against workers, one line per method and
+    quorum, at ``path``; with several quorums, validation loss against modelled time, at
+    ``path`` for one worker count, else at ``<path stem>-quorum.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    several_n = len({row.workers for row in rows}) > 1
+    if several_n:
+        figure, axes = plt.subplots(figsize=(6.4, 4.2))
+        series: dict[tuple[str, float], list[tuple[int, float]]] = {}
+        for row in rows:
+            relative = gap(row, rows)
+            if relative is not None and row.method != REFERENCE:
+                series.setdefault((row.method, row.quorum / row.workers), []).append(
+                    (row.workers, 100 * relative)
+                )
+        for (method, fraction), points in sorted(series.items()):
+            points.sort()
+            label = method if fraction == 1 else f"{method}, quorum {fraction:.0%}"
+            axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        axes.axhline(0.0, color="black", linewidth=0.8)
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("workers (simulated in one process)")
+        axes.set_ylabel("final validation loss vs fp32 (%)")
+        axes.legend()
+        axes.grid(True, alpha=0.3)
+        figure.tight_layout()
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
+    if len({row.quorum / row.workers for row in rows}) > 1:
+        figure, axes = plt.subplots(figsize=(6.4, 4.2))
+        for row in sorted(rows, key=lambda r: (r.method, -r.quorum)):
+            points = [(e["modelled_time"], e["val_loss"]) for e in row.evals]
+            axes.plot(
+                *zip(*points, strict=True),
+                marker=".",
+                label=f"{row.method} n={row.workers} quorum {row.quorum}",
+            )
+        axes.set_xlabel("modelled time (straggler-free step times)")
+        axes.set_ylabel("validation loss")
+        axes.legend(fontsize=8)
+        axes.grid(True, alpha=0.3)
+        figure.tight_layout()
+        other = path.with_name(f"{path.stem}-quorum{path.suffix}") if several_n else path
+        figure.savefig(other, dpi=110)
+        plt.close(figure)
+        written.append(other)
+    return written
