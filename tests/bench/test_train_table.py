@@ -15,6 +15,8 @@ from gradsum.bench.train import TrainRow, format_table
 from gradsum.cli import main
 from gradsum.failures import Failure, WorkerFailed
 from gradsum.testbed.shell import TestbedError
+from gradsum.train import launch
+from gradsum.train.peers import method_fields, method_name
 
 
 def _row(scheduler: str, samples_per_s: float, plan: str = "") -> TrainRow:
@@ -73,23 +75,23 @@ def test_bench_train_writes_each_row_as_it_ends_and_runs_on_past_a_failed_one(
     path = tmp_path / "rows.json"
     written_before = []
 
-    def run_one(args, aggregator, codec, scheduler):
+    def run_one(config):
         written_before.append(len(json.loads(path.read_text())) if path.exists() else 0)
-        if codec == "thc":
+        if config.codec == "thc" and config.aggregator == "ps":
             raise WorkerFailed(Failure("NonFiniteGradientError", "NaN in 4096 coordinates", 1))
-        speed = {"none": 100.0, "fp16": 150.0}[codec]
+        speed = {"allreduce:none": 100.0, "ddp:fp16": 150.0}[method_name(config)]
         return {"samples_per_s": speed, "test_accuracy": 0.9, "train_seconds": 2.0, "plan": ""}
 
-    monkeypatch.setattr(bench_train, "_local_summary", run_one)
-    methods = "allreduce:none,ps:thc,allreduce:fp16"
+    monkeypatch.setattr(launch, "run_local", run_one)
+    methods = "allreduce:none,ps:thc,ddp:fp16"  # DDP's names as bench tta takes them
     argv = ["bench", "train", "--methods", methods]
     assert main([*argv, "--json", str(path)]) == 1
     assert written_before == [0, 1, 2]  # the file held every row before the next run began
-    out = capsys.readouterr().out.splitlines()
+    out = [line for line in capsys.readouterr().out.splitlines() if "training with" not in line]
     assert out[:3] == [
         "  allreduce:none/wfbp: 100 samples/s, test accuracy 0.9000 (2.0 s training)",
         "  ps:thc/wfbp: worker 1 failed: NonFiniteGradientError: NaN in 4096 coordinates",
-        "  allreduce:fp16/wfbp: 150 samples/s, test accuracy 0.9000 (2.0 s training)",
+        "  ddp:fp16/wfbp: 150 samples/s, test accuracy 0.9000 (2.0 s training)",
     ]
     assert out[6].split() == ["ps:thc/wfbp", "failed", "-", "-"]
     assert out[7].split()[-2:] == ["1.50x", "0.9000"]
@@ -115,7 +117,8 @@ def test_a_testbed_that_fails_fails_every_job_it_had_left(monkeypatch):
     monkeypatch.setattr(train_testbed, "train_in_testbed", jobs)
     args = argparse.Namespace(model="digits-mlp", dataset="digits", epochs=1, batch_size=16,
                               lr=0.1, seed=0, link_rate="100mbit", workers=2)  # fmt: skip
-    outcomes = list(bench_train._testbed_outcomes(args, "switch", "thc", ["a", "b", "c"]))
+    fields = method_fields("switch:thc")
+    outcomes = list(bench_train._testbed_outcomes(args, fields, ["a", "b", "c"]))
     assert [scheduler for scheduler, _ in outcomes] == ["a", "b", "c"]
     assert outcomes[0][1] == {"samples_per_s": 1.0}
     assert outcomes[1][1] is outcomes[2][1]
@@ -147,3 +150,20 @@ def test_a_testbed_worker_that_crashes_is_reported_by_its_signal_and_stderr(tmp_
     assert str(caught.value) == (
         "worker 0 failed: killed by SIGABRT: Fatal Python error: Aborted\n    Current thread ..."
     )
+
+
+def test_a_testbed_job_of_a_ddp_method_gets_its_hook(monkeypatch):
+    seen = {}
+
+    def jobs(aggregator, schedulers, *, train_flags, **_):
+        seen.update(aggregator=aggregator, flags=train_flags)
+        yield schedulers[0], {"samples_per_s": 1.0}
+
+    monkeypatch.setattr(train_testbed, "train_in_testbed", jobs)
+    args = argparse.Namespace(model="gpt", dataset="stdlib", epochs=1, batch_size=1,
+                              lr=1e-3, seed=0, link_rate="100mbit", workers=4)  # fmt: skip
+    fields = bench_train.parse_methods("ddp:powersgd4")[0][1]
+    list(bench_train._testbed_outcomes(args, fields, ["fusion"]))
+    flags = " ".join(seen["flags"])
+    assert seen["aggregator"] == "ddp"
+    assert "--ddp-hook powersgd" in flags and "--powersgd-rank 4" in flags

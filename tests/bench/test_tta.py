@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from gradsum.bench import tta
+from gradsum.bench.train_testbed import train_flags
 from gradsum.cli import UsageError, build_parser, main
 from gradsum.train.config import TrainConfig
-from gradsum.train.peers import method_name, wire_bytes_per_step
+from gradsum.train.peers import method_fields, method_name, wire_bytes_per_step
 
 
 @pytest.mark.parametrize(
@@ -17,7 +18,7 @@ from gradsum.train.peers import method_name, wire_bytes_per_step
              "allreduce:none", "ps:topk"],
 )  # fmt: skip
 def test_method_names_round_trip_through_the_config(name):
-    assert method_name(TrainConfig(**tta.method_fields(name))) == name
+    assert method_name(TrainConfig(**method_fields(name))) == name
 
 
 @pytest.mark.parametrize(
@@ -27,7 +28,7 @@ def test_method_names_round_trip_through_the_config(name):
 )  # fmt: skip
 def test_unknown_methods_are_refused_naming_what_would_work(name, complaint):
     with pytest.raises(UsageError, match=complaint):
-        tta.method_fields(name)
+        method_fields(name)
 
 
 def test_a_testbed_job_gets_every_workload_flag_back():
@@ -35,7 +36,7 @@ def test_a_testbed_job_gets_every_workload_flag_back():
                          ddp_hook="powersgd", powersgd_rank=4, context=64, data_bytes=10_000,
                          time_budget=30.0, eval_every=5, eval_samples=8, fallback="none",
                          fusion_elements=12345)  # fmt: skip
-    args = build_parser().parse_args(["train", "--aggregator", "ddp", *tta.train_flags(config)])
+    args = build_parser().parse_args(["train", "--aggregator", "ddp", *train_flags(config)])
     for name in (
         "model",
         "dataset",

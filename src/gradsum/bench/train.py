@@ -68,7 +68,8 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--methods",
         default=",".join(DEFAULT_METHODS),
-        help="comma-separated AGGREGATOR:CODEC pairs; the first is the baseline",
+        help="comma-separated methods, the first the baseline: AGGREGATOR:CODEC, ddp, "
+        "ddp:fp16, ddp:bf16, ddp:powersgdR (torch DDP and its hooks)",
     )
     parser.add_argument(
         "--schedulers",
@@ -92,20 +93,14 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def parse_methods(text: str) -> list[tuple[str, str]]:
+def parse_methods(text: str) -> list[tuple[str, dict]]:
+    """Each method's name and ``TrainConfig`` fields, parsed as ``bench tta`` parses them:
+    gradsum's AGGREGATOR:CODEC pairs or DDP and its hooks (``ddp``, ``ddp:fp16``, ...)."""
     from ..cli import UsageError
-    from ..train.aggregators import IncompatibleChoice, check_compatible
+    from ..train.peers import method_fields
 
-    methods = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        aggregator, sep, codec = item.partition(":")
-        if not sep:
-            raise UsageError(f"--methods: {item!r} is not AGGREGATOR:CODEC")
-        try:
-            check_compatible(aggregator, codec)
-        except (IncompatibleChoice, ValueError) as error:
-            raise UsageError(f"--methods {item}: {error}") from None
-        methods.append((aggregator, codec))
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    methods = [(name, method_fields(name)) for name in names]
     if not methods:
         raise UsageError("--methods is empty")
     return methods
@@ -126,15 +121,15 @@ def run(args: argparse.Namespace) -> int:
     methods = parse_methods(args.methods)
     schedulers = parse_schedulers(args.schedulers)
     rows = _Rows(args.json)
-    for aggregator, codec in methods:
+    for name, fields in methods:
         outcomes = (
-            _testbed_outcomes(args, aggregator, codec, schedulers)
+            _testbed_outcomes(args, fields, schedulers)
             if args.link_rate
-            else _local_outcomes(args, aggregator, codec, schedulers)
+            else _local_outcomes(args, fields, schedulers)
         )
         with contextlib.closing(outcomes):  # a testbed comes down now, also when a row fails
             for scheduler, outcome in outcomes:
-                rows.add(_row(args, aggregator, codec, scheduler, outcome))
+                rows.add(_row(args, name, _config(args, fields, scheduler), outcome))
     print(format_table(rows.rows))
     if args.json:
         print(f"wrote {len(rows.rows)} rows to {args.json}")
@@ -171,15 +166,25 @@ def write_rows(path: Path, rows: list[dict]) -> None:
     os.replace(partial, path)
 
 
-def _row(args, aggregator: str, codec: str, scheduler: str, outcome: dict | Failure) -> TrainRow:
+def _config(args, fields: dict, scheduler: str):
+    from ..train.config import TrainConfig
+
+    return TrainConfig(
+        scheduler=scheduler, model=args.model, dataset=args.dataset, workers=args.workers,
+        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+        progress=False, **fields,
+    )  # fmt: skip
+
+
+def _row(args, name: str, config, outcome: dict | Failure) -> TrainRow:
     """The row of one run: from rank 0's summary, or the failure that ended it."""
     error = outcome if isinstance(outcome, Failure) else None
     summary = {} if error else outcome
     return TrainRow(
-        method=f"{aggregator}:{codec}/{scheduler}",
-        aggregator=aggregator,
-        codec=codec,
-        scheduler=scheduler,
+        method=f"{name}/{config.scheduler}",
+        aggregator=config.aggregator,
+        codec=name.partition(":")[2] or "allreduce" if config.aggregator == "ddp" else config.codec,
+        scheduler=config.scheduler,
         model=args.model,
         workers=args.workers,
         epochs=args.epochs,
@@ -193,51 +198,34 @@ def _row(args, aggregator: str, codec: str, scheduler: str, outcome: dict | Fail
 
 
 def _local_outcomes(
-    args, aggregator: str, codec: str, schedulers: list[str]
+    args, fields: dict, schedulers: list[str]
 ) -> Iterator[tuple[str, dict | Failure]]:
     """Each scheduler's run on local workers: rank 0's summary, or why it failed."""
+    from ..train.launch import run_local
+    from ..train.peers import method_name
+
     for scheduler in schedulers:
+        config = _config(args, fields, scheduler)
+        print(f"  training with {method_name(config)}, scheduler {scheduler} ...", flush=True)
         try:
-            outcome: dict | Failure = _local_summary(args, aggregator, codec, scheduler)
+            outcome: dict | Failure = run_local(config)
         except Exception as error:  # this row fails; the next may well not
             outcome = Failure.of(error)
         yield scheduler, outcome
 
 
-def _local_summary(args, aggregator: str, codec: str, scheduler: str) -> dict:
-    from ..train.launch import run_local
-    from ..train.loop import TrainConfig
-
-    print(f"  training with {aggregator}:{codec}, scheduler {scheduler} ...", flush=True)
-    config = TrainConfig(
-        aggregator=aggregator,
-        codec=codec,
-        scheduler=scheduler,
-        model=args.model,
-        dataset=args.dataset,
-        workers=args.workers,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        seed=args.seed,
-        progress=False,
-    )
-    return run_local(config)
-
-
 def _testbed_outcomes(
-    args, aggregator: str, codec: str, schedulers: list[str]
+    args, fields: dict, schedulers: list[str]
 ) -> Iterator[tuple[str, dict | Failure]]:
     """Each scheduler's run in the testbed, as it ends; when the testbed or its aggregators fail,
     that failure is every remaining run's."""
-    from .train_testbed import train_in_testbed
+    from .train_testbed import train_flags, train_in_testbed
 
-    flags = ["--codec", codec, "--model", args.model, "--dataset", args.dataset]
-    flags += ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
-    flags += ["--lr", str(args.lr), "--seed", str(args.seed)]
+    config = _config(args, fields, schedulers[0])  # the testbed adds each job's scheduler
     jobs = train_in_testbed(
-        aggregator, schedulers, rate=args.link_rate, workers=args.workers, train_flags=flags
-    )
+        config.aggregator, schedulers, rate=args.link_rate, workers=args.workers,
+        train_flags=train_flags(config),
+    )  # fmt: skip
     # next() apart from the yield: only the testbed's own errors are caught, never one thrown
     # into this generator (GeneratorExit when the caller stops early)
     done, failure = 0, None

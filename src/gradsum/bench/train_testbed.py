@@ -178,3 +178,25 @@ def _cause(err: Path, context: int = 12) -> str:
         starts.pop()
     tail = lines[starts[-1] :] if starts else lines[-context:]
     return "\n    ".join(tail[-context:] or ["no output"])
+
+
+def train_flags(config) -> list[str]:
+    """`gradsum train` flags for ``config`` (all but the aggregator, scheduler and addresses,
+    which the testbed adds)."""
+    flags = ["--model", config.model, "--dataset", config.dataset, "--codec", config.codec]
+    flags += ["--batch-size", str(config.batch_size), "--lr", str(config.lr)]
+    flags += ["--seed", str(config.seed), "--optimizer", config.optimizer]
+    flags += ["--fusion-elements", str(config.fusion_elements), "--epochs", str(config.epochs)]
+    optional = {
+        "--ddp-hook": config.ddp_hook, "--powersgd-rank": config.powersgd_rank,
+        "--powersgd-start": config.powersgd_start, "--layers": config.layers,
+        "--width": config.width, "--heads": config.heads, "--context": config.context,
+        "--data-bytes": config.data_bytes, "--max-steps": config.max_steps,
+        "--eval-every": config.eval_every, "--eval-samples": config.eval_samples,
+        "--time-budget": config.time_budget, "--target-loss": config.target_loss,
+        "--divergence-factor": config.divergence_factor, "--fallback": config.fallback,
+    }  # fmt: skip
+    for flag, value in optional.items():
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags

@@ -28,7 +28,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..failures import Failure
+from ..train.peers import method_fields
 from .cli import positive_int
+from .train_testbed import train_flags
 
 DEFAULT_METHODS = (
     "ddp",
@@ -63,34 +65,6 @@ class TTARow:
     @property
     def failed(self) -> bool:
         return self.error is not None
-
-
-def method_fields(name: str) -> dict:
-    """The ``TrainConfig`` fields of a method name: ``ddp``, ``ddp:fp16``, ``ddp:bf16``,
-    ``ddp:powersgdR``, or gradsum's ``AGGREGATOR:CODEC`` (train/peers.py's ``method_name`` is
-    the inverse)."""
-    from ..cli import UsageError
-    from ..train.aggregators import IncompatibleChoice, check_compatible
-    from ..train.config import DDP
-
-    head, _, tail = name.partition(":")
-    if head == DDP:
-        if tail in ("", "allreduce"):
-            return {"aggregator": DDP, "ddp_hook": "allreduce"}
-        if tail in ("fp16", "bf16"):
-            return {"aggregator": DDP, "ddp_hook": tail}
-        rank = tail.removeprefix("powersgd")
-        if tail.startswith("powersgd") and rank.isdigit() and int(rank) > 0:
-            return {"aggregator": DDP, "ddp_hook": "powersgd", "powersgd_rank": int(rank)}
-        raise UsageError(f"--methods {name}: DDP's hooks are ddp, ddp:fp16, ddp:bf16, "
-                         "ddp:powersgdR (R the rank)")  # fmt: skip
-    if not tail:
-        raise UsageError(f"--methods: {name!r} is not AGGREGATOR:CODEC nor a ddp method")
-    try:
-        check_compatible(head, tail)
-    except (IncompatibleChoice, ValueError) as error:
-        raise UsageError(f"--methods {name}: {error}") from None
-    return {"aggregator": head, "codec": tail}
 
 
 def register(benches: argparse._SubParsersAction) -> None:
@@ -215,28 +189,6 @@ def _in_testbed(args, config) -> dict | Failure:
     with contextlib.closing(jobs):
         _, outcome = next(jobs)
     return outcome
-
-
-def train_flags(config) -> list[str]:
-    """`gradsum train` flags for ``config`` (all but the aggregator, scheduler and addresses,
-    which the testbed adds)."""
-    flags = ["--model", config.model, "--dataset", config.dataset, "--codec", config.codec]
-    flags += ["--batch-size", str(config.batch_size), "--lr", str(config.lr)]
-    flags += ["--seed", str(config.seed), "--optimizer", config.optimizer]
-    flags += ["--fusion-elements", str(config.fusion_elements)]
-    optional = {
-        "--ddp-hook": config.ddp_hook, "--powersgd-rank": config.powersgd_rank,
-        "--powersgd-start": config.powersgd_start, "--layers": config.layers,
-        "--width": config.width, "--heads": config.heads, "--context": config.context,
-        "--data-bytes": config.data_bytes, "--max-steps": config.max_steps,
-        "--eval-every": config.eval_every, "--eval-samples": config.eval_samples,
-        "--time-budget": config.time_budget, "--target-loss": config.target_loss,
-        "--divergence-factor": config.divergence_factor, "--fallback": config.fallback,
-    }  # fmt: skip
-    for flag, value in optional.items():
-        if value is not None:
-            flags += [flag, str(value)]
-    return flags
 
 
 def row_from_dict(record: dict) -> TTARow:

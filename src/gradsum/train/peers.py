@@ -37,6 +37,34 @@ def method_name(config) -> str:
     return f"ddp:{config.ddp_hook}"
 
 
+def method_fields(name: str) -> dict:
+    """The ``TrainConfig`` fields of a method name: ``ddp``, ``ddp:fp16``, ``ddp:bf16``,
+    ``ddp:powersgdR``, or gradsum's ``AGGREGATOR:CODEC`` (``method_name`` is the inverse), as
+    ``bench tta`` and ``bench train`` take them."""
+    from ..cli import UsageError
+    from .aggregators import IncompatibleChoice, check_compatible
+    from .config import DDP
+
+    head, _, tail = name.partition(":")
+    if head == DDP:
+        if tail in ("", "allreduce"):
+            return {"aggregator": DDP, "ddp_hook": "allreduce"}
+        if tail in ("fp16", "bf16"):
+            return {"aggregator": DDP, "ddp_hook": tail}
+        rank = tail.removeprefix("powersgd")
+        if tail.startswith("powersgd") and rank.isdigit() and int(rank) > 0:
+            return {"aggregator": DDP, "ddp_hook": "powersgd", "powersgd_rank": int(rank)}
+        raise UsageError(f"--methods {name}: DDP's hooks are ddp, ddp:fp16, ddp:bf16, "
+                         "ddp:powersgdR (R the rank)")  # fmt: skip
+    if not tail:
+        raise UsageError(f"--methods: {name!r} is not AGGREGATOR:CODEC nor a ddp method")
+    try:
+        check_compatible(head, tail)
+    except (IncompatibleChoice, ValueError) as error:
+        raise UsageError(f"--methods {name}: {error}") from None
+    return {"aggregator": head, "codec": tail}
+
+
 def powersgd_matrix(shape: torch.Size) -> tuple[int, int] | None:
     """The matrix torch's PowerSGD hook factors a tensor of ``shape`` into (its first dimension
     by the rest), or None for a vector, which it all-reduces uncompressed."""
@@ -66,6 +94,52 @@ def wire_bytes_per_step(config, model: torch.nn.Module) -> int:
         else:
             total += 4 * count
     return total
+
+
+def in_order(hook):
+    """A DDP comm hook that starts each bucket's ``hook`` only once the previous bucket's
+    future has completed.
+
+    Torch's ``powerSGD_hook`` issues its second and third all-reduces (P, then Q) from future
+    callbacks, which Gloo runs on its own threads, while DDP's autograd thread calls the hook
+    for the next bucket, which issues that bucket's first all-reduce. Gloo numbers collectives
+    in the order threads issue them, so two workers could number them differently and one would
+    receive the other's tensor: on the 100 Mbit/s testbed a worker aborted inside backward with
+    ``gloo::EnforceNotMet ... Received data size doesn't match expected size`` in most runs.
+    Chaining the buckets gives every worker the same order; nothing blocks, so the autograd
+    thread still computes the next bucket's gradient while this one's is on the wire.
+    (A function, not a callable object: DDP reads the hook's ``__name__`` and annotations.)
+    """
+    last: list[torch.futures.Future] = []  # the previous bucket's result, once there is one
+
+    def hook_in_order(state, bucket):
+        result: torch.futures.Future = torch.futures.Future()
+
+        def start(previous: torch.futures.Future | None) -> None:
+            try:
+                if previous is not None:
+                    previous.value()  # the previous bucket's error fails this one too
+                hook(state, bucket).add_done_callback(lambda done: _settle(result, done))
+            except Exception as error:
+                result.set_exception(error)
+
+        previous = last.pop() if last else None
+        last.append(result)
+        if previous is None:
+            start(None)
+        else:
+            previous.add_done_callback(start)  # at once when it has completed already
+        return result
+
+    hook_in_order.__name__ = f"{hook.__name__}_in_order"
+    return hook_in_order
+
+
+def _settle(result: torch.futures.Future, done: torch.futures.Future) -> None:
+    try:
+        result.set_result(done.value())
+    except Exception as error:
+        result.set_exception(error)
 
 
 class DDPSync:
@@ -101,7 +175,7 @@ class DDPSync:
                 warm_start=True,
                 random_seed=config.seed,
             )
-            self.net.register_comm_hook(state, powersgd.powerSGD_hook)
+            self.net.register_comm_hook(state, in_order(powersgd.powerSGD_hook))
 
     def wait(self) -> None:
         """DDP's backward has averaged the gradients already; a retried step averages them
