@@ -52,6 +52,10 @@ class TrainRow:
     link_rate: str = "loopback"
     plan: str = ""  # what the scheduler chose at start-up (groups, fitted α and β)
     error: Failure | None = None  # why the run failed: worker rank, exception type and message
+    message_delay: float = 0.0  # s injected per message on each worker's communication thread
+    final_loss: float | None = None
+    # a digest of the trained parameters: equal across schedules that summed the same gradients
+    parameter_digest: str = ""
 
     @property
     def failed(self) -> bool:
@@ -88,6 +92,19 @@ def register(benches: argparse._SubParsersAction) -> None:
         help="run inside an emulated cluster (gradsum testbed; root) whose links have this rate, "
         "e.g. 100mbit: a switch host, or one PS shard per worker host",
     )
+    parser.add_argument(
+        "--message-delay", type=float, default=0.0, metavar="SECONDS",
+        help="seconds injected per message on each worker's communication thread "
+        "(gradsum train --message-delay)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--fusion-elements", type=positive_int, default=500_000,
+        help="static fusion's threshold (gradsum train --fusion-elements)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--shards", type=positive_int,
+        help="PS shards in the testbed, beside the first workers (default: one per worker)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the rows as a JSON list here")
     parser.set_defaults(run=run)
 
@@ -123,6 +140,12 @@ def parse_schedulers(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..cli import UsageError
+
+    if args.shards is not None and not args.link_rate:
+        raise UsageError("--shards places PS shards in the testbed: give --link-rate too")
+    if not 0 <= args.message_delay < 1:
+        raise UsageError(f"--message-delay {args.message_delay}: seconds in [0, 1)")
     methods = parse_methods(args.methods)
     schedulers = parse_schedulers(args.schedulers)
     rows = _Rows(args.json)
@@ -189,6 +212,9 @@ def _row(args, aggregator: str, codec: str, scheduler: str, outcome: dict | Fail
         link_rate=args.link_rate or "loopback",
         plan=summary.get("plan", ""),
         error=error,
+        message_delay=args.message_delay,
+        final_loss=summary.get("final_loss"),
+        parameter_digest=summary.get("parameter_digest", ""),
     )
 
 
@@ -220,6 +246,8 @@ def _local_summary(args, aggregator: str, codec: str, scheduler: str) -> dict:
         batch_size=args.batch_size,
         lr=args.lr,
         seed=args.seed,
+        message_delay=args.message_delay,
+        fusion_elements=args.fusion_elements,
         progress=False,
     )
     return run_local(config)
@@ -235,8 +263,15 @@ def _testbed_outcomes(
     flags = ["--codec", codec, "--model", args.model, "--dataset", args.dataset]
     flags += ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
     flags += ["--lr", str(args.lr), "--seed", str(args.seed)]
+    flags += ["--message-delay", str(args.message_delay)]
+    flags += ["--fusion-elements", str(args.fusion_elements)]
     jobs = train_in_testbed(
-        aggregator, schedulers, rate=args.link_rate, workers=args.workers, train_flags=flags
+        aggregator,
+        schedulers,
+        rate=args.link_rate,
+        workers=args.workers,
+        train_flags=flags,
+        shards=args.shards,
     )
     # next() apart from the yield: only the testbed's own errors are caught, never one thrown
     # into this generator (GeneratorExit when the caller stops early)

@@ -144,10 +144,11 @@ def ps_step_end(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> flo
     simulator and the runtime run: every part costs α_worker twice on the worker's *one* thread
     (send, receive — pushes and pulls queue on the same thread), n·α_shard twice on its shard's
     core (the n pushes, then the n answers), n × its bytes through its shard's port each way,
-    its bytes through the worker's port each way and twice through its share of the machine's NIC
-    (a NIC direction carries the local workers' pushes to remote shards *and* the local shards'
-    answers to remote workers); a worker has one round trip per shard stream at a time, and the
-    window admits every group (the merge planners' windows).
+    its bytes through the worker's port each way, and the copies of remote workers through the
+    NICs (into the shard's machine and out of the others for the pushes, the other way for the
+    answers: a NIC direction carries local workers' pushes *and* local shards' answers); a
+    worker has one round trip per shard stream at a time, and the window admits every group
+    (the merge planners' windows).
 
     All workers are taken to be alike — same compute, same plan — so one representative worker
     is played, the one its shards answer last. Ports are served first come, first served at full
@@ -163,7 +164,30 @@ def ps_step_end(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> flo
         raise ValueError("ps_step_end plays windows that admit every group as it is released")
     n, m = cluster.workers, cluster.shards
     aw, ash, bpe = cluster.alpha_worker, cluster.alpha_shard, cluster.bytes_per_element
-    rate, nic_rate = cluster.worker_bw, PSCost(cluster).nic_rate()
+    rate = cluster.worker_bw
+    # Workers per machine, and each shard's machine: a part's n pushes cross into its shard's
+    # machine from every other one, its n answers back out (the NIC pipes carry all workers).
+    machines = cluster.machines_used
+    local = [0] * machines
+    for w in range(n):
+        local[cluster.worker_machine(w)] += 1
+    home = [cluster.shard_machine(s) for s in range(m)]
+    nic_in, nic_out = [0.0] * machines, [0.0] * machines
+
+    def cross(start: float, shard: int, nbytes: float, inward: bool) -> float:
+        """The NIC pipes a part's n copies cross (push: into the shard's machine)."""
+        into, out_of = (nic_in, nic_out) if inward else (nic_out, nic_in)
+        there, done = home[shard], start
+        for machine, count in enumerate(local):
+            if machine != there and count:
+                out_of[machine] = max(start, out_of[machine]) + count * nbytes / cluster.nic_bw
+                done = max(done, out_of[machine])
+        remote = n - local[there]
+        if remote:
+            into[there] = max(start, into[there]) + remote * nbytes / cluster.nic_bw
+            done = max(done, into[there])
+        return done
+
     shard_rate = cluster.shard_bw
     release = _release_times(plan, ready)
     groups = plan.groups
@@ -175,7 +199,7 @@ def ps_step_end(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> flo
             gate.append([max((j - w) % k for w in range(min(n, k))) for j in range(k)])
         else:
             gate.append(list(range(k)))
-    thread = egress = ingress = nic = 0.0
+    thread = egress = ingress = 0.0
     shard_in, shard_core, shard_out = [0.0] * m, [0.0] * m, [0.0] * m
     streams: dict[int, deque] = {}
     busy: set[int] = set()
@@ -207,10 +231,10 @@ def ps_step_end(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> flo
             nbytes = part.numel * bpe
             thread = max(now, thread) + aw
             egress = max(thread, egress) + nbytes / rate
-            nic = max(thread, nic) + nbytes / nic_rate
             shard_in[part.shard] = max(thread, shard_in[part.shard]) + n * nbytes / shard_rate
-            sent[g][j] = max(egress, nic)
-            arrived[g][j] = max(egress, nic, shard_in[part.shard])
+            crossed = cross(thread, part.shard, nbytes, inward=True)
+            sent[g][j] = egress
+            arrived[g][j] = max(egress, crossed, shard_in[part.shard])
             for i, position in enumerate(gate[g]):
                 if (i == j or position == j) and None not in (arrived[g][i], sent[g][position]):
                     push(max(arrived[g][i], sent[g][position]), "pushed", g, i)
@@ -223,8 +247,8 @@ def ps_step_end(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> flo
             shard_core[s] = summed + n * ash  # the n answers
             shard_out[s] = max(summed + ash, shard_out[s]) + n * nbytes / shard_rate
             ingress = max(shard_core[s], ingress) + nbytes / rate
-            nic = max(shard_core[s], nic) + nbytes / nic_rate
-            push(max(shard_out[s], ingress, nic), "pulled", g, j)
+            crossed = cross(summed + ash, s, nbytes, inward=False)
+            push(max(shard_out[s], ingress, crossed), "pulled", g, j)
         elif kind == "pulled":
             g, j = data
             thread = max(now, thread) + aw

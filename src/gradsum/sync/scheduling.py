@@ -20,6 +20,7 @@ Every worker runs :func:`agree_on_plan` together:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 import warnings
 from collections.abc import Sequence
@@ -229,9 +230,13 @@ def agree_on_plan(
     options: dict | None = None,
     model_name: str = "model",
     fit: AlphaBeta | None = None,
+    message_delay: float = 0.0,
 ) -> RuntimePlan:
     """Worker 0 profiles and plans; every worker returns the same plan and send order. ``fit``
-    replaces the start-up calibration with known per-message costs (reproducible plans)."""
+    replaces the start-up calibration with known per-message costs (reproducible plans);
+    ``message_delay``, the seconds the senders inject per message (``senders.MessageCost``),
+    is added to the cluster's α_worker: calibration measures through the aggregator, not the
+    senders, so it cannot see it."""
     planner = make_planner(scheduler, **(options or {}))  # bad options fail on every worker
     started = time.perf_counter()
     cost = _cost_model(scheduler, fit, aggregator, codec)
@@ -246,6 +251,9 @@ def agree_on_plan(
             ClusterSpec(workers=world, shards=shards)
             if cost.fit is None
             else cluster_from_fit(cost.fit, world, shards)
+        )
+        cluster = dataclasses.replace(
+            cluster, alpha_worker=cluster.alpha_worker + message_delay
         )
         plan = planner(profile, cluster)
         order = send_order(plan, profile, _transfer_seconds(cost, cluster, scheduler))

@@ -87,6 +87,7 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
             options=options,
             model_name=config.model,
             fit=AlphaBeta(*config.fixed_cost) if config.fixed_cost else None,
+            message_delay=config.message_delay,
         )
         sync = GradientSync(
             model,
@@ -96,6 +97,7 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
             order=chosen.order,
             seed=config.seed,
             timeout=config.timeout,
+            message_delay=config.message_delay,
         )
         net, describe, order = model, chosen.describe(), chosen.order
     guard = DivergenceGuard(method_name(config), config.divergence_factor, fallback=config.fallback)
