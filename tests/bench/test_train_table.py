@@ -114,7 +114,8 @@ def test_a_testbed_that_fails_fails_every_job_it_had_left(monkeypatch):
 
     monkeypatch.setattr(train_testbed, "train_in_testbed", jobs)
     args = argparse.Namespace(model="digits-mlp", dataset="digits", epochs=1, batch_size=16,
-                              lr=0.1, seed=0, link_rate="100mbit", workers=2)  # fmt: skip
+                              lr=0.1, seed=0, link_rate="100mbit", workers=2,
+                              message_delay=0.0, fusion_elements=500_000, shards=None)  # fmt: skip
     outcomes = list(bench_train._testbed_outcomes(args, "switch", "thc", ["a", "b", "c"]))
     assert [scheduler for scheduler, _ in outcomes] == ["a", "b", "c"]
     assert outcomes[0][1] == {"samples_per_s": 1.0}
