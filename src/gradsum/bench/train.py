@@ -56,6 +56,8 @@ class TrainRow:
     final_loss: float | None = None
     # a digest of the trained parameters: equal across schedules that summed the same gradients
     parameter_digest: str = ""
+    # the PS model's time per step for the plan the run made (None where it has none)
+    predicted_step_s: float | None = None
 
     @property
     def failed(self) -> bool:
@@ -215,6 +217,7 @@ def _row(args, aggregator: str, codec: str, scheduler: str, outcome: dict | Fail
         message_delay=args.message_delay,
         final_loss=summary.get("final_loss"),
         parameter_digest=summary.get("parameter_digest", ""),
+        predicted_step_s=summary.get("predicted_step_s"),
     )
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import AlphaBeta, ClusterSpec, ModelProfile, Plan, fit_alpha_beta, make_planner
+from ..schedule.costs import ps_step_end
 from ..schedule.ordering import send_order
 from ..schedule.profiling import measure_profile
 from .sharded import time_transfers
@@ -91,6 +92,20 @@ class RuntimePlan:
             f"plan {self.plan.summary()}; {self.cost.describe()}; "
             f"backward {self.profile.backward_s.sum() * 1e3:.1f} ms (measured)"
         )
+
+    def predicted_step_s(self) -> float | None:
+        """The PS model's time per step of this plan on the measured cluster: its forward, then
+        the backward with every part played out (``costs.ps_step_end``). None where there is no
+        measured cost (cost-free policies plan without one) or the model does not play the plan
+        (all-reduce, priority order)."""
+        if self.cost.fit is None:
+            return None
+        try:
+            comm = ps_step_end(self.plan, self.cluster, self.profile.ready_times())
+        except ValueError:
+            return None
+        backward = float(self.profile.backward_s.sum())
+        return float(self.profile.forward_s.sum()) + max(comm, backward)
 
 
 def fit_measurements(measurements: Sequence[Samples]) -> AlphaBeta:

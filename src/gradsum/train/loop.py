@@ -75,6 +75,7 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
     if aggregator is None:
         sync = DDPSync(model, config)
         net, describe, order = sync.net, f"torch DDP, hook {config.ddp_hook}", []
+        predicted = None
     else:
         options = {"threshold": config.fusion_elements} if config.scheduler == "fusion" else {}
         batch = dataset.train.inputs[: config.batch_size].to(device_of(config))
@@ -100,6 +101,7 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
             message_delay=config.message_delay,
         )
         net, describe, order = model, chosen.describe(), chosen.order
+        predicted = chosen.predicted_step_s()
     guard = DivergenceGuard(method_name(config), config.divergence_factor, fallback=config.fallback)
     first_epoch = _resume(config, rank, model, optimizer, codec, sync) if config.resume else 0
     log = _Log(config.log if rank == 0 else None)
@@ -127,6 +129,7 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
     finally:
         sync.close()
     summary = _summary(config, world, history, digest, describe)
+    summary["predicted_step_s"] = predicted
     summary.update(method=method_name(config), fallbacks=guard.fallbacks, steps=step.count)
     if stepped:
         summary.update(_stepped_summary(evals, compute_s))
