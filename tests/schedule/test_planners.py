@@ -67,17 +67,20 @@ def test_ring_alpha_grows_with_workers_until_everything_merges():
 def test_search_keeps_the_first_start_on_a_tie_and_takes_a_strictly_better_move():
     # A model where only the group count matters: fewer is better down to 2 groups.
     def evaluate(candidate):
-        return abs(len(candidate) - 2) + 1.0
+        return abs(len(candidate) - 2) + 1.0, 0.0
 
     singles = tuple((i, i + 1, 1) for i in range(6))
     best = search_groups(6, [singles], evaluate)
     assert len(best) == 2 and best[0][0] == 0 and best[-1][1] == 6
-    flat = lambda candidate: 1.0  # noqa: E731 (nothing is better than anything)
+    flat = lambda candidate: (1.0, 0.0)  # noqa: E731 (nothing is better than anything)
     assert search_groups(6, [singles, ((0, 6, 1),)], flat) == singles
+    # equal ends: the smaller tie-break wins
+    assert search_groups(6, [singles, ((0, 6, 1),)], lambda c: (1.0, -len(c))) == singles
+    assert search_groups(6, [singles, ((0, 6, 1),)], lambda c: (1.0, len(c))) == ((0, 6, 1),)
 
 
 def test_search_steps_spans_to_the_candidates():
-    best = search_groups(1, [((0, 1, 1),)], lambda c: -c[0][2], spans=(1, 2, 4, 8))
+    best = search_groups(1, [((0, 1, 1),)], lambda c: (-c[0][2], 0.0), spans=(1, 2, 4, 8))
     assert best == ((0, 1, 8),)
 
 

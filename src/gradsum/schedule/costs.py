@@ -137,7 +137,13 @@ class PSCost:
 
 
 def ps_step_end(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> float:
-    """When the last part of a PS plan is back, from the start of backward (``ready``: when each
+    """When the last part of a PS plan is back, from the start of backward: the latest of
+    :func:`ps_group_ends`."""
+    return max(ps_group_ends(plan, cluster, ready))
+
+
+def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> list[float]:
+    """When each group of a PS plan is back, from the start of backward (``ready``: when each
     layer's gradient exists), played out on the resources the simulator (``sim/engine.py``) has.
 
     The planners that search groupings price a candidate with this, so that they weigh what the
@@ -215,7 +221,7 @@ def ps_step_end(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> flo
 
     for g, t in enumerate(release):
         push(t, "release", g)
-    end = 0.0
+    ends = [0.0] * len(groups)
     while events:
         now, _, kind, data = heapq.heappop(events)
         if kind == "release":
@@ -252,7 +258,7 @@ def ps_step_end(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> flo
         elif kind == "pulled":
             g, j = data
             thread = max(now, thread) + aw
-            end = max(end, thread)
+            ends[g] = max(ends[g], thread)
             push(thread, "back", groups[g].parts[j].shard)
         else:  # a part is back: its shard's stream carries the next part
             (s,) = data
@@ -260,7 +266,7 @@ def ps_step_end(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> flo
                 push(now, "start", *streams[s].popleft())
             else:
                 busy.discard(s)
-    return end
+    return ends
 
 
 def _release_times(plan: Plan, ready: Sequence[float]) -> list[float]:

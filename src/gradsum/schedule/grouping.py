@@ -75,37 +75,47 @@ Candidate = tuple[tuple[int, int, int], ...]  # (first layer, stop layer, span) 
 def search_groups(
     count: int,
     starts: Sequence[Candidate],
-    evaluate: Callable[[Candidate], float],
+    evaluate: Callable[[Candidate], tuple[float, float]],
     spans: Sequence[int] = (),
     span_of: Callable[[int, int], int] = lambda first, stop: 1,
     max_evaluations: int = 2000,
 ) -> Candidate:
     """The grouping (and, with ``spans``, each group's span) that ends the step earliest by
-    ``evaluate``, a model of the whole step: the best of ``starts``, then improved by local moves
-    until none helps — merge two neighbours, move a boundary by one layer, split a group in
-    two, and (given ``spans``) step a group's span to the next candidate up or down. A merged or
-    split group takes ``span_of(first, stop)``. Only a strictly earlier end is taken, and the
-    first of equals wins, so ``starts[0]`` (WFBP's one group per layer) stands wherever nothing
-    beats it — where communication hides behind backward. ``max_evaluations`` bounds the
+    ``evaluate``, a model of the whole step that returns (the step's end, a tie-break): the
+    best of ``starts``, then improved by local moves until none helps — merge two neighbours,
+    move a boundary by one layer, split a group in two, and (given ``spans``) step a group's
+    span to the next candidate up or down. A merged or split group takes
+    ``span_of(first, stop)``. Only a strictly earlier end is taken, or an equal end (within
+    1e-9) with a strictly smaller tie-break; the first of equals wins, so ``starts[0]`` (WFBP's
+    one group per layer) stands wherever nothing beats it. ``max_evaluations`` bounds the
     search (each evaluation plays a whole step).
     """
     if count < 1:
         raise ValueError("nothing to group")
-    memo: dict[Candidate, float] = {}
+    memo: dict[Candidate, tuple[float, float]] = {}
 
-    def cost(candidate: Candidate) -> float:
+    def cost(candidate: Candidate) -> tuple[float, float]:
         if candidate not in memo:
             memo[candidate] = evaluate(candidate)
         return memo[candidate]
 
-    best = min(starts, key=cost)  # min keeps the first of equal ends
+    def better(a: Candidate, b: Candidate) -> bool:
+        (end_a, tie_a), (end_b, tie_b) = cost(a), cost(b)
+        if end_a < end_b * (1 - 1e-9):
+            return True
+        return end_a <= end_b * (1 + 1e-9) and tie_a < tie_b * (1 - 1e-9)
+
+    best = starts[0]
+    for start in starts[1:]:
+        if better(start, best):
+            best = start
     improved = True
     while improved and len(memo) < max_evaluations:
         improved = False
         for move in _moves(best, spans, span_of):
             if len(memo) >= max_evaluations:
                 break
-            if cost(move) < cost(best) * (1 - 1e-12):
+            if better(move, best):
                 best, improved = move, True
                 break
     return best
