@@ -124,7 +124,8 @@ def plot(points: dict[str, list[dict]], path: Path) -> None:
             for p, m, schedule in pairs:
                 axis.annotate(schedule, (p, m), fontsize="x-small")
             top = max(top, *(max(p, m) for p, m, _ in pairs))
-    axis.plot([0, top * 1.1], [0, top * 1.1], color="grey", linestyle=":", label="predicted")
+    diagonal = [0, top * 1.1]
+    axis.plot(diagonal, diagonal, color="grey", linestyle=":", label="measured = predicted")
     axis.set_xlabel("PS model's step time (s)")
     axis.set_ylabel("measured step time (s)")
     axis.legend(fontsize="x-small")
