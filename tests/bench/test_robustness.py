@@ -18,7 +18,8 @@ def test_the_report_compares_imerge_with_the_best_tuned_baseline(tmp_path, capsy
     (tmp_path / f"{point}_ddp.json").write_text(json.dumps([row("wfbp", 25.0, "ddp", digest="")]))
     robustness.main(["report", "--out", str(tmp_path), "--plot", str(tmp_path / "p.png")])
     out = capsys.readouterr().out
-    assert "imerge / best tuned baseline (fusion 5,000,000): 0.90" in out
+    assert "imerge / best tuned PS baseline (fusion 5,000,000): 0.90" in out
+    assert "imerge / DDP all-reduce (no injected delay): 1.80" in out
     assert "same parameters: True" in out
     assert "step 1.422 s, predicted 1.500 s" in out  # 4 workers x 16 / 45 samples/s
     assert (tmp_path / "p.png").stat().st_size > 0
