@@ -116,7 +116,8 @@ def test_a_testbed_that_fails_fails_every_job_it_had_left(monkeypatch):
 
     monkeypatch.setattr(train_testbed, "train_in_testbed", jobs)
     args = argparse.Namespace(model="digits-mlp", dataset="digits", epochs=1, batch_size=16,
-                              lr=0.1, seed=0, link_rate="100mbit", workers=2)  # fmt: skip
+                              lr=0.1, seed=0, link_rate="100mbit", workers=2,
+                              message_delay=0.0, fusion_elements=500_000, shards=None)  # fmt: skip
     fields = method_fields("switch:thc")
     outcomes = list(bench_train._testbed_outcomes(args, fields, ["a", "b", "c"]))
     assert [scheduler for scheduler, _ in outcomes] == ["a", "b", "c"]
@@ -161,7 +162,8 @@ def test_a_testbed_job_of_a_ddp_method_gets_its_hook(monkeypatch):
 
     monkeypatch.setattr(train_testbed, "train_in_testbed", jobs)
     args = argparse.Namespace(model="gpt", dataset="stdlib", epochs=1, batch_size=1,
-                              lr=1e-3, seed=0, link_rate="100mbit", workers=4)  # fmt: skip
+                              lr=1e-3, seed=0, link_rate="100mbit", workers=4,
+                              message_delay=0.0, fusion_elements=500_000, shards=None)  # fmt: skip
     fields = bench_train.parse_methods("ddp:powersgd4")[0][1]
     list(bench_train._testbed_outcomes(args, fields, ["fusion"]))
     flags = " ".join(seen["flags"])

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from gradsum.schedule import (
@@ -14,8 +16,7 @@ from gradsum.schedule import (
 )
 from gradsum.schedule.grouping import (
     mgwfbp_groups,
-    overlapped_pipeline_groups,
-    pipeline_groups,
+    search_groups,
     threshold_groups,
 )
 from gradsum.schedule.placement import (
@@ -63,58 +64,42 @@ def test_ring_alpha_grows_with_workers_until_everything_merges():
     assert mgwfbp_groups(sizes, ready, large.time, large.alpha) == [(0, 8)]
 
 
-def test_ps_pipeline_splits_when_overlap_beats_the_saved_start_up():
-    # Communication-bound: everything is ready at once. Merging two 1000-element layers saves
-    # α = 0.01 but loses the overlap of one pull with the next push (β·1000 = 1).
-    ready = [0.001, 0.002, 0.003, 0.004]
-    stage = linear(0.01, 0.001)
-    assert pipeline_groups([1000] * 4, ready, stage, stage) == [(0, 1), (1, 2), (2, 3), (3, 4)]
-    # The all-reduce rule, seeing later layers ready before the first finishes, merges all.
-    assert mgwfbp_groups([1000] * 4, ready, stage, alpha=0.01) == [(0, 4)]
+def test_search_keeps_the_first_start_on_a_tie_and_takes_a_strictly_better_move():
+    # A model where only the group count matters: fewer is better down to 2 groups.
+    def evaluate(candidate):
+        return abs(len(candidate) - 2) + 1.0, 0.0
+
+    singles = tuple((i, i + 1, 1) for i in range(6))
+    best = search_groups(6, [singles], evaluate)
+    assert len(best) == 2 and best[0][0] == 0 and best[-1][1] == 6
+    flat = lambda candidate: (1.0, 0.0)  # noqa: E731 (nothing is better than anything)
+    assert search_groups(6, [singles, ((0, 6, 1),)], flat) == singles
+    # equal ends: the smaller tie-break wins
+    assert search_groups(6, [singles, ((0, 6, 1),)], lambda c: (1.0, -len(c))) == singles
+    assert search_groups(6, [singles, ((0, 6, 1),)], lambda c: (1.0, len(c))) == ((0, 6, 1),)
 
 
-def test_ps_pipeline_merges_when_start_up_exceeds_the_lost_overlap():
-    ready = [0.001, 0.002, 0.003, 0.004]
-    stage = linear(2.0, 0.001)  # α = 2 > β·1000 = 1
-    assert pipeline_groups([1000] * 4, ready, stage, stage) == [(0, 4)]
+def test_search_steps_spans_to_the_candidates():
+    best = search_groups(1, [((0, 1, 1),)], lambda c: (-c[0][2], 0.0), spans=(1, 2, 4, 8))
+    assert best == ((0, 1, 8),)
 
 
-def test_overlapped_rule_keeps_groups_apart_when_their_transfers_run_in_parallel():
-    # Everything ready at once; each group's own transfer (α = 0.01, β·1000 = 1) runs on its
-    # own shards, in parallel with the others; the shared stream is light. Merging would put
-    # two layers' bytes on one group's parts: own time 2.01 instead of two parallel 1.01s.
-    ready = [0.001, 0.002, 0.003, 0.004]
-    own, stream = linear(0.01, 0.001), linear(0.001, 1e-5)
-    assert overlapped_pipeline_groups([1000] * 4, ready, own, stream) == [
-        (0, 1),
-        (1, 2),
-        (2, 3),
-        (3, 4),
-    ]
+def test_ps_step_end_plays_what_the_simulator_runs():
+    from gradsum.schedule.costs import ps_step_end
+    from gradsum.sim.engine import simulate
 
-
-def test_overlapped_rule_merges_when_the_shared_start_up_dominates():
-    # Each group costs 1 s on a resource all groups share (the worker's thread): merging the
-    # four saves 3 s there, more than the 3 ms of longer own transfer.
-    ready = [0.001, 0.002, 0.003, 0.004]
-    own, stream = linear(0.001, 1e-6), linear(1.0, 1e-6)
-    assert overlapped_pipeline_groups([1000] * 4, ready, own, stream) == [(0, 4)]
-
-
-def test_overlapped_rule_does_not_merge_on_a_tie():
-    # Bound by the shared stream with nothing saved per group: merged and separate end together.
-    ready = [0.0, 0.0]
-    own, stream = linear(0.0, 1e-6), linear(0.0, 1e-3)
-    assert overlapped_pipeline_groups([1000, 1000], ready, own, stream) == [(0, 1), (1, 2)]
-
-
-def test_merge_stream_is_bounded_by_all_shards_not_by_one_groups_pieces():
-    cluster = ClusterSpec(8, 8, 1, worker_bw=10e9, shard_bw=1e9, alpha_shard=0, alpha_worker=0)
-    cost = PSCost(cluster)
-    # Alone, a one-piece group is an 8-way incast at one shard; with others in flight on the
-    # other shards the step's shared rate is all 8 shards' ingress over 8 workers.
-    assert cost.partitioned_time(1e6, 4e6) == pytest.approx(8 * 1e6 / 1e9)
-    assert cost.stream_time(1e6, 4e6) == pytest.approx(1e6 / 1e9)
+    profile = uniform_profile([30_000] * 12, [0.0005] * 12, [0.00025] * 12)
+    cluster = ClusterSpec(8, 8, 2, worker_bw=5e9, shard_bw=2e9, nic_bw=12.5e9,
+                          alpha_worker=1e-3, alpha_shard=1e-4)  # fmt: skip
+    forward = sum(layer.forward_s for layer in profile.layers)
+    for name, options in [("wfbp", {}), ("fusion", {"threshold": 90_000}), ("imerge", {})]:
+        plan = make_planner(name, **options)(profile, cluster)
+        simulated = simulate(profile, plan, cluster).iteration_s - forward
+        assert ps_step_end(plan, cluster, profile.ready_times()) == pytest.approx(
+            simulated, rel=0.1
+        ), name
+    with pytest.raises(ValueError, match="list order"):
+        ps_step_end(make_planner("priority")(profile, cluster), cluster, profile.ready_times())
 
 
 # --------------------------------------------------------------------------- cost models
@@ -126,8 +111,6 @@ def test_ps_cost_incast_and_interleaving():
     assert cost.time(megabyte, 1, interleaved=False) == pytest.approx(8 * megabyte / 1e9)
     # Spread over 8 shards with rotation: one worker per shard at a time, shard-port bound.
     assert cost.time(megabyte, 8, interleaved=True) == pytest.approx(megabyte / 1e9)
-    assert cost.best_span(megabyte, interleaved=True) == 8
-    assert cost.best_span(megabyte, interleaved=False) == 1
 
 
 def test_ps_cost_counts_queued_messages_at_a_shard():
@@ -190,10 +173,12 @@ def test_all_reduce_model_merges_everything_where_the_ps_model_does_not():
 
 
 def test_imerge_spreads_groups_and_rotates_each_workers_first_shard():
+    # Where bytes, not messages, cost (1 µs per message), spreading a group's incast pays.
     profile, cluster = comm_bound_setup(8)
+    cluster = dataclasses.replace(cluster, alpha_worker=1e-6, alpha_shard=1e-7)
     plan = make_planner("imerge")(profile, cluster)
     assert plan.interleave
-    big = max(plan.groups, key=lambda g: g.numel)
+    big = max(plan.groups, key=lambda g: len(g.parts))
     span = len(big.parts)
     assert span > 1
     first_shards = {plan.part_order(big, w)[0].shard for w in range(span)}
@@ -288,12 +273,6 @@ def test_all_reduce_fit_through_the_ps_counts_concurrency_twice():
     fitted = AllReduceCost.fitted_through_ps(cluster)
     assert fitted.link.alpha == pytest.approx(2 * (1e-4 + 32 * 5e-5))
     assert fitted.alpha == pytest.approx(62 * fitted.link.alpha)
-
-
-def test_partitioned_stage_gets_faster_per_byte_with_more_pieces():
-    cost = PSCost(ClusterSpec(8, 8, 1, worker_bw=10e9, shard_bw=1e9, alpha_shard=0, alpha_worker=0))
-    assert cost.partitioned_time(8e6, 1e6) == pytest.approx(8e6 / 1e9)  # 8 shards, 8 senders each
-    assert cost.partitioned_time(1e6, 1e6) == pytest.approx(8 * 1e6 / 1e9)
 
 
 def test_baseline_placement_is_a_stated_parameter():

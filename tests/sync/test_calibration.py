@@ -173,6 +173,14 @@ def test_a_given_cost_replaces_the_calibration_and_must_be_a_cost():
         agree_on_plan("imerge", *args, fit=AlphaBeta(1e-3, 0.0))
 
 
+def test_an_injected_message_delay_is_planned_with():
+    # calibration measures through the aggregator, not the senders that inject the delay
+    args = (tiny_model(), torch.randn(8, 20), _Untouchable(), make_codec("none", workers=1))
+    plain = agree_on_plan("imerge", *args, fit=TRUTH)
+    delayed = agree_on_plan("imerge", *args, fit=TRUTH, message_delay=0.002)
+    assert delayed.cluster.alpha_worker == pytest.approx(plain.cluster.alpha_worker + 0.002)
+
+
 @pytest.mark.slow
 def test_every_worker_follows_worker_0_through_repeated_rounds():
     # One size only: no round can separate α from β, so every round is repeated until the

@@ -96,3 +96,22 @@ def test_a_window_of_one_group_keeps_the_next_group_waiting():
         sender.close()
     assert shards.most_active == 2  # group 1 (shard 2) waited for both parts of group 0
     assert [shard for shard, _ in shards.calls][-1] == 2
+
+
+def test_an_injected_message_delay_is_paid_on_one_thread_for_every_send_and_answer():
+    # Three parts on three shard streams run their transfers together (0.05 s), but the
+    # delay is one communication thread's: 3 sends + 3 answers of 0.04 s queue behind each
+    # other (0.24 s), as alpha_worker does in the simulator.
+    plan = three_part_plan(interleave=False, credit_bytes=None)
+    shards = RecordingShards(3)
+    sender = ShardSender(shards, plan, 0, timeout=10, codec=make_codec("none"), message_delay=0.04)
+    try:
+        started = time.perf_counter()
+        result = sender.submit(0, torch.arange(12, dtype=torch.float32), step=0).wait()
+        elapsed = time.perf_counter() - started
+    finally:
+        sender.close()
+    assert torch.equal(result, torch.arange(12, dtype=torch.float32) * 2)
+    assert elapsed >= 6 * 0.04
+    with pytest.raises(ValueError, match="per-message delay must be >= 0"):
+        ShardSender(shards, plan, 0, timeout=10, codec=make_codec("none"), message_delay=-1)

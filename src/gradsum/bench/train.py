@@ -52,6 +52,12 @@ class TrainRow:
     link_rate: str = "loopback"
     plan: str = ""  # what the scheduler chose at start-up (groups, fitted α and β)
     error: Failure | None = None  # why the run failed: worker rank, exception type and message
+    message_delay: float = 0.0  # s injected per message on each worker's communication thread
+    final_loss: float | None = None
+    # a digest of the trained parameters: equal across schedules that summed the same gradients
+    parameter_digest: str = ""
+    # the PS model's time per step for the plan the run made (None where it has none)
+    predicted_step_s: float | None = None
 
     @property
     def failed(self) -> bool:
@@ -89,6 +95,19 @@ def register(benches: argparse._SubParsersAction) -> None:
         help="run inside an emulated cluster (gradsum testbed; root) whose links have this rate, "
         "e.g. 100mbit: a switch host, or one PS shard per worker host",
     )
+    parser.add_argument(
+        "--message-delay", type=float, default=0.0, metavar="SECONDS",
+        help="seconds injected per message on each worker's communication thread "
+        "(gradsum train --message-delay)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--fusion-elements", type=positive_int, default=500_000,
+        help="static fusion's threshold (gradsum train --fusion-elements)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--shards", type=positive_int,
+        help="PS shards in the testbed, beside the first workers (default: one per worker)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the rows as a JSON list here")
     parser.set_defaults(run=run)
 
@@ -118,6 +137,12 @@ def parse_schedulers(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..cli import UsageError
+
+    if args.shards is not None and not args.link_rate:
+        raise UsageError("--shards places PS shards in the testbed: give --link-rate too")
+    if not 0 <= args.message_delay < 1:
+        raise UsageError(f"--message-delay {args.message_delay}: seconds in [0, 1)")
     methods = parse_methods(args.methods)
     schedulers = parse_schedulers(args.schedulers)
     rows = _Rows(args.json)
@@ -172,6 +197,7 @@ def _config(args, fields: dict, scheduler: str):
     return TrainConfig(
         scheduler=scheduler, model=args.model, dataset=args.dataset, workers=args.workers,
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+        message_delay=args.message_delay, fusion_elements=args.fusion_elements,
         progress=False, **fields,
     )  # fmt: skip
 
@@ -194,6 +220,10 @@ def _row(args, name: str, config, outcome: dict | Failure) -> TrainRow:
         link_rate=args.link_rate or "loopback",
         plan=summary.get("plan", ""),
         error=error,
+        message_delay=args.message_delay,
+        final_loss=summary.get("final_loss"),
+        parameter_digest=summary.get("parameter_digest", ""),
+        predicted_step_s=summary.get("predicted_step_s"),
     )
 
 
@@ -224,7 +254,7 @@ def _testbed_outcomes(
     config = _config(args, fields, schedulers[0])  # the testbed adds each job's scheduler
     jobs = train_in_testbed(
         config.aggregator, schedulers, rate=args.link_rate, workers=args.workers,
-        train_flags=train_flags(config),
+        train_flags=train_flags(config), shards=args.shards,
     )  # fmt: skip
     # next() apart from the yield: only the testbed's own errors are caught, never one thrown
     # into this generator (GeneratorExit when the caller stops early)

@@ -33,15 +33,20 @@ def train_in_testbed(
     train_flags: list[str],
     timeout: float = 900.0,
     testbed_id: str = "benchtrain",
+    shards: int | None = None,
 ) -> Iterator[tuple[str, dict | Failure]]:
     """Each scheduler's outcome as soon as its job ends: rank 0's summary, or the job's Failure,
     trained through ``aggregator`` on ``workers`` hosts: the switch on the testbed's switch host,
-    PS shards beside the workers, or Gloo all-reduce. An error of the testbed or the aggregators
+    PS shards beside the first ``shards`` workers (default: one per worker), or Gloo all-reduce.
+    An error of the testbed or the aggregators
     themselves is raised."""
     from ..testbed.testbed import Testbed
 
+    shards = workers if shards is None else shards
+    if not 1 <= shards <= workers:
+        raise ValueError(f"{shards} PS shards on {workers} worker hosts: need 1..{workers}")
     with Testbed(workers, rate=rate, switch=aggregator == "switch", id=testbed_id) as tb:
-        daemons = _start_aggregators(tb, aggregator, workers)
+        daemons = _start_aggregators(tb, aggregator, shards)
         try:
             for k, scheduler in enumerate(schedulers):
                 print(
@@ -59,19 +64,19 @@ def train_in_testbed(
                     # a failed job can leave rounds half-aggregated: the next gets fresh daemons
                     for daemon in daemons:
                         daemon.stop()
-                    daemons = _start_aggregators(tb, aggregator, workers)
+                    daemons = _start_aggregators(tb, aggregator, shards)
         finally:
             for daemon in daemons:
                 daemon.stop()
 
 
-def _start_aggregators(tb, aggregator: str, workers: int) -> list:
+def _start_aggregators(tb, aggregator: str, shards: int) -> list:
     from ..testbed.aggregation import NamespaceDaemon
 
     if aggregator == "switch":
         return [NamespaceDaemon(tb, "switch", "switch")]
     if aggregator == "ps":
-        return [NamespaceDaemon(tb, f"w{i}", "server") for i in range(workers)]
+        return [NamespaceDaemon(tb, f"w{i}", "server") for i in range(shards)]
     return []
 
 
@@ -195,6 +200,7 @@ def train_flags(config) -> list[str]:
         "--eval-every": config.eval_every, "--eval-samples": config.eval_samples,
         "--time-budget": config.time_budget, "--target-loss": config.target_loss,
         "--divergence-factor": config.divergence_factor, "--fallback": config.fallback,
+        "--message-delay": config.message_delay or None,
     }  # fmt: skip
     for flag, value in optional.items():
         if value is not None:

@@ -9,17 +9,22 @@
   (incast), every message costs the shard's one core α_shard (so n of them queue per part), a
   group may span several shards, and concurrently active senders share each NIC. Push and pull are
   two pipeline stages running in opposite directions.
+* :func:`ps_step_end` — a whole PS plan played out on the resources the simulator has, for the
+  planners that search groupings (``merge``, ``imerge``).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from .cluster import ClusterSpec
+from .plan import Plan
 
 
 @dataclass(frozen=True)
@@ -122,44 +127,6 @@ class PSCost:
         overhead = span * self.part_overhead(span, interleaved)
         return overhead + nbytes / self.worker_rate(span, interleaved)
 
-    def partitioned_time(self, nbytes: float, partition_bytes: float) -> float:
-        """One stage of a group cut into pieces of ≤ ``partition_bytes`` pushed all at once.
-
-        Every worker sends the same pieces (n-way incast per shard), but the pieces' shards work
-        in parallel: the worker thread pays α_worker per piece, each core n·α_shard.
-        """
-        c = self.cluster
-        pieces = max(1, min(c.shards, math.ceil(nbytes / partition_bytes)))
-        rate = min(c.worker_bw, pieces * c.shard_bw / c.workers, self.nic_rate())
-        return pieces * c.alpha_worker + c.workers * c.alpha_shard + nbytes / rate
-
-    def stream_time(self, nbytes: float, partition_bytes: float) -> float:
-        """What one stage of a partitioned group adds to the work shared by all groups in flight.
-
-        With a window several groups are in flight and least-loaded placement puts them on
-        different shards, so together they move at most min(B_worker, m·B_shard/n, NIC share)
-        per worker, whatever each group's own pieces could do alone. The start-up that every
-        group pays on shared resources stays: α_worker per piece on the worker's one thread,
-        and n·α_shard per piece on the cores, m of which work in parallel.
-        """
-        c = self.cluster
-        pieces = max(1, min(c.shards, math.ceil(nbytes / partition_bytes)))
-        start_up = pieces * (c.alpha_worker + c.workers * c.alpha_shard / c.shards)
-        rate = min(c.worker_bw, c.shards * c.shard_bw / c.workers, self.nic_rate())
-        return start_up + nbytes / rate
-
-    def interleaved_stream_time(self, nbytes: float, span: int) -> float:
-        """What one stage of an interleaved group adds to the work all groups in flight share.
-
-        Consecutive groups sit on different shards, so one group's incast and core queueing
-        (its :meth:`time`) overlap the next group's; what they share is the worker's one thread
-        (α_worker per part), its port, its NIC share and all shards together (m·B_shard/n).
-        """
-        c = self.cluster
-        span = max(1, min(span, c.shards))
-        rate = min(c.worker_bw, c.shards * c.shard_bw / c.workers, self.nic_rate())
-        return span * c.alpha_worker + nbytes / rate
-
     def span_candidates(self) -> list[int]:
         """Spans a planner considers: powers of two, the worker count and every shard."""
         candidates = sorted(
@@ -168,9 +135,148 @@ class PSCost:
         )
         return [s for s in candidates if 1 <= s <= self.cluster.shards]
 
-    def best_span(self, nbytes: float, interleaved: bool) -> int:
-        """The span that minimises :meth:`time` alone (1 when not interleaved: parts only add
-        α). A group's own optimum; ``plan_imerge`` chooses against the step's end instead."""
-        if not interleaved:
-            return 1
-        return min(self.span_candidates(), key=lambda s: (self.time(nbytes, s, True), s))
+
+def ps_step_end(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> float:
+    """When the last part of a PS plan is back, from the start of backward: the latest of
+    :func:`ps_group_ends`."""
+    return max(ps_group_ends(plan, cluster, ready))
+
+
+def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> list[float]:
+    """When each group of a PS plan is back, from the start of backward (``ready``: when each
+    layer's gradient exists), played out on the resources the simulator (``sim/engine.py``) has.
+
+    The planners that search groupings price a candidate with this, so that they weigh what the
+    simulator and the runtime run: every part costs α_worker twice on the worker's *one* thread
+    (send, receive — pushes and pulls queue on the same thread), n·α_shard twice on its shard's
+    core (the n pushes, then the n answers), n × its bytes through its shard's port each way,
+    its bytes through the worker's port each way, and the copies of remote workers through the
+    NICs (into the shard's machine and out of the others for the pushes, the other way for the
+    answers: a NIC direction carries local workers' pushes *and* local shards' answers); a
+    worker has one round trip per shard stream at a time, and the window admits every group
+    (the merge planners' windows).
+
+    All workers are taken to be alike — same compute, same plan — so one representative worker
+    is played, the one its shards answer last. Ports are served first come, first served at full
+    rate (the max-min network shares them; the last byte through a port ends at the same time
+    either way). With interleaving, a part is complete at its shard once the worker that sends it
+    last (rotated order: position (j − w) mod span) has sent it; without it, when its own send is
+    through. Every wait is a queue in time order (an event loop), as in the simulator.
+    """
+    total = plan.total_elements * cluster.bytes_per_element
+    if plan.aggregator != "ps" or plan.order != "fifo":
+        raise ValueError("ps_step_end plays PS plans sent in list order")
+    if plan.credit_bytes is None or plan.credit_bytes < total:
+        raise ValueError("ps_step_end plays windows that admit every group as it is released")
+    n, m = cluster.workers, cluster.shards
+    aw, ash, bpe = cluster.alpha_worker, cluster.alpha_shard, cluster.bytes_per_element
+    rate = cluster.worker_bw
+    # Workers per machine, and each shard's machine: a part's n pushes cross into its shard's
+    # machine from every other one, its n answers back out (the NIC pipes carry all workers).
+    machines = cluster.machines_used
+    local = [0] * machines
+    for w in range(n):
+        local[cluster.worker_machine(w)] += 1
+    home = [cluster.shard_machine(s) for s in range(m)]
+    nic_in, nic_out = [0.0] * machines, [0.0] * machines
+
+    def cross(start: float, shard: int, nbytes: float, inward: bool) -> float:
+        """The NIC pipes a part's n copies cross (push: into the shard's machine)."""
+        into, out_of = (nic_in, nic_out) if inward else (nic_out, nic_in)
+        there, done = home[shard], start
+        for machine, count in enumerate(local):
+            if machine != there and count:
+                out_of[machine] = max(start, out_of[machine]) + count * nbytes / cluster.nic_bw
+                done = max(done, out_of[machine])
+        remote = n - local[there]
+        if remote:
+            into[there] = max(start, into[there]) + remote * nbytes / cluster.nic_bw
+            done = max(done, into[there])
+        return done
+
+    shard_rate = cluster.shard_bw
+    release = _release_times(plan, ready)
+    groups = plan.groups
+    # Rotated send order (interleaving): which position's send gates part j at its shard.
+    gate = []
+    for group in groups:
+        k = len(group.parts)
+        if plan.interleave and k > 1:
+            gate.append([max((j - w) % k for w in range(min(n, k))) for j in range(k)])
+        else:
+            gate.append(list(range(k)))
+    thread = egress = ingress = 0.0
+    shard_in, shard_core, shard_out = [0.0] * m, [0.0] * m, [0.0] * m
+    streams: dict[int, deque] = {}
+    busy: set[int] = set()
+    sent = [[None] * len(g.parts) for g in groups]  # when each position's bytes are out
+    arrived = [[None] * len(g.parts) for g in groups]  # when the part is in at its shard
+    events: list = []
+    seq = 0
+
+    def push(time, kind, *data):
+        nonlocal seq
+        heapq.heappush(events, (time, seq, kind, data))
+        seq += 1
+
+    for g, t in enumerate(release):
+        push(t, "release", g)
+    ends = [0.0] * len(groups)
+    while events:
+        now, _, kind, data = heapq.heappop(events)
+        if kind == "release":
+            (g,) = data
+            for j, part in enumerate(groups[g].parts):
+                streams.setdefault(part.shard, deque()).append((g, j))
+                if part.shard not in busy:
+                    busy.add(part.shard)
+                    push(now, "start", *streams[part.shard].popleft())
+        elif kind == "start":
+            g, j = data
+            part = groups[g].parts[j]
+            nbytes = part.numel * bpe
+            thread = max(now, thread) + aw
+            egress = max(thread, egress) + nbytes / rate
+            shard_in[part.shard] = max(thread, shard_in[part.shard]) + n * nbytes / shard_rate
+            crossed = cross(thread, part.shard, nbytes, inward=True)
+            sent[g][j] = egress
+            arrived[g][j] = max(egress, crossed, shard_in[part.shard])
+            for i, position in enumerate(gate[g]):
+                if (i == j or position == j) and None not in (arrived[g][i], sent[g][position]):
+                    push(max(arrived[g][i], sent[g][position]), "pushed", g, i)
+        elif kind == "pushed":
+            g, j = data
+            part = groups[g].parts[j]
+            nbytes = part.numel * bpe
+            s = part.shard
+            summed = max(now, shard_core[s]) + n * ash
+            shard_core[s] = summed + n * ash  # the n answers
+            shard_out[s] = max(summed + ash, shard_out[s]) + n * nbytes / shard_rate
+            ingress = max(shard_core[s], ingress) + nbytes / rate
+            crossed = cross(summed + ash, s, nbytes, inward=False)
+            push(max(shard_out[s], ingress, crossed), "pulled", g, j)
+        elif kind == "pulled":
+            g, j = data
+            thread = max(now, thread) + aw
+            ends[g] = max(ends[g], thread)
+            push(thread, "back", groups[g].parts[j].shard)
+        else:  # a part is back: its shard's stream carries the next part
+            (s,) = data
+            if streams[s]:
+                push(now, "start", *streams[s].popleft())
+            else:
+                busy.discard(s)
+    return ends
+
+
+def _release_times(plan: Plan, ready: Sequence[float]) -> list[float]:
+    """When each group leaves: once its last layer's gradient exists and every group before it
+    has left (list order; ``after_backward``: once the whole backward has run)."""
+    times, latest = [], 0.0
+    offsets = plan.layer_offsets
+    for group in plan.groups:
+        last = int(np.searchsorted(offsets, group.stop, side="left")) - 1
+        at = ready[-1] if plan.trigger == "after_backward" else ready[last]
+        latest = max(latest, at)
+        times.append(latest)
+    return times

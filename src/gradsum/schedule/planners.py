@@ -7,9 +7,9 @@ fusion     static fusion: layers merged while a group stays ≤ ``threshold`` el
 mgwfbp     MG-WFBP's merge rule on the ring all-reduce α–β model
 priority   slices of ``slice_elements``, most urgent (front) layer first, credit window,
            pre-emption at slice boundaries, next forward gated per layer (ByteScheduler/P3)
-merge      merge rule from the PS cost model (push/pull stages of overlapping groups, incast)
-imerge     merge from the interleaved PS cost model, groups spread over consecutive shards and
-           every worker rotating its starting shard (no synchronised incast)
+merge      groups searched against the PS plan played out on its resources (costs.ps_step_end)
+imerge     groups and spans searched the same way, interleaved: groups spread over consecutive
+           shards and every worker rotating its starting shard (no synchronised incast)
 =========  ==============================================================================
 
 The cost model each adaptive planner reasons with is derived from the ``ClusterSpec`` unless one
@@ -19,16 +19,14 @@ is passed as ``cost=``; see :mod:`gradsum.schedule.costs`.
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable
 
 from .cluster import ClusterSpec
-from .costs import AllReduceCost, PSCost
+from .costs import AllReduceCost, PSCost, ps_group_ends
 from .grouping import (
     LayerRanges,
     mgwfbp_groups,
-    overlapped_pipeline_groups,
-    overlapped_span_groups,
+    search_groups,
     single_layers,
     threshold_groups,
 )
@@ -126,58 +124,110 @@ def plan_mgwfbp(
     )
 
 
+def _search_starts(profile: ModelProfile) -> list[LayerRanges]:
+    """Where the merge planners' search starts: WFBP's one group per layer first (it stands on
+    ties), then static fusion at thresholds from one layer's worth to everything in one group,
+    the fusion baseline's 500,000 among them, so the search starts from the best of both."""
+    total = profile.total_params
+    thresholds = {500_000} | {max(1, total >> k) for k in range(0, 16)}
+    starts = [single_layers(len(profile.layers))]
+    starts += [threshold_groups(profile.params, t) for t in sorted(thresholds)]
+    return starts
+
+
+def _step_and_mean_end(plan: Plan, cluster: ClusterSpec, ready) -> tuple[float, float]:
+    """What the merge planners minimise: the step's end by the whole-plan play, then (on equal
+    ends) the mean time a layer's gradients are back, which is lowest for WFBP's one group per
+    layer where communication hides and breaks ties the play cannot see (it serves ports first
+    come, first served and so hides what a few messages less save behind a long bottleneck)."""
+    ends = ps_group_ends(plan, cluster, ready)
+    layers = [len(plan.layers_of(g)) for g in plan.groups]
+    return max(ends), sum(e * k for e, k in zip(ends, layers, strict=True)) / sum(layers)
+
+
+def _pieces(profile: ModelProfile, cluster: ClusterSpec, first: int, stop: int) -> int:
+    """BytePS's piece count for layers [first, stop): ⌈elements / 4 MB of fp32⌉, at most m."""
+    offsets = profile.offsets
+    elements = int(offsets[stop]) - int(offsets[first])
+    return max(1, min(cluster.shards, -(-elements // PARTITION_ELEMENTS)))
+
+
 def plan_merge(
     profile: ModelProfile,
     cluster: ClusterSpec,
     *,
-    cost: PSCost | None = None,
     placement: str = "pieces",
+    max_evaluations: int = 2000,
 ) -> Plan:
-    cost = cost or PSCost(cluster)
-    element_bytes = cluster.bytes_per_element
-    # "whole": a group is one piece on one shard, whatever its size.
-    partition_bytes = PARTITION_ELEMENTS * element_bytes if placement == "pieces" else math.inf
+    """Groups chosen by playing candidate plans out on the PS's resources (``costs.ps_step_end``:
+    per-message costs per part on the worker's one thread and the shards' cores, incast at each
+    part's shard, one round trip per shard stream, the window admitting every group), placed
+    as the baselines are (``placement``). The search (``grouping.search_groups``) starts from
+    the best of WFBP's and static fusion's groupings, so by its own model merge is never behind
+    either."""
+    ready = profile.ready_times()
 
-    def own(n: int) -> float:
-        return cost.partitioned_time(n * element_bytes, partition_bytes)
+    def build(candidate) -> Plan:
+        layers = [(a, b) for a, b, _ in candidate]
+        return _layer_plan(profile, cluster, "merge", layers, placement=placement)
 
-    def stream(n: int) -> float:
-        return cost.stream_time(n * element_bytes, partition_bytes)
+    def evaluate(candidate) -> tuple[float, float]:
+        return _step_and_mean_end(build(candidate), cluster, ready)
 
-    layers = overlapped_pipeline_groups(profile.params, profile.ready_times(), own, stream)
-    return _layer_plan(profile, cluster, "merge", layers, placement=placement)
-
-
-def plan_imerge(profile: ModelProfile, cluster: ClusterSpec, *, cost: PSCost | None = None) -> Plan:
-    """Groups and their spans from the PS merge rule, each span chosen against the step's end
-    (``grouping.overlapped_span_groups``). The window admits every group as it is released, as
-    the baselines' does: the rule assumes consecutive groups overlap on different shards, and a
-    window of one group (one round trip after another) measured 51.6 ms against merge's 30.5 ms
-    where per-message costs dominate (tests/schedule/test_regimes.py's setup)."""
-    cost = cost or PSCost(cluster)
-    element_bytes = cluster.bytes_per_element
-
-    def own(n: int, span: int) -> float:
-        return cost.time(n * element_bytes, span, interleaved=True)
-
-    def stream(n: int, span: int) -> float:
-        return cost.interleaved_stream_time(n * element_bytes, span)
-
-    layers, spans = overlapped_span_groups(
-        profile.params, profile.ready_times(), own, stream, cost.span_candidates()
+    starts = [tuple((a, b, 1) for a, b in ranges) for ranges in _search_starts(profile)]
+    best = search_groups(
+        len(profile.layers), starts, evaluate, max_evaluations=max_evaluations
     )
-    ranges = _element_ranges(profile, layers)
-    parts = place_spread(ranges, spans, cluster.shards)
-    groups = tuple(Group(a, b, p) for (a, b), p in zip(ranges, parts, strict=True))
-    window = profile.total_params * element_bytes
-    return Plan(
-        "imerge",
-        groups,
-        interleave=True,
-        credit_bytes=window,
-        **plan_skeleton(profile),
-        options={"spans": spans},
+    return build(best)
+
+
+def plan_imerge(
+    profile: ModelProfile, cluster: ClusterSpec, *, max_evaluations: int = 2000
+) -> Plan:
+    """Groups *and* their spans chosen by playing candidate plans out on the PS's resources
+    (``costs.ps_step_end``), as ``merge`` does, but interleaved: group g over ``span`` consecutive
+    shards continuing around the ring, every worker starting at a different part, so a big
+    group's n pushes spread over several shards' ports instead of meeting at one. A span costs
+    α_worker per part on the worker's one thread, which every later group waits behind, so the
+    search weighs each span against the step's end. It starts from merge's starts, each group
+    over as many shards as BytePS would cut it into pieces. The window admits every group as it
+    is released, as the baselines' does."""
+    ready = profile.ready_times()
+    element_bytes = cluster.bytes_per_element
+    span_candidates = PSCost(cluster).span_candidates()
+
+    def build(candidate) -> Plan:
+        ranges = _element_ranges(profile, [(a, b) for a, b, _ in candidate])
+        spans = [s for _, _, s in candidate]
+        parts = place_spread(ranges, spans, cluster.shards)
+        groups = tuple(Group(a, b, p) for (a, b), p in zip(ranges, parts, strict=True))
+        return Plan(
+            "imerge",
+            groups,
+            interleave=True,
+            credit_bytes=profile.total_params * element_bytes,
+            **plan_skeleton(profile),
+            options={"spans": [len(p) for p in parts]},
+        )
+
+    def evaluate(candidate) -> tuple[float, float]:
+        return _step_and_mean_end(build(candidate), cluster, ready)
+
+    def span_of(first: int, stop: int) -> int:
+        return _pieces(profile, cluster, first, stop)
+
+    starts = [
+        tuple((a, b, span_of(a, b)) for a, b in ranges) for ranges in _search_starts(profile)
+    ]
+    best = search_groups(
+        len(profile.layers),
+        starts,
+        evaluate,
+        spans=span_candidates,
+        span_of=span_of,
+        max_evaluations=max_evaluations,
     )
+    return build(best)
 
 
 def plan_priority(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 from .presets import Preset, get_preset
 from .scaling import default_processes
@@ -36,7 +37,11 @@ def fit(
     report=print,
     placements=PLACEMENTS,
     batches=BATCHES,
+    alphas_ms=None,
 ) -> dict:
+    """The best point over ``placements`` × ``batches`` × α_worker: ``scipy.optimize.brute``
+    over ``LOG_ALPHA_RANGE``, or exactly the α_worker values ``alphas_ms`` (ms) where given, so
+    one grid can be split over several shorter runs."""
     from scipy import optimize
 
     base = base or get_preset("imerge-seed")
@@ -51,9 +56,15 @@ def fit(
             report(f"alpha_worker {ms:.3f} ms, {placement}, batch {batch}: loss {value:.3f}")
             return value
 
-        x, value, *_ = optimize.brute(
-            objective, [LOG_ALPHA_RANGE], Ns=GRID_POINTS, full_output=True, finish=None
-        )
+        if alphas_ms:
+            x, value = min(
+                ((math.log10(a * 1e-3), objective([math.log10(a * 1e-3)])) for a in alphas_ms),
+                key=lambda point: point[1],
+            )
+        else:
+            x, value, *_ = optimize.brute(
+                objective, [LOG_ALPHA_RANGE], Ns=GRID_POINTS, full_output=True, finish=None
+            )
         point = {"log_alpha": float(x), "placement": placement, "batch": batch, "loss": value}
         if best is None or value < best["loss"]:
             best = point
@@ -71,9 +82,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--placements", default=",".join(PLACEMENTS))
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--alphas-ms", help="α_worker values to score, e.g. 0.1,0.447 (ms)")
     args = parser.parse_args()
     fit(
         report=lambda line: print(line, flush=True),
         placements=args.placements.split(","),
         batches=[int(b) for b in args.batches.split(",")],
+        alphas_ms=[float(a) for a in args.alphas_ms.split(",")] if args.alphas_ms else None,
     )

@@ -93,9 +93,11 @@ PRESETS: dict[str, Preset] = {
 # change to the simulator or the planners and update these values.
 FITTED = {"alpha_worker": 100e-6, "placement": "pieces", "batch_size": 64}
 FIT_RECORD = (
-    "alpha_worker in {0.1, 0.447, 1.995} ms (alpha_shard = alpha_worker / 2); batch 128: "
-    "pieces 5.049 / 5.710 / 5.104, whole 6.594 / 6.381 / 6.641; batch 64: pieces 4.156 / "
-    "4.987 / 4.895 (whole not searched); best alpha_worker 0.1 ms, pieces, batch 64 (loss 4.156)"
+    "alpha_worker in {0.1, 0.447, 1.995} ms (alpha_shard = alpha_worker / 2); with the "
+    "whole-plan merge planners (commit bbe2d9d): batch 64 pieces 4.335 / 4.885 / 4.764, batch "
+    "128 pieces 5.045 at 0.1 ms; searched before them: batch 128 pieces 5.049 / 5.710 / 5.104, "
+    "whole 6.594 / 6.381 / 6.641, batch 64 whole not searched; best alpha_worker 0.1 ms, "
+    "pieces, batch 64 (loss 4.335)"
 )
 PRESETS["imerge-seed-fit"] = replace(
     PRESETS["imerge-seed"],

@@ -74,6 +74,7 @@ class GradientSync:
         seed: int = 0,
         timeout: float = 300.0,
         partition_elements: int = PARTITION_ELEMENTS,
+        message_delay: float = 0.0,
     ):
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         if plan is not None and (groups is not None or fusion_elements):
@@ -93,6 +94,9 @@ class GradientSync:
         self.seed = seed
         self.timeout = timeout
         self.partition_elements = partition_elements
+        if message_delay < 0:
+            raise ValueError(f"message_delay must be >= 0 s, got {message_delay}")
+        self.message_delay = message_delay
         self.step = 0
         self._lossless: Codec | None = None
         after_backward = plan is not None and plan.trigger == "after_backward"
@@ -122,12 +126,14 @@ class GradientSync:
             return ShardSender(
                 self.aggregator, self.plan, self.aggregator.rank, timeout=self.timeout,
                 codec=self.codec, seed=self.seed, partition_elements=self.partition_elements,
+                message_delay=self.message_delay,
             )  # fmt: skip
         return SerialSender(
             self.aggregator,
             self.codec,
             seed=self.seed,
             partition_elements=self.partition_elements,
+            message_delay=self.message_delay,
         )
 
     def _hook(self, index: int):

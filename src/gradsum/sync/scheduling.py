@@ -20,6 +20,7 @@ Every worker runs :func:`agree_on_plan` together:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 import warnings
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import AlphaBeta, ClusterSpec, ModelProfile, Plan, fit_alpha_beta, make_planner
+from ..schedule.costs import ps_step_end
 from ..schedule.ordering import send_order
 from ..schedule.profiling import measure_profile
 from .sharded import time_transfers
@@ -90,6 +92,20 @@ class RuntimePlan:
             f"plan {self.plan.summary()}; {self.cost.describe()}; "
             f"backward {self.profile.backward_s.sum() * 1e3:.1f} ms (measured)"
         )
+
+    def predicted_step_s(self) -> float | None:
+        """The PS model's time per step of this plan on the measured cluster: its forward, then
+        the backward with every part played out (``costs.ps_step_end``). None where there is no
+        measured cost (cost-free policies plan without one) or the model does not play the plan
+        (all-reduce, priority order)."""
+        if self.cost.fit is None:
+            return None
+        try:
+            comm = ps_step_end(self.plan, self.cluster, self.profile.ready_times())
+        except ValueError:
+            return None
+        backward = float(self.profile.backward_s.sum())
+        return float(self.profile.forward_s.sum()) + max(comm, backward)
 
 
 def fit_measurements(measurements: Sequence[Samples]) -> AlphaBeta:
@@ -229,9 +245,13 @@ def agree_on_plan(
     options: dict | None = None,
     model_name: str = "model",
     fit: AlphaBeta | None = None,
+    message_delay: float = 0.0,
 ) -> RuntimePlan:
     """Worker 0 profiles and plans; every worker returns the same plan and send order. ``fit``
-    replaces the start-up calibration with known per-message costs (reproducible plans)."""
+    replaces the start-up calibration with known per-message costs (reproducible plans);
+    ``message_delay``, the seconds the senders inject per message (``senders.MessageCost``),
+    is added to the cluster's α_worker: calibration measures through the aggregator, not the
+    senders, so it cannot see it."""
     planner = make_planner(scheduler, **(options or {}))  # bad options fail on every worker
     started = time.perf_counter()
     cost = _cost_model(scheduler, fit, aggregator, codec)
@@ -246,6 +266,9 @@ def agree_on_plan(
             ClusterSpec(workers=world, shards=shards)
             if cost.fit is None
             else cluster_from_fit(cost.fit, world, shards)
+        )
+        cluster = dataclasses.replace(
+            cluster, alpha_worker=cluster.alpha_worker + message_delay
         )
         plan = planner(profile, cluster)
         order = send_order(plan, profile, _transfer_seconds(cost, cluster, scheduler))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -35,10 +36,30 @@ from .layout import cut_shapes
 from .streams import CommStream
 
 
+class MessageCost:
+    """An injected per-message cost on a worker's *one* communication thread: ``charge()``
+    holds one lock for ``seconds``, so the charges of all of a worker's streams queue behind
+    each other as the simulator's ``alpha_worker`` does (a send, and the receipt of its answer,
+    each pay it). A real delay on the path, for measuring schedules where start-ups dominate."""
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        if seconds < 0:
+            raise ValueError(f"a per-message delay must be >= 0 s, got {seconds}")
+        self.seconds = seconds
+        self._thread = threading.Lock()
+
+    def charge(self) -> None:
+        if self.seconds:
+            with self._thread:
+                time.sleep(self.seconds)
+
+
 class SerialSender:
-    def __init__(self, aggregator: Aggregator, codec: Codec, *, seed: int, partition_elements):
+    def __init__(self, aggregator: Aggregator, codec: Codec, *, seed: int, partition_elements,
+                 message_delay: float = 0.0):  # fmt: skip
         self.aggregator, self.codec = aggregator, codec
         self.seed, self.partition_elements = seed, partition_elements
+        self._message = MessageCost(message_delay)
         self._thread = CommunicationThread("gradsum-sync")
 
     def submit(self, group: int, flat: torch.Tensor, step: int,
@@ -52,8 +73,9 @@ class SerialSender:
         handoff = CommStream.of(flat.device).handoff([flat])  # on the producer's stream
 
         def run() -> torch.Tensor:
+            self._message.charge()
             with _deferring(checks):
-                return self.aggregator.synchronize(
+                out = self.aggregator.synchronize(
                     flat,
                     self.codec,
                     key=key,
@@ -61,6 +83,8 @@ class SerialSender:
                     seed=self.seed,
                     partition_elements=self.partition_elements,
                 )
+            self._message.charge()
+            return out
 
         return self._thread.submit(run, handoff)
 
@@ -73,7 +97,8 @@ class ShardSender:
     runs one part's codec round on its shard."""
 
     def __init__(self, shards, plan: Plan, worker: int, *, timeout: float, codec: Codec,
-                 seed: int = 0, partition_elements: int | None = None):  # fmt: skip
+                 seed: int = 0, partition_elements: int | None = None,
+                 message_delay: float = 0.0):  # fmt: skip
         needed = 1 + max(p.shard for g in plan.groups for p in g.parts)
         if needed > shards.num_shards:
             raise ValueError(
@@ -82,6 +107,7 @@ class ShardSender:
             )
         self.shards, self.plan, self.worker, self.timeout = shards, plan, worker, timeout
         self.codec, self.seed, self.partition_elements = codec, seed, partition_elements
+        self._message = MessageCost(message_delay)
         self._window = SendWindow(plan, worker)
         self._lock = threading.Lock()  # the window and the groups in flight
         self._groups: dict[int, _GroupInFlight] = {}
@@ -118,11 +144,13 @@ class ShardSender:
             self.codec.describe(key, cut_shapes(state.shapes, a, b))
 
         def run() -> None:
+            self._message.charge()
             with _deferring(state.checks):
                 state.out[a:b] = self.shards.synchronize_part(
                     part.shard, state.flat[a:b], self.codec, key=key, step=state.step,
                     seed=self.seed, partition_elements=self.partition_elements,
                 )  # fmt: skip
+            self._message.charge()
 
         return run
 

@@ -41,6 +41,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(docs/scheduling.md); fusion uses --fusion-elements",
     )
     parser.add_argument("--fusion-elements", type=positive_int, default=defaults.fusion_elements)
+    parser.add_argument(
+        "--message-delay",
+        type=float,
+        default=defaults.message_delay,
+        metavar="SECONDS",
+        help="inject this many seconds per message on each worker's one communication thread "
+        "(before a send, after its answer; serial across shards); the planners are told",
+    )
     parser.add_argument("--model", choices=MODEL_NAMES, default=defaults.model)
     parser.add_argument("--dataset", choices=DATASET_NAMES, default=defaults.dataset)
     parser.add_argument("--data-dir", help="directory holding the dataset files (cifar10)")
@@ -169,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         codec_options=args.codec_options,
         scheduler=args.scheduler,
         fusion_elements=args.fusion_elements,
+        message_delay=args.message_delay,
         model=args.model,
         dataset=args.dataset,
         data_dir=args.data_dir,
@@ -195,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
 
     if config.mtu is not None and not MIN_MTU <= config.mtu <= MAX_MTU:
         raise UsageError(f"--mtu {config.mtu}: must be between {MIN_MTU} and {MAX_MTU}")
+    if not 0 <= config.message_delay < 1:
+        raise UsageError(f"--message-delay {config.message_delay}: seconds in [0, 1)")
     try:
         check_compatible(config.aggregator, config.codec)
         _check_data(config)

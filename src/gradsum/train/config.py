@@ -35,6 +35,10 @@ class TrainConfig:
     # (α s per message, β s per byte) to plan with instead of the start-up calibration, for
     # plans that must not depend on how loaded the machine is (tests, reproduced runs).
     fixed_cost: tuple[float, float] | None = None
+    # Seconds injected per message on the worker's one communication thread, before each send
+    # and after each answer (PS parts, or whole groups): a per-message cost made real on the
+    # path, for measuring schedules where start-ups dominate (docs/scheduling.md).
+    message_delay: float = 0.0
     model: str = "digits-mlp"
     dataset: str = "digits"
     data_dir: str | None = None

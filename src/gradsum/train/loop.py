@@ -75,6 +75,7 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
     if aggregator is None:
         sync = DDPSync(model, config)
         net, describe, order = sync.net, f"torch DDP, hook {config.ddp_hook}", []
+        predicted = None
     else:
         options = {"threshold": config.fusion_elements} if config.scheduler == "fusion" else {}
         batch = dataset.train.inputs[: config.batch_size].to(device_of(config))
@@ -87,6 +88,7 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
             options=options,
             model_name=config.model,
             fit=AlphaBeta(*config.fixed_cost) if config.fixed_cost else None,
+            message_delay=config.message_delay,
         )
         sync = GradientSync(
             model,
@@ -96,8 +98,10 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
             order=chosen.order,
             seed=config.seed,
             timeout=config.timeout,
+            message_delay=config.message_delay,
         )
         net, describe, order = model, chosen.describe(), chosen.order
+        predicted = chosen.predicted_step_s()
     guard = DivergenceGuard(method_name(config), config.divergence_factor, fallback=config.fallback)
     first_epoch = _resume(config, rank, model, optimizer, codec, sync) if config.resume else 0
     log = _Log(config.log if rank == 0 else None)
@@ -125,6 +129,7 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
     finally:
         sync.close()
     summary = _summary(config, world, history, digest, describe)
+    summary["predicted_step_s"] = predicted
     summary.update(method=method_name(config), fallbacks=guard.fallbacks, steps=step.count)
     if stepped:
         summary.update(_stepped_summary(evals, compute_s))

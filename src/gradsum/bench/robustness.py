@@ -1,0 +1,168 @@
+"""The testbed robustness map of the schedules (docs/scheduling.md, "Robustness map").
+
+For each point (link rate × injected per-message delay × model) every schedule trains the same
+model from the same seed in the testbed, 4 workers and ``--shards`` PS shards, through
+``gradsum bench train`` (one call per row group, each writing its JSON rows as it goes):
+default, WFBP, merge, imerge and priority (its default credit); static fusion at every
+threshold of ``--thresholds`` (the best is the tuned baseline); and torch DDP all-reduce (Gloo).
+
+``run`` measures (timing-sensitive: run it under ``/work/bin/cpu-quiet``), ``report`` prints
+the table — samples/s per schedule, imerge against the best tuned baseline, whether every
+schedule ended with the same parameters (same sums) — and draws the PS model's predicted step
+time against the measured one (``--plot``).
+
+    python -m gradsum.bench.robustness run --out map/ --rates 1gbit --delays 0,0.005
+    python -m gradsum.bench.robustness report --out map/ --plot predicted.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+PS_SCHEDULES = ("default", "wfbp", "merge", "imerge", "priority")
+# PS baselines, with the best static fusion; DDP apart: torch's all-reduce does not go through
+# gradsum's senders, so it pays no injected per-message delay
+BASELINES = ("default", "wfbp", "priority")
+BATCH = 16  # per worker
+
+
+def point_name(rate: str, delay: float, model: str) -> str:
+    return f"{model}_{rate}_{delay * 1e3:g}ms"
+
+
+def run(args: argparse.Namespace) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    for rate, delay, model in itertools.product(args.rates, args.delays, args.models):
+        name = point_name(rate, delay, model)
+        common = ["--model", model, "--dataset", args.dataset, "--workers", str(args.workers),
+                  "--epochs", str(args.epochs), "--batch-size", str(BATCH), "--lr", str(args.lr),
+                  "--link-rate", rate,
+                  "--message-delay", str(delay)]  # fmt: skip
+        calls = [("ps", ["--methods", "ps:none", "--shards", str(args.shards),
+                         "--schedulers", ",".join(PS_SCHEDULES)])]  # fmt: skip
+        for threshold in args.thresholds:
+            calls.append((f"fusion{threshold}", ["--methods", "ps:none", "--shards",
+                          str(args.shards), "--schedulers", "fusion",
+                          "--fusion-elements", str(threshold)]))  # fmt: skip
+        calls.append(("ddp", ["--methods", "ddp:none", "--schedulers", "wfbp"]))
+        for label, flags in calls:
+            path = args.out / f"{name}_{label}.json"
+            if path.exists():
+                continue  # measured already: a map is built over several calls
+            command = [sys.executable, "-m", "gradsum.cli", "bench", "train", *common, *flags,
+                       "--json", str(path)]  # fmt: skip
+            print(" ".join(command), flush=True)
+            subprocess.run(command, check=False)
+
+
+def load(out: Path) -> dict[str, list[dict]]:
+    """Rows by point, each labelled with its schedule (fusion rows with their threshold)."""
+    points: dict[str, list[dict]] = {}
+    for path in sorted(out.glob("*.json")):
+        name, _, label = path.stem.rpartition("_")
+        for row in json.loads(path.read_text()):
+            if row["aggregator"] == "ddp":
+                row["schedule"] = "ddp"
+            elif label.startswith("fusion"):
+                row["schedule"] = f"fusion {int(label[6:]):,}"
+            else:
+                row["schedule"] = row["scheduler"]
+            points.setdefault(name, []).append(row)
+    return points
+
+
+def step_seconds(row: dict) -> float | None:
+    if not row.get("samples_per_s"):
+        return None
+    return row["workers"] * BATCH / row["samples_per_s"]
+
+
+def report(args: argparse.Namespace) -> None:
+    points = load(args.out)
+    for name, rows in points.items():
+        print(f"\n{name}")
+        by = {r["schedule"]: r for r in rows}
+        fusions = [r for r in rows if r["schedule"].startswith("fusion") and r["samples_per_s"]]
+        best_fusion = max(fusions, key=lambda r: r["samples_per_s"], default=None)
+        for schedule, row in by.items():
+            speed = row["samples_per_s"]
+            cell = f"{speed:8.1f} samples/s" if speed else "  failed"
+            predicted = row.get("predicted_step_s")
+            extra = f"  step {step_seconds(row):.3f} s" if speed else ""
+            extra += f", predicted {predicted:.3f} s" if predicted else ""
+            print(f"  {schedule:<18}{cell}{extra}  digest {row.get('parameter_digest', '')[:8]}")
+        baselines = [by[b] for b in BASELINES if b in by and by[b]["samples_per_s"]]
+        baselines += [best_fusion] if best_fusion else []
+        best = max(baselines, key=lambda r: r["samples_per_s"], default=None)
+        imerge = by.get("imerge")
+        if best and imerge and imerge["samples_per_s"]:
+            ratio = imerge["samples_per_s"] / best["samples_per_s"]
+            print(f"  imerge / best tuned PS baseline ({best['schedule']}): {ratio:.2f}")
+            ddp = by.get("ddp")
+            if ddp and ddp["samples_per_s"]:
+                ratio = imerge["samples_per_s"] / ddp["samples_per_s"]
+                print(f"  imerge / DDP all-reduce (no injected delay): {ratio:.2f}")
+        ps = [r for r in rows if r["aggregator"] == "ps" and r.get("parameter_digest")]
+        same = len({r["parameter_digest"] for r in ps}) == 1
+        print(f"  PS schedules ended with the same parameters: {same}")
+    if args.plot:
+        plot(points, args.plot)
+
+
+def plot(points: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(4.8, 4.2))
+    top = 0.0
+    for name, rows in points.items():
+        pairs = [(r["predicted_step_s"], step_seconds(r), r["schedule"]) for r in rows
+                 if r.get("predicted_step_s") and step_seconds(r)]  # fmt: skip
+        if pairs:
+            axis.scatter([p for p, _, _ in pairs], [m for _, m, _ in pairs], label=name)
+            for p, m, schedule in pairs:
+                axis.annotate(schedule, (p, m), fontsize="x-small")
+            top = max(top, *(max(p, m) for p, m, _ in pairs))
+    diagonal = [0, top * 1.1]
+    axis.plot(diagonal, diagonal, color="grey", linestyle=":", label="measured = predicted")
+    axis.set_xlabel("PS model's step time (s)")
+    axis.set_ylabel("measured step time (s)")
+    axis.legend(fontsize="x-small")
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    measure = commands.add_parser("run")
+    measure.add_argument("--out", type=Path, required=True)
+    measure.add_argument("--rates", type=lambda t: t.split(","), default=["1gbit"])
+    measure.add_argument("--delays", type=lambda t: [float(x) for x in t.split(",")],
+                         default=[0.0, 0.005])  # fmt: skip
+    measure.add_argument("--models", type=lambda t: t.split(","), default=["digits-wide"])
+    measure.add_argument("--thresholds", type=lambda t: [int(x) for x in t.split(",")],
+                         default=[4_300_000, 5_000_000])  # fmt: skip
+    measure.add_argument("--dataset", default="digits")
+    measure.add_argument("--workers", type=int, default=4)
+    measure.add_argument("--shards", type=int, default=2)
+    measure.add_argument("--epochs", type=int, default=1)
+    measure.add_argument("--lr", type=float, default=0.02)
+    summary = commands.add_parser("report")
+    summary.add_argument("--out", type=Path, required=True)
+    summary.add_argument("--plot", type=Path)
+    args = parser.parse_args(argv)
+    run(args) if args.command == "run" else report(args)
+
+
+if __name__ == "__main__":
+    main()
