@@ -6,7 +6,7 @@ model from the same seed in the testbed, 4 workers and ``--shards`` PS shards, t
 default, WFBP, merge, imerge and priority (its default credit); static fusion at every
 threshold of ``--thresholds`` (the best is the tuned baseline); and torch DDP all-reduce (Gloo).
 
-``run`` measures (timing-sensitive: run it under ``/work/bin/cpu-quiet``), ``report`` prints
+``run`` measures (timing-sensitive: run it with nothing else on the host), ``report`` prints
 the table — samples/s per schedule, imerge against the best tuned baseline, whether every
 schedule ended with the same parameters (same sums) — and draws the PS model's predicted step
 time against the measured one (``--plot``).
