@@ -16,7 +16,7 @@ from gradsum.cli import main
 from gradsum.failures import Failure, WorkerFailed
 from gradsum.testbed.shell import TestbedError
 from gradsum.train import launch
-from gradsum.train.peers import method_fields, method_name
+from gradsum.train.methods import method_fields, method_name
 
 
 def _row(scheduler: str, samples_per_s: float, plan: str = "") -> TrainRow:

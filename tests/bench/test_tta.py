@@ -10,7 +10,8 @@ from gradsum.bench import tta
 from gradsum.bench.train_testbed import train_flags
 from gradsum.cli import UsageError, build_parser, main
 from gradsum.train.config import TrainConfig
-from gradsum.train.peers import method_fields, method_name, wire_bytes_per_step
+from gradsum.train.methods import method_fields, method_name
+from gradsum.train.peers import wire_bytes_per_step
 
 
 @pytest.mark.parametrize(

@@ -116,7 +116,7 @@ def parse_methods(text: str) -> list[tuple[str, dict]]:
     """Each method's name and ``TrainConfig`` fields, parsed as ``bench tta`` parses them:
     gradsum's AGGREGATOR:CODEC pairs or DDP and its hooks (``ddp``, ``ddp:fp16``, ...)."""
     from ..cli import UsageError
-    from ..train.peers import method_fields
+    from ..train.methods import method_fields
 
     names = [name.strip() for name in text.split(",") if name.strip()]
     methods = [(name, method_fields(name)) for name in names]
@@ -232,7 +232,7 @@ def _local_outcomes(
 ) -> Iterator[tuple[str, dict | Failure]]:
     """Each scheduler's run on local workers: rank 0's summary, or why it failed."""
     from ..train.launch import run_local
-    from ..train.peers import method_name
+    from ..train.methods import method_name
 
     for scheduler in schedulers:
         config = _config(args, fields, scheduler)

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..failures import Failure
-from ..train.peers import method_fields
+from ..train.methods import method_fields
 from .cli import positive_int
 from .train_testbed import train_flags
 

@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(error)) from None
     torchrun = under_torchrun()
     if not torchrun:
-        from .peers import method_name
+        from .methods import method_name
 
         print(
             f"training {config.model} on {config.dataset}: {config.workers} workers, "

@@ -24,8 +24,9 @@ from .aggregators import make_aggregator
 from .config import DDP, TrainConfig
 from .data import augment_images, load_dataset, shard_batches, steps_per_epoch
 from .guard import DivergenceGuard
+from .methods import method_name
 from .models import build_model, model_sizes, sample_shape
-from .peers import DDPSync, method_name
+from .peers import DDPSync
 
 
 @dataclass
