@@ -137,3 +137,27 @@ def test_the_command_writes_rows_as_it_goes_and_keeps_them_on_the_next_run(tmp_p
         main([*flags[:-4], "--workers", "3"])
     assert usage.value.code == 2
     assert "--workers 3: must divide --global-batch 4" in capsys.readouterr().err
+
+
+def test_a_row_that_fails_is_named_and_the_others_are_written(tmp_path, capsys, monkeypatch):
+    from gradsum.bench import scale
+
+    real = scale.train_simulated
+
+    def failing_for_thc(method, *args, **kwargs):
+        if method == "thc":
+            raise FloatingPointError("gradient turned non-finite")
+        return real(method, *args, **kwargs)
+
+    monkeypatch.setattr(scale, "train_simulated", failing_for_thc)
+    rows = tmp_path / "rows.json"
+    flags = ["bench", "scale", "--workers", "1,2", "--methods", "thc,none", "--steps", "2",
+             "--global-batch", "4", "--layers", "1", "--width", "16", "--heads", "2",
+             "--context", "8", "--eval-every", "2", "--eval-samples", "8",
+             "--data-bytes", "16384", "--json", str(rows)]  # fmt: skip
+    assert main(flags) == 1
+    written = json.loads(rows.read_text())
+    assert [(r["method"], r["workers"]) for r in written] == [("none", 1), ("none", 2)]
+    err = capsys.readouterr().err
+    assert "failed: thc n=1 quorum=1: FloatingPointError: gradient turned non-finite" in err
+    assert "failed: thc n=2 quorum=2: FloatingPointError" in err

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -90,7 +91,12 @@ class ScaleRow:
 
     @property
     def key(self) -> tuple:
-        return (self.method, self.workers, self.quorum, json.dumps(self.setup, sort_keys=True))
+        return row_key(self.method, self.workers, self.quorum, self.setup)
+
+
+def row_key(method: str, workers: int, quorum: int, setup: dict) -> tuple:
+    """What identifies a row, so a rerun keeps the rows it already has."""
+    return (method, workers, quorum, json.dumps(setup, sort_keys=True))
 
 
 def register(benches: argparse._SubParsersAction) -> None:
@@ -164,6 +170,7 @@ def _parse_list(text: str, convert, flag: str) -> list:
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
     from ..codecs.names import CODEC_NAMES
+    from ..failures import Failure
 
     workers = _parse_list(args.workers, int, "workers")
     methods = _parse_list(args.methods, str.strip, "methods")
@@ -197,21 +204,25 @@ def run(args: argparse.Namespace) -> int:
     )
     rows = load_rows(args.json) if args.json and args.json.exists() else []
     done = {row.key for row in rows}
-    dataset = None
+    dataset, failed = None, []
     for n in workers:
         for q in quorums:
             for method in methods:
                 quorum = quorum_size(n, q)
-                key = (method, n, quorum, json.dumps(asdict(setup), sort_keys=True))
-                if key in done:
+                if row_key(method, n, quorum, asdict(setup)) in done:
                     print(f"  {method} n={n} quorum={quorum}: kept from {args.json}")
                     continue
                 if dataset is None:
                     dataset = lm_dataset(setup)
                 print(f"  {method} n={n} quorum={quorum} ...", flush=True)
-                row = train_simulated(
-                    method, n, setup, quorum=quorum, dataset=dataset, grads=args.grads
-                )
+                try:
+                    row = train_simulated(
+                        method, n, setup, quorum=quorum, dataset=dataset, grads=args.grads
+                    )
+                except Exception as error:  # this row fails; the others may well not
+                    failed.append(f"{method} n={n} quorum={quorum}: {Failure.of(error)}")
+                    print(f"    failed: {Failure.of(error)}", flush=True)
+                    continue
                 print(
                     f"    val loss {row.val_loss:.4f}, modelled time {row.modelled_time:.1f} "
                     f"({row.seconds:.0f} s)",
@@ -227,7 +238,9 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         for path in plot_rows(rows, args.plot):
             print(f"wrote {path}")
-    return 0
+    for line in failed:
+        print(f"failed: {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def quorum_size(workers: int, fraction: float) -> int:
