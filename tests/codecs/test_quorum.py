@@ -102,3 +102,27 @@ def test_a_quorum_round_needs_a_mask_per_piece_of_the_lanes_shape():
         run_quorum_round(codec, inputs, [torch.zeros(2, 1024, dtype=torch.bool)])
     with pytest.raises(TypeError, match="'topk' has none to sum"):
         run_quorum_round(make_codec("topk", workers=2), inputs, [])
+
+
+def test_a_quorum_over_several_partitions_and_a_ragged_tail_is_that_quorums_round():
+    """At the size users run: two 2**20 partitions and a tail that is no power of two, one
+    mask per piece, worker 2 absent from all of them: the round of the other three, bit for
+    bit; absent from every other chunk only, neither that round nor the full one."""
+    from gradsum.codecs.round import PARTITION_ELEMENTS, partition_bounds
+
+    length = 2 * PARTITION_ELEMENTS + 12_345
+    inputs = gaussian_inputs(4, length, seed=6)
+    codec = make_codec("thc", workers=4, error_feedback=False)
+    pieces = [codec.lanes(end - start) for start, end in partition_bounds(length)]
+    assert len(pieces) == 3
+    absent = []
+    for lanes in pieces:
+        mask = torch.ones(4, lanes, dtype=torch.bool)
+        mask[2] = False
+        absent.append(mask)
+    got = run_quorum_round(codec, inputs, absent, step=1)
+    assert torch.equal(got, run_round(codec, inputs, contributors=[0, 1, 3], step=1).average)
+    mixed = run_quorum_round(codec, inputs, [chunk_mask(4, lanes, absent=2) for lanes in pieces],
+                             step=1)  # fmt: skip
+    full = run_round(codec, inputs, step=1).average
+    assert not torch.equal(mixed, full) and not torch.equal(mixed, got)
