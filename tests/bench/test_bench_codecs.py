@@ -76,3 +76,55 @@ def test_bad_flags_are_clear_errors(argv, message, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_seeds_measure_several_draws_and_pair_each_codec_with_the_first(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    codecs = "thc,thc+correlated=true"
+    argv = ["bench", "codecs", "--size", "2^12", "--repeats", "1", "--input", "real",
+            "--codecs", codecs, "--seeds", "0-2", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert sorted((r["seed"], r["codec"]) for r in rows) == sorted(
+        (s, c) for s in range(3) for c in ("thc", "thc+correlated=true")
+    )
+    # different draws are different gradients: the NMSE moves between them
+    assert len({r["nmse"] for r in rows if r["codec"] == "thc"}) == 3
+    assert all(0 < r["norm_spread"] <= 1 for r in rows)
+    ratios = [
+        next(r["nmse"] for r in rows if r["seed"] == s and r["codec"] == "thc+correlated=true")
+        / next(r["nmse"] for r in rows if r["seed"] == s and r["codec"] == "thc")
+        for s in range(3)
+    ]
+    text = capsys.readouterr().out
+    line = next(x for x in text.splitlines() if x.startswith("thc+correlated=true ") and "[" in x)
+    assert f"{sum(ratios) / 3:.4f}" in line
+    assert f"{min(ratios):.3f}" in line and f"{max(ratios):.3f}" in line
+
+
+def test_seed_summary_is_the_paired_ratio_with_a_t_interval():
+    from gradsum.bench.codecs import CodecRow, summarize_seeds
+
+    def row(codec, seed, nmse):
+        return CodecRow("real", codec, 4, 16, True, nmse, 4, 7, 1, 1, 1, 1, 1, seed=seed,
+                        norm_spread=0.9)  # fmt: skip
+
+    # the baseline's NMSE doubles between draws while the ratio stays near 0.5: pairing keeps
+    # the draws' difficulty out of the ratio's interval
+    rows = [row("a", 0, 1.0), row("a", 1, 2.0), row("a", 2, 4.0),
+            row("b", 0, 0.4), row("b", 1, 1.0), row("b", 2, 2.4)]  # fmt: skip
+    a, b = summarize_seeds(rows)
+    assert (a.codec, a.ratio_mean, a.ratio_ci95) == ("a", 1.0, 0.0)
+    assert b.ratio_mean == pytest.approx(0.5)
+    assert (b.ratio_min, b.ratio_max) == (pytest.approx(0.4), pytest.approx(0.6))
+    # t(0.975, 2) = 4.303; sd of (0.4, 0.5, 0.6) = 0.1
+    assert b.ratio_ci95 == pytest.approx(4.303 * 0.1 / 3**0.5, rel=1e-3)
+    assert b.nmse_mean == pytest.approx(3.8 / 3)
+
+
+@pytest.mark.parametrize("text", ["3", "1,1", "a-b", "0-0"])
+def test_seeds_need_two_distinct_draws(text, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "codecs", "--seeds", text])
+    assert exit_info.value.code == 2
+    assert "--seeds" in capsys.readouterr().err

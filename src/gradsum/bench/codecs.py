@@ -5,6 +5,12 @@ NMSE of the decoded average, and the time of the three places a codec runs (work
 aggregator op, worker decode), each also as a ratio to a plain copy of the same partition
 measured in the same run. For codecs that are not homomorphic the aggregator time and the NMSE
 include what a parameter server must do for them: decode every payload, sum, and re-encode.
+
+One seed is one draw of the inputs (for real gradients: one model initialisation and one batch
+per worker), and between draws a codec's NMSE moves far more than its rounding noise does within
+one. ``--seeds`` measures several draws and summarises each codec over them: the mean and
+spread of its NMSE, and its NMSE over the first codec's on the same draw (a paired ratio: the
+draw's own difficulty cancels), with the mean ratio's 95 % confidence interval.
 """
 
 from __future__ import annotations
@@ -45,6 +51,10 @@ class CodecRow:
     # NMSE of the last timed round: the same as ``nmse`` in distribution for stateless codecs,
     # warmed up (same inputs, ``repeats`` rounds later) for a warm-started one (powersgd)
     nmse_last: float = float("nan")
+    seed: int = 0  # the inputs' draw
+    # RMS over max of the workers' input norms (1: equal norms). A codec scaled by the largest
+    # norm (THC) puts the other workers on fewer of its grid steps
+    norm_spread: float = float("nan")
 
     @property
     def encode_decode_ratio(self) -> float:
@@ -80,7 +90,12 @@ def register(benches: argparse._SubParsersAction) -> None:
         help="comma-separated codecs (all); NAME+option=value+... is a variant with options of "
         "its own, e.g. thc,thc+correlated=true",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the inputs' draw (0)")
+    parser.add_argument(
+        "--seeds", type=seed_list, default=None,
+        help="several draws, e.g. 0-19 or 0,4,7 (instead of --seed): rows per draw, then each "
+        "codec's NMSE over them and its ratio to the first codec's, draw by draw",
+    )  # fmt: skip
     parser.add_argument(
         "--options",
         default="",
@@ -126,10 +141,13 @@ def run(args: argparse.Namespace) -> int:
     threads = torch.get_num_threads()
     if not args.wall_clock:
         torch.set_num_threads(1)  # all work on this thread, so its CPU time is all the work
+    seeds = args.seeds or [args.seed]
     try:
-        rows = _measure_all(inputs, codecs, args, clock)
+        rows = [row for seed in seeds for row in _measure_all(inputs, codecs, args, clock, seed)]
     finally:
         torch.set_num_threads(threads)
+    if len(seeds) > 1:
+        print(format_seed_summary(summarize_seeds(rows)))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
         print(f"wrote {len(rows)} rows to {args.json}")
@@ -139,30 +157,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure_all(inputs, codecs, args, clock) -> list[CodecRow]:
+def _measure_all(inputs, codecs, args, clock, seed: int) -> list[CodecRow]:
     from .inputs import input_shapes
 
     rows: list[CodecRow] = []
     for kind in inputs:
-        made = _make_inputs(kind, args.workers, args.size, args.seed)
+        made = _make_inputs(kind, args.workers, args.size, seed)
         vectors = [v.to(args.device) for v in made]
         for name in codecs:
             _progress(f"{kind}: {name}")
             if args.error_feedback and _refuses_feedback(name):
                 print(f"{name}: skipped, it refuses error feedback", file=sys.stderr)
                 continue
-            rows.append(
-                measure_codec(
-                    name,
-                    kind,
-                    vectors,
-                    args.repeats,
-                    args.error_feedback,
-                    clock,
-                    args.codec_options.get(name, {}),
-                    input_shapes(kind, args.size),
-                )
+            row = measure_codec(
+                name,
+                kind,
+                vectors,
+                args.repeats,
+                args.error_feedback,
+                clock,
+                args.codec_options.get(name, {}),
+                input_shapes(kind, args.size),
             )
+            row.seed = seed
+            rows.append(row)
+        print(f"seed {seed}")
         print(format_table([r for r in rows if r.input == kind]))
         print()
     return rows
@@ -287,6 +306,8 @@ def measure_codec(
     shared = [s for _, _, s in first.pieces if s is not None]
     summary_bits = sum(s.numel() for s in shared) * codec.summary_bits() / average.numel()
     bits_up, bits_down = first.bits_per_coordinate()
+    norms = torch.stack([torch.linalg.vector_norm(x.to(torch.float64)) for x in inputs])
+    spread = float(norms.pow(2).mean().sqrt() / norms.max()) if float(norms.max()) > 0 else 1.0
     copy_hot_ms = cached_copy_ms(inputs[0], repeats, clock)
     return CodecRow(
         input=kind,
@@ -304,7 +325,103 @@ def measure_codec(
         copy_ms=_median_ms(samples["copy"]),
         copy_hot_ms=copy_hot_ms,
         clock=getattr(clock, "name", "wall" if clock is time.perf_counter else "thread-cpu"),
+        norm_spread=spread,
     )
+
+
+def seed_list(text: str) -> list[int]:
+    """``--seeds``: ``0-19`` (both ends included) or ``0,4,7``; at least two distinct draws."""
+    seeds: list[int] = []
+    try:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            low, dash, high = part.partition("-")
+            seeds.extend(range(int(low), int(high) + 1) if dash else [int(part)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not seeds (0-19 or 0,4,7): {text!r}") from None
+    if len(set(seeds)) < 2 or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(
+            f"--seeds needs at least two distinct seeds, none repeated: {text!r}"
+        )
+    return seeds
+
+
+@dataclass(frozen=True)
+class SeedSummary:
+    """One codec on one input over several draws; ``ratio_*``: its NMSE over ``baseline``'s on
+    the same draw, the mean with the half-width of its 95 % confidence interval (Student's t
+    over the draws), and the range."""
+
+    input: str
+    codec: str
+    baseline: str
+    draws: int
+    nmse_mean: float
+    nmse_sd: float
+    ratio_mean: float
+    ratio_ci95: float
+    ratio_min: float
+    ratio_max: float
+    norm_spread_mean: float
+
+
+def summarize_seeds(rows: list[CodecRow]) -> list[SeedSummary]:
+    """Every (input, codec) over its seeds, the ratios paired with the input's first codec."""
+    from scipy.stats import t as student_t
+
+    summaries = []
+    for kind in dict.fromkeys(r.input for r in rows):
+        selected = [r for r in rows if r.input == kind]
+        baseline = selected[0].codec
+        reference = {r.seed: r.nmse for r in selected if r.codec == baseline}
+        for codec in dict.fromkeys(r.codec for r in selected):
+            mine = [r for r in selected if r.codec == codec and r.seed in reference]
+            values = [r.nmse for r in mine]
+            ratios = [r.nmse / reference[r.seed] for r in mine]
+            count = len(ratios)
+            half = (student_t.ppf(0.975, count - 1) * statistics.stdev(ratios) / count**0.5
+                    if count > 1 else float("nan"))  # fmt: skip
+            summaries.append(
+                SeedSummary(
+                    input=kind,
+                    codec=codec,
+                    baseline=baseline,
+                    draws=count,
+                    nmse_mean=statistics.fmean(values),
+                    nmse_sd=statistics.stdev(values) if count > 1 else float("nan"),
+                    ratio_mean=statistics.fmean(ratios),
+                    ratio_ci95=half,
+                    ratio_min=min(ratios),
+                    ratio_max=max(ratios),
+                    norm_spread_mean=statistics.fmean(r.norm_spread for r in mine),
+                )
+            )
+    return summaries
+
+
+def format_seed_summary(summaries: list[SeedSummary]) -> str:
+    if not summaries:
+        return ""
+    width = max(12, *(len(s.codec) for s in summaries))
+    lines = []
+    for kind in dict.fromkeys(s.input for s in summaries):
+        selected = [s for s in summaries if s.input == kind]
+        head = selected[0]
+        lines += [
+            f"input={kind} over {head.draws} draws (workers' norms: RMS / max = "
+            f"{head.norm_spread_mean:.3f} on average); ratio: NMSE / {head.baseline}'s NMSE "
+            "on the same draw",
+            f"{'codec':<{width}} {'NMSE mean':>10} {'sd':>9} {'ratio mean':>10} "
+            f"{'95% CI':>17} {'min':>6} {'max':>6}",
+        ]
+        for s in selected:
+            low, high = s.ratio_mean - s.ratio_ci95, s.ratio_mean + s.ratio_ci95
+            lines.append(
+                f"{s.codec:<{width}} {s.nmse_mean:>10.4g} {s.nmse_sd:>9.2g} "
+                f"{s.ratio_mean:>10.4f} {f'[{low:.4f}, {high:.4f}]':>17} {s.ratio_min:>6.3f} "
+                f"{s.ratio_max:>6.3f}"
+            )
+        lines.append("")
+    return "\n".join(lines)
 
 
 def cuda_event_clock() -> Callable[[], float]:
