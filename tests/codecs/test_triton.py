@@ -56,8 +56,9 @@ def test_thc_encode_matches_the_torch_path_bit_for_bit(kernels, length, correlat
     padded[:length] = x * rotation.signs[:length]
     assert torch.equal(rotated, butterflies(padded, rotation.block))
 
-    max_norm = codec.summarize(x, ctx).reshape(()).to(torch.float64)
-    a = _float32(codec._grid_scale(max_norm, rotation.padded))
+    # one worker's norm (in its slot of the spread clamp's): the clamp at equal norms
+    max_norm = codec.summarize(x, ctx).amax().to(torch.float64)
+    a = _float32(codec._grid_scale(max_norm, rotation.padded, codec.threshold))
     draws = torch.empty(rotation.padded)
     codec._draw(ctx, rotation.padded, x.device, draws)  # stratified where correlated
     got = kernels.quantize(rotated, draws, codec._tables(x.device), a, g / 2, g, codec.bits)
@@ -72,7 +73,7 @@ def test_thc_decode_matches_the_torch_path_bit_for_bit(kernels, length):
     rotation = Rotation(length, None, CodecContext().shared_seed(), "cpu")
     sums = torch.randint(0, 91, (rotation.padded,), generator=torch.Generator().manual_seed(7),
                          dtype=torch.int32).to(torch.uint8)  # fmt: skip
-    step = codec._step(torch.tensor(2.5, dtype=torch.float64), rotation.padded)
+    step = codec._step(torch.tensor(2.5, dtype=torch.float64), rotation.padded, codec.threshold)
     a, c = _float32(_divide(step, 3)), _float32(-step * 30 / 2)
     got = kernels.dequantize_inverse(sums, rotation.signs, rotation.block, a, c)[:length]
     y = butterflies(sums.to(torch.float32).mul_(a).add_(c), rotation.block)

@@ -35,7 +35,14 @@ from ..bits import bits_for, pack_bits, unpack_bits
 from ..buffers import Recycler
 from . import native, triton_kernels
 from .hadamard import Rotation, padded_length
-from .tables import clamp_threshold, correlated_clamp, correlated_table, solve_table
+from .tables import (
+    SPREADS,
+    clamp_threshold,
+    correlated_clamp,
+    correlated_table,
+    solve_table,
+    spread_clamps,
+)
 
 CORRELATED_GRANULARITY = 31
 UPSTREAM = "indices"
@@ -326,17 +333,30 @@ class THC(GridCodec):
         p: float | None = None,
         rotation_block: int | None = None,
         correlated: bool = False,
+        spread_clamp: bool | None = None,
     ):
         # Correlated rounding's table: 31 grid steps (n * 31 sums need the bits n * 30 do at
         # every n, so the wire is THC's), and the table and clamp that minimise its error.
         if granularity is None:
             granularity = CORRELATED_GRANULARITY if correlated else 30
+        # spread_clamp: the clamp solved per round for the spread of the workers' norms
+        # (``tables.spread_clamps``); correlated rounding's default unless a clamp p is given
+        if spread_clamp is None:
+            spread_clamp = correlated and p is None
+        if spread_clamp and (not correlated or p is not None):
+            raise ValueError(
+                "spread_clamp solves correlated rounding's clamp per round: it needs "
+                "correlated=True and no fixed clamp p"
+            )
         if p is None:
             p = correlated_clamp(bits, granularity, workers) if correlated else 1 / 32
         table = self._table(bits, granularity, p, workers if correlated else None)
         super().__init__(workers, bits, table, correlated)
         self.p = p
-        self.threshold = clamp_threshold(p)
+        self.threshold = clamp_threshold(p)  # the clamp at equal norms
+        self.spread_clamp = bool(spread_clamp)
+        self._clamps = spread_clamps(bits, granularity, workers) if spread_clamp else None
+        self._device_clamps: dict[torch.device, torch.Tensor] = {}
         self.rotation_block = rotation_block
         self._rotations: OrderedDict[tuple, Rotation] = OrderedDict()  # least recently used first
 
@@ -356,7 +376,7 @@ class THC(GridCodec):
             wide = torch.linalg.vector_norm(flat, dtype=torch.float64).to(torch.float32)
             norm = torch.where(torch.isfinite(norm), norm, wide)
             require(torch.isfinite(norm), lambda: self._norm_overflow(flat))
-            return norm.reshape(1)
+            return self._placed(norm.reshape(1), ctx)
         if not bool(torch.isfinite(norm)):
             check_finite(flat)  # a NaN/Inf coordinate: the error names it
             # Finite coordinates whose squares overflow float32: accumulate in float64.
@@ -365,7 +385,57 @@ class THC(GridCodec):
                 raise NonFiniteGradientError(
                     f"gradient L2 norm {float(norm):.3g} exceeds the float32 range"
                 )
-        return norm.to(torch.float32).reshape(1)
+        return self._placed(norm.to(torch.float32).reshape(1), ctx)
+
+    def _placed(self, norm: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
+        """The summary: the norm, or with the spread clamp the norm in this worker's slot of
+        one per worker (zeros elsewhere), so the MAX round hands every worker every norm."""
+        if not self.spread_clamp:
+            return norm
+        placed = norm.new_zeros(self.workers)
+        placed[(ctx.worker if ctx is not None else 0) % self.workers] = norm[0]
+        return placed
+
+    def _norm_and_clamp(self, shared: torch.Tensor | None) -> tuple[Scalar, Scalar]:
+        """The round's largest norm, which sets the grid's scale, and its clamp t_p: the fixed
+        one, or the one solved for the spread of the norms the MAX round brought (the RMS over
+        the largest of those present, to the nearest of ``tables.SPREADS``). Every worker and
+        the decode compute it from the same values, so all round on one grid."""
+        if not self.spread_clamp:
+            return _shared_scalar(shared, self.name, "max norm"), self.threshold
+        if shared is None or shared.numel() != self.workers:
+            raise ValueError(
+                f"{self.name} with spread_clamp needs the preliminary round's {self.workers} "
+                f"norms, one per worker; got {None if shared is None else shared.numel()}"
+            )
+        first, step = SPREADS[0], SPREADS[1] - SPREADS[0]
+        if _reads_scalars(shared):
+            norms = [float(v) for v in shared.reshape(-1)]
+            if not all(math.isfinite(v) and v >= 0 for v in norms):
+                raise ValueError(f"{self.name}: invalid norms {norms}")
+            largest = max(norms)
+            if largest == 0:
+                return 0.0, self.threshold
+            present = [(v / largest) ** 2 for v in norms if v > 0]
+            spread = math.sqrt(sum(present) / len(present))
+            index = min(max(round((spread - first) / step), 0), len(SPREADS) - 1)
+            return largest, self._clamps[index]
+        norms = shared.reshape(-1).to(torch.float64)
+
+        def fail() -> None:
+            raise ValueError(f"{self.name}: invalid norms {norms.tolist()}")
+
+        require(torch.isfinite(norms).all() & (norms >= 0).all(), fail)
+        largest = norms.amax()
+        present = norms > 0
+        relative = torch.where(present, norms / largest.clamp(min=1e-300), 0.0)
+        spread = (relative.square().sum() / present.sum().clamp(min=1)).sqrt()
+        index = ((spread - first) / step).round().clamp(0, len(SPREADS) - 1).to(torch.int64)
+        clamps = self._device_clamps.get(norms.device)
+        if clamps is None:
+            clamps = torch.tensor(self._clamps, dtype=torch.float64, device=norms.device)
+            self._device_clamps[norms.device] = clamps
+        return largest, torch.where(largest > 0, clamps[index], self.threshold)
 
     @staticmethod
     def _norm_overflow(flat: torch.Tensor) -> None:
@@ -376,9 +446,9 @@ class THC(GridCodec):
     def encode(
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> Payload:
-        max_norm = _shared_scalar(shared, self.name, "max norm")
+        max_norm, clamp = self._norm_and_clamp(shared)
         rotation = self._rotation(x.numel(), ctx, x.device)
-        a = self._grid_scale(max_norm, rotation.padded)
+        a = self._grid_scale(max_norm, rotation.padded, clamp)
         flat = x.reshape(-1).to(torch.float32)
         return self._encode_grid(flat, a, self.granularity / 2, ctx, rotation)
 
@@ -386,9 +456,9 @@ class THC(GridCodec):
         self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        max_norm = _shared_scalar(shared, self.name, "max norm")
+        max_norm, clamp = self._norm_and_clamp(shared)
         rotation = self._rotation(payload.length, ctx, _device_of(payload))
-        step = self._step(max_norm, rotation.padded)
+        step = self._step(max_norm, rotation.padded, clamp)
         # y = (S / contributors - g/2) * step
         g = self.granularity
         return self._decode_grid(payload, _per_contributor(step, payload), -step * g / 2,
@@ -425,8 +495,8 @@ class THC(GridCodec):
     def encode_transformed(
         self, w: torch.Tensor, length: int, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> tuple[Payload, torch.Tensor]:
-        max_norm = _shared_scalar(shared, self.name, "max norm")
-        a, c = self._grid_scale(max_norm, w.numel()), self.granularity / 2
+        max_norm, clamp = self._norm_and_clamp(shared)
+        a, c = self._grid_scale(max_norm, w.numel(), clamp), self.granularity / 2
         error = self._recycler.empty(w.numel(), torch.float32) if w.device.type == "cpu" else None
         lookups = self._tables(w.device)
         packed = native.encode(
@@ -437,21 +507,22 @@ class THC(GridCodec):
             return Payload({UPSTREAM: packed}, length), error
         payload = self._encode_grid(w, a, c, ctx, rotation=None, length=length)
         own = self.aggregate([payload], aggregator_context(ctx))
-        step = self._step(max_norm, w.numel())
+        step = self._step(max_norm, w.numel(), clamp)
         return payload, w - self._decode_grid(own, step, -step * c, None, trim=False)
 
-    def _grid_scale(self, max_norm: Scalar, padded: int) -> Scalar:
+    def _grid_scale(self, max_norm: Scalar, padded: int, clamp: Scalar) -> Scalar:
         """a in u = a*y + g/2: (clamp(s*y, -t, t) + t) * g / 2t = clamp(a*y + g/2, 0, g) with
-        s = sqrt(padded) / max_norm, the scale that makes rotated coordinates ~N(0, 1)."""
-        if isinstance(max_norm, float):
+        s = sqrt(padded) / max_norm, the scale that makes rotated coordinates ~N(0, 1), and
+        t = ``clamp``."""
+        if isinstance(max_norm, float) and isinstance(clamp, float):
             scale = math.sqrt(padded) / max_norm if max_norm > 0 else 0.0
-            return scale * self.granularity / (2 * self.threshold)
+            return scale * self.granularity / (2 * clamp)
         scale = torch.where(max_norm > 0, _divide(math.sqrt(padded), max_norm), 0.0)
-        return _divide(scale * self.granularity, 2 * self.threshold)
+        return _divide(scale * self.granularity, 2 * clamp)
 
-    def _step(self, max_norm: Scalar, padded: int) -> Scalar:
+    def _step(self, max_norm: Scalar, padded: int, clamp: Scalar) -> Scalar:
         """The value of one grid step in the rotated domain."""
-        return _divide((2 * self.threshold / self.granularity) * max_norm, math.sqrt(padded))
+        return _divide((2 * clamp / self.granularity) * max_norm, math.sqrt(padded))
 
     def _coordinates(self, length: int) -> int:
         return padded_length(length, self.rotation_block)
@@ -475,7 +546,8 @@ class THC(GridCodec):
     def __repr__(self) -> str:
         return (
             f"THC(workers={self.workers}, bits={self.bits}, granularity={self.granularity}, "
-            f"p={self.p:g}, rotation_block={self.rotation_block}, correlated={self.correlated})"
+            f"p={self.p:g}, rotation_block={self.rotation_block}, correlated={self.correlated}, "
+            f"spread_clamp={self.spread_clamp})"
         )
 
 

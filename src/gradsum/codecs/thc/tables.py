@@ -86,23 +86,21 @@ def table_error(table: tuple[int, ...], p: float) -> tuple[float, float]:
     g = table[-1]
     points = -t + np.asarray(table, dtype=np.float64) * (2.0 * t / g)
     rounding = float(interval_variance(points[:-1], points[1:]).sum())
-    # E[(|X| - t)^2; |X| > t] for both tails
-    tail = 1.0 - _NORMAL.cdf(t)
-    pdf_t = math.exp(-0.5 * t * t) / math.sqrt(2.0 * math.pi)
-    clamp = 2.0 * ((1.0 + t * t) * tail - t * pdf_t)
-    return rounding, clamp
+    return rounding, _clamp_error(t)
 
 
 def correlated_error(table: tuple[int, ...], p: float, workers: int,
-                     samples: int | None = None, seed: int = 0) -> float:  # fmt: skip
-    """NMSE of the mean of ``workers`` i.i.d. N(0, 1) inputs clamped at t_p, put on the table
-    by correlated rounding (thresholds stratified across workers, as ``CodecContext.
+                     samples: int | None = None, seed: int = 0,
+                     spread: float = 1.0) -> float:  # fmt: skip
+    """NMSE of the mean of ``workers`` independent N(0, r_w**2) inputs clamped at t_p, put on
+    the table by correlated rounding (thresholds stratified across workers, as ``CodecContext.
     stratified_uniform`` draws them), over ``samples`` coordinates: a seeded Monte Carlo, since
-    the rounding errors of different workers are no longer independent and no longer add."""
+    the rounding errors of different workers are no longer independent and no longer add.
+    r_w: ``spread_scales(workers, spread)`` (all 1 by default)."""
     rng = np.random.default_rng(seed)
     samples = samples or max(1 << 11, (1 << 17) // workers)  # 2**17 draws in all
     t, g = clamp_threshold(p), table[-1]
-    z = rng.standard_normal((workers, samples))
+    z = rng.standard_normal((workers, samples)) * spread_scales(workers, spread)[:, None]
     u = (np.clip(z, -t, t) + t) * (g / (2.0 * t))
     values = np.asarray(table, dtype=np.float64)
     k = np.clip(np.searchsorted(values, u, side="right") - 1, 0, len(values) - 2)
@@ -115,7 +113,7 @@ def correlated_error(table: tuple[int, ...], p: float, workers: int,
 
 
 def correlated_expected_error(table: tuple[int, ...], p: float, workers: int,
-                              nodes: int = 1 << 12) -> float:  # fmt: skip
+                              nodes: int = 1 << 13, spread: float = 1.0) -> float:  # fmt: skip
     """``correlated_error`` in closed form (a quadrature over z, no sampling).
 
     Worker w rounds u_w up from its table interval [low, low + width] when its threshold
@@ -128,27 +126,73 @@ def correlated_expected_error(table: tuple[int, ...], p: float, workers: int,
 
     V being independent rounding's variance and the rest the strata's (negative) covariance
     summed over every pair of workers; each worker's clamp error adds as it does without
-    correlation. This is the objective the correlated table and clamp minimise."""
+    correlation. This is the objective the correlated table and clamp minimise.
+
+    ``spread`` < 1: the workers' inputs are N(0, r_w**2) instead, r_w from ``spread_scales``
+    (one worker at the largest norm, which sets THC's scale, the others equal below it). With
+    C_k = A_k - B of each worker and D_s = C_(s + w mod n) its offset when the shared stratum
+    is s, the pairs' covariances are (1/n) sum_s D_s D'_s, so the error of the sum is
+    sum_w V_w + (1/n) sum_s [(sum_w D_s)**2 - sum_w D_s**2]; with the n - 1 equal workers'
+    C_k summing to zero over k, sum_w D_s = C(1)_s - C(r)_s. At spread 1 this is the form
+    above."""
     t, g, n = clamp_threshold(p), table[-1], workers
-    weights, u = _quadrature(t, g, nodes)
     values = np.asarray(table, dtype=np.float64)
-    k = np.clip(np.searchsorted(values, u, side="right") - 1, 0, len(values) - 2)
-    low, width = values[k], values[k + 1] - values[k]
-    d = u - low
-    strata = np.clip(n * (d / width)[:, None] - np.arange(n)[None, :], 0.0, 1.0)
-    a = (weights * width) @ strata
-    b = weights @ d
-    rounding = weights @ (d * (width - d)) + b * b - (a @ a) / n
-    _, clamp = table_error(table, p)
-    return float((rounding * (2.0 * t / g) ** 2 + clamp) / n)
+
+    def moments(scale: float) -> tuple[float, np.ndarray]:
+        """V and C_k (grid units) of a worker whose input is N(0, scale**2)."""
+        weights, x = _normal_nodes(nodes)
+        u = np.clip(x * (scale * g / (2.0 * t)) + g / 2.0, 0.0, g)  # clamped: no rounding error
+        k = np.clip(np.searchsorted(values, u, side="right") - 1, 0, len(values) - 2)
+        low, width = values[k], values[k + 1] - values[k]
+        d = u - low
+        # A_k = E[width F_k(q)]: F_k is 1 below stratum m = floor(n q), n q - m at it, 0 above
+        scaled = n * d / width
+        m = np.minimum(np.floor(scaled).astype(np.int64), n)
+        mass = weights * width
+        full = np.bincount(m, mass, minlength=n + 1)
+        part = np.bincount(m, mass * (scaled - m), minlength=n + 1)
+        a = np.cumsum(full[::-1])[::-1][1:] + part[:n]  # sum over m > k, plus m == k's part
+        return float(weights @ (d * (width - d))), a - weights @ d
+
+    scales = spread_scales(n, spread)
+    top, rest = scales[0], scales[-1]
+    v_top, c_top = moments(top)
+    if n == 1 or rest == top:
+        v_rest, c_rest = v_top, c_top
+    else:
+        v_rest, c_rest = moments(rest)
+    pairs = (c_top - c_rest) @ (c_top - c_rest) - c_top @ c_top - (n - 1) * (c_rest @ c_rest)
+    rounding = v_top + (n - 1) * v_rest + pairs / n
+    clamp = top * top * _clamp_error(t / top) + (n - 1) * rest * rest * _clamp_error(t / rest)
+    return float((rounding * (2.0 * t / g) ** 2 + clamp) / (n * n))
 
 
-@functools.lru_cache(maxsize=64)
-def _quadrature(t: float, granularity: int, nodes: int) -> tuple[np.ndarray, np.ndarray]:
-    """Midpoint nodes of N(0, 1) on (-t, t), as grid positions u, and their probabilities."""
-    edges = np.linspace(-t, t, nodes + 1)
+def spread_scales(workers: int, spread: float) -> np.ndarray:
+    """Relative norms r_w of ``workers`` inputs, the largest 1, the others equal, whose RMS is
+    ``spread``: the model of a round's norms that ``spread_clamps`` solves for. ``spread`` is
+    at least 1 / sqrt(workers) (the others at zero)."""
+    if not 0.0 < spread <= 1.0:
+        raise ValueError(f"norm spread must be in (0, 1], got {spread}")
+    if workers == 1:
+        return np.ones(1)
+    rest = math.sqrt(max(workers * spread * spread - 1.0, 0.0) / (workers - 1))
+    return np.array([1.0] + [max(rest, 1e-6)] * (workers - 1))
+
+
+def _clamp_error(t: float) -> float:
+    """E[(|X| - t)**2; |X| > t] over both tails, X ~ N(0, 1)."""
+    tail = 1.0 - _NORMAL.cdf(t)
+    pdf_t = math.exp(-0.5 * t * t) / math.sqrt(2.0 * math.pi)
+    return 2.0 * ((1.0 + t * t) * tail - t * pdf_t)
+
+
+@functools.lru_cache(maxsize=8)
+def _normal_nodes(nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Midpoint nodes of N(0, 1) on (-8.5, 8.5) and their probabilities. Nodes outside a clamp
+    sit on the grid's ends, where rounding is exact, so one set serves every clamp and scale."""
+    edges = np.linspace(-8.5, 8.5, nodes + 1)
     weights = np.diff(np.vectorize(_NORMAL.cdf)(edges))
-    return weights, (0.5 * (edges[1:] + edges[:-1]) + t) * (granularity / (2.0 * t))
+    return weights, 0.5 * (edges[1:] + edges[:-1])
 
 
 @functools.lru_cache(maxsize=256)
@@ -195,3 +239,36 @@ def correlated_clamp(bits: int, granularity: int, workers: int) -> float:
     coarse = min(np.arange(1.6, 3.61, 0.1), key=error)
     best = min(np.arange(coarse - 0.08, coarse + 0.081, 0.02), key=error)
     return 2.0 * (1.0 - _NORMAL.cdf(float(best)))
+
+
+SPREADS = tuple(0.5 + 0.02 * i for i in range(26))
+"""The norm spreads (RMS over max of a round's workers' norms) ``spread_clamps`` solves for."""
+
+
+@functools.lru_cache(maxsize=64)
+def spread_clamps(bits: int, granularity: int, workers: int) -> tuple[float, ...]:
+    """t_p for each of ``SPREADS``: the clamp that minimises ``correlated_expected_error`` of
+    correlated THC's table (``correlated_table`` at ``correlated_clamp``, fixed: it is the
+    aggregator's) when the round's norms spread that much. THC scales every worker by the
+    largest norm, so a worker of a smaller norm has rotated coordinates of sigma < 1 on the
+    grid, and less to clamp: the best clamp moves in as the norms spread (n = 4: from t_p =
+    2.54 at equal norms to ~2.3 at a spread of 0.8). At spread 1 it is ``correlated_clamp``'s
+    own; below 1 / sqrt(workers), where no round's norms can be, the least spread's."""
+    p = correlated_clamp(bits, granularity, workers)
+    table = correlated_table(bits, granularity, p, workers)
+    floor = 1.0 / math.sqrt(workers)
+
+    def error(t: float, spread: float) -> float:
+        q = 2.0 * (1.0 - _NORMAL.cdf(t))
+        return correlated_expected_error(table, q, workers, spread=spread)
+
+    clamps = []
+    for spread in SPREADS:
+        if spread >= 1.0 - 1e-9 or workers == 1:  # one worker: its norm is the largest
+            clamps.append(clamp_threshold(p))
+            continue
+        spread = max(spread, floor + 1e-6)
+        coarse = min(np.arange(1.2, 3.61, 0.1), key=lambda t: error(t, spread))
+        fine = np.arange(coarse - 0.08, coarse + 0.081, 0.02)
+        clamps.append(float(min(fine, key=lambda t: error(t, spread))))
+    return tuple(clamps)
