@@ -1,17 +1,21 @@
 """Correlated rounding (Suresh et al., ICML 2022) as an option of THC and uniform THC: each
 worker's rounding stays unbiased on the same wire, and the workers' errors partly cancel."""
 
+from statistics import NormalDist
+
 import pytest
 import torch
 
 from gradsum.codecs import CodecContext, make_codec, nmse, run_round
 from gradsum.codecs.thc.tables import (
+    SPREADS,
     clamp_threshold,
     correlated_clamp,
     correlated_error,
     correlated_expected_error,
     correlated_table,
     solve_table,
+    spread_clamps,
 )
 
 from .conftest import gaussian_inputs
@@ -74,6 +78,11 @@ def test_the_closed_form_error_of_correlated_rounding_is_the_simulated_one(worke
     exact = correlated_expected_error(table, p, workers)
     simulated = correlated_error(table, p, workers, samples=(1 << 20) // workers, seed=1)
     assert abs(simulated - exact) < 0.01 * exact
+    # and with the workers' norms spread (one at the largest, the others at 0.8 of it)
+    spread = ((1 + 0.64 * (workers - 1)) / workers) ** 0.5
+    exact = correlated_expected_error(table, p, workers, spread=spread)
+    simulated = correlated_error(table, p, workers, (1 << 20) // workers, seed=1, spread=spread)
+    assert abs(simulated - exact) < 0.01 * exact
     # and the correlation is what lowers it (0.64x at n = 2, 0.57x at 4): against independent
     # rounding's error of the mean with THC's own table, b = 4
     assert exact < 0.66 * correlated_error(solve_table(4, 30, 1 / 32), 1 / 32, 1) / workers
@@ -89,6 +98,55 @@ def test_the_correlated_table_is_the_best_symmetric_table(workers):
     errors = [correlated_expected_error((0, *c, *(15 - v for v in reversed(c)), 15), p, workers)
               for c in itertools.combinations(range(1, 8), 3)]  # fmt: skip
     assert found <= min(errors) * (1 + 1e-12)
+
+
+def test_the_spread_clamp_is_the_best_clamp_of_each_spread():
+    p = correlated_clamp(4, 31, 4)
+    table = correlated_table(4, 31, p, 4)
+    clamps = dict(zip(SPREADS, spread_clamps(4, 31, 4), strict=True))
+    assert clamps[SPREADS[-1]] == clamp_threshold(p)  # equal norms: the fixed clamp
+    # spread norms leave less to clamp: the clamp moves in, 2.54 -> 2.32 at 0.9, 2.18 at 0.8
+    assert clamps[SPREADS[-1]] > clamps[SPREADS[20]] > clamps[SPREADS[15]]
+    assert 2.1 < clamps[SPREADS[15]] < 2.4
+
+    def error(t, spread):
+        return correlated_expected_error(table, 2 * (1 - NormalDist().cdf(t)), 4, spread=spread)
+
+    for spread in (SPREADS[15], SPREADS[20]):
+        best = error(clamps[spread], spread)
+        assert best < error(clamps[spread] - 0.1, spread)
+        assert best < error(clamps[spread] + 0.1, spread)
+
+
+def test_the_spread_clamp_lowers_the_error_of_unequal_norms_and_keeps_equal_ones():
+    inputs = gaussian_inputs(4, 1 << 18, seed=2)
+
+    def error(xs, spread_clamp):
+        codec = make_codec("thc", workers=4, error_feedback=False, correlated=True,
+                           spread_clamp=spread_clamp)  # fmt: skip
+        return run_round(codec, xs).average, nmse(run_round(codec, xs).average, xs)
+
+    # equal norms (spread 0.999): the same clamp, so the same bits
+    (fixed, _), (solved, _) = error(inputs, False), error(inputs, True)
+    assert torch.equal(fixed, solved)
+    # three workers at 0.7 of the fourth's norm (spread 0.79): the closed form expects 0.89x
+    # the fixed clamp's error from the clamp solved for that spread (seeded: 0.888x)
+    unequal = [inputs[0], *(0.7 * x for x in inputs[1:])]
+    (_, fixed), (_, solved) = error(unequal, False), error(unequal, True)
+    assert solved < 0.93 * fixed
+
+
+def test_the_spread_clamp_needs_correlated_rounding_and_no_fixed_clamp():
+    with pytest.raises(ValueError, match="spread_clamp"):
+        make_codec("thc", workers=4, spread_clamp=True)
+    with pytest.raises(ValueError, match="spread_clamp"):
+        make_codec("thc", workers=4, correlated=True, p=0.01, spread_clamp=True)
+    assert not make_codec("thc", workers=4, correlated=True, p=0.01).inner.spread_clamp
+    # the summary: one norm per worker, in its own slot
+    codec = make_codec("thc", workers=4, error_feedback=False, correlated=True)
+    x = torch.ones(64)
+    summary = codec.summarize(x, CodecContext(worker=2))
+    assert summary.tolist() == [0.0, 0.0, 8.0, 0.0]
 
 
 @pytest.mark.slow

@@ -252,8 +252,9 @@ def spread_clamps(bits: int, granularity: int, workers: int) -> tuple[float, ...
     aggregator's) when the round's norms spread that much. THC scales every worker by the
     largest norm, so a worker of a smaller norm has rotated coordinates of sigma < 1 on the
     grid, and less to clamp: the best clamp moves in as the norms spread (n = 4: from t_p =
-    2.54 at equal norms to ~2.3 at a spread of 0.8). At spread 1 it is ``correlated_clamp``'s
-    own; below 1 / sqrt(workers), where no round's norms can be, the least spread's."""
+    2.54 at equal norms to 2.32 at a spread of 0.9 and 2.18 at 0.8). At spread 1 it is
+    ``correlated_clamp``'s own; below 1 / sqrt(workers), where no round's norms can be, the
+    least spread's."""
     p = correlated_clamp(bits, granularity, workers)
     table = correlated_table(bits, granularity, p, workers)
     floor = 1.0 / math.sqrt(workers)
