@@ -160,8 +160,9 @@ def test_correlated_thc_on_real_gradients():
         codec = make_codec("thc", workers=4, error_feedback=False, correlated=True)
         ratios.append(nmse(run_round(codec, inputs).average, inputs)
                       / nmse(run_round(thc, inputs).average, inputs))  # fmt: skip
-    # bench codecs' seed 0 gives 0.62x, seeds 1 and 2 0.60x and 0.54x (docs/benchmarks.md)
-    assert sum(ratios) / len(ratios) <= 0.62 and max(ratios) <= 0.65, ratios
+    # bench codecs gives 0.603x, 0.598x and 0.561x at seeds 0-2, and 0.589x (0.550-0.609x)
+    # over seeds 0-19, with the spread clamp (docs/benchmarks.md); 0.664x at worst without it
+    assert sum(ratios) / len(ratios) <= 0.62 and max(ratios) <= 0.62, ratios
 
 
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
