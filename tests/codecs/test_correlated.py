@@ -180,3 +180,23 @@ def test_identical_inputs_round_in_distinct_strata_on_either_path(native, monkey
         return nmse(run_round(codec, inputs).average, inputs)
 
     assert 0.15 < error(True) / error(False) < 0.35
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
+def test_the_spread_clamp_is_the_same_on_either_path_and_counts_only_present_norms(
+    native, monkeypatch
+):
+    monkeypatch.setenv("GRADSUM_NATIVE", native)
+    codec = make_codec("thc", workers=4, error_feedback=False, correlated=True)
+    # a quorum of three: the absent worker's slot stays zero and is not counted
+    norms = torch.tensor([2.0, 1.4, 0.0, 1.4])
+    largest, clamp = codec._norm_and_clamp(norms)
+    spread = ((1 + 0.49 + 0.49) / 3) ** 0.5  # 0.812: the nearest solved spread is 0.82
+    assert float(largest) == 2.0
+    assert float(clamp) == spread_clamps(4, 31, 4)[SPREADS.index(min(
+        SPREADS, key=lambda s: abs(s - spread)))]  # fmt: skip
+    assert float(clamp) < codec.threshold
+    _, equal = codec._norm_and_clamp(torch.tensor([2.0, 2.0, 2.0, 2.0]))
+    assert float(equal) == codec.threshold
+    with pytest.raises(ValueError, match="4 norms, one per worker"):
+        codec._norm_and_clamp(torch.tensor([2.0]))
