@@ -31,6 +31,9 @@ class Preset:
     # How the baselines (default, wfbp, fusion, mgwfbp, merge) place whole-layer groups:
     # "pieces" (BytePS partitions) or "whole" (each tensor on one shard, round-robin).
     placement: str = "pieces"
+    # What a worker has in flight on every PS plan but priority's (planners._window): "all"
+    # (BytePS: every released group) or "group" (one group's round trip at a time).
+    window: str = "all"
     # How priority slices are placed: "bytescheduler" (a key per slice), "p3" (round-robin).
     slice_placement: str = "bytescheduler"
     description: str = ""
@@ -41,7 +44,9 @@ class Preset:
         if policy == "priority":
             return {"slice_placement": self.slice_placement}
         if policy in ("default", "wfbp", "fusion", "mgwfbp", "merge"):
-            return {"placement": self.placement}
+            return {"placement": self.placement, "window": self.window}
+        if policy == "imerge":
+            return {"window": self.window}
         return {}
 
     def cluster(self, workers: int) -> ClusterSpec:
