@@ -207,10 +207,10 @@ def plan_merge(
 ) -> Plan:
     """Groups chosen by playing candidate plans out on the PS's resources (``costs.ps_step_end``:
     per-message costs per part on the worker's one thread and the shards' cores, incast at each
-    part's shard, one round trip per shard stream, the window admitting every group), placed
-    as the baselines are (``placement``). The search (``grouping.search_groups``) starts from
-    the best of WFBP's and static fusion's groupings, so by its own model merge is never behind
-    either."""
+    part's shard, one round trip per shard stream, groups admitted as ``window`` says), placed
+    and windowed as the baselines are (``placement``, ``window``). The search
+    (``grouping.search_groups``) starts from the best of WFBP's and static fusion's groupings,
+    so by its own model merge is never behind either."""
     ready = profile.ready_times()
 
     def build(candidate) -> Plan:
