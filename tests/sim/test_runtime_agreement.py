@@ -128,6 +128,9 @@ def small_setup():
         ("merge", {}),
         ("imerge", {}),
         ("priority", {"slice_elements": 50_000, "credit_elements": 300_000}),
+        # one group's round trip at a time (imerge-seed-fit's window)
+        ("merge", {"window": "group"}),
+        ("imerge", {"window": "group"}),
     ],
 )
 def test_simulator_and_runtime_senders_play_a_plan_identically(policy, options):

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> None:
             calls.append((f"fusion{threshold}", ["--methods", "ps:none", "--shards",
                           str(args.shards), "--schedulers", "fusion",
                           "--fusion-elements", str(threshold)]))  # fmt: skip
-        calls.append(("ddp", ["--methods", "ddp:none", "--schedulers", "wfbp"]))
+        calls.append(("ddp", ["--methods", "ddp", "--schedulers", "wfbp"]))
         for label, flags in calls:
             path = args.out / f"{name}_{label}.json"
             if path.exists():

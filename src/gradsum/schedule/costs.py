@@ -153,8 +153,11 @@ def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> l
     its bytes through the worker's port each way, and the copies of remote workers through the
     NICs (into the shard's machine and out of the others for the pushes, the other way for the
     answers: a NIC direction carries local workers' pushes *and* local shards' answers); a
-    worker has one round trip per shard stream at a time, and the window admits every group
-    (the merge planners' windows).
+    worker has one round trip per shard stream at a time, and groups are admitted as the
+    ``SendWindow`` admits them (``schedule/dispatch.py``): in release order while the bytes of
+    admitted groups not yet back plus the next group's fit ``credit_bytes``, or when nothing is
+    in flight (``None``: one group at a time, the send discipline of a prototype that waits for
+    each group's answer before the next).
 
     All workers are taken to be alike — same compute, same plan — so one representative worker
     is played, the one its shards answer last. Ports are served first come, first served at full
@@ -163,11 +166,9 @@ def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> l
     last (rotated order: position (j − w) mod span) has sent it; without it, when its own send is
     through. Every wait is a queue in time order (an event loop), as in the simulator.
     """
-    total = plan.total_elements * cluster.bytes_per_element
     if plan.aggregator != "ps" or plan.order != "fifo":
         raise ValueError("ps_step_end plays PS plans sent in list order")
-    if plan.credit_bytes is None or plan.credit_bytes < total:
-        raise ValueError("ps_step_end plays windows that admit every group as it is released")
+    credit = plan.credit_bytes
     n, m = cluster.workers, cluster.shards
     aw, ash, bpe = cluster.alpha_worker, cluster.alpha_shard, cluster.bytes_per_element
     rate = cluster.worker_bw
@@ -222,25 +223,56 @@ def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> l
     for g, t in enumerate(release):
         push(t, "release", g)
     ends = [0.0] * len(groups)
-    while events:
-        now, _, kind, data = heapq.heappop(events)
-        if kind == "release":
-            (g,) = data
+    size = [g.numel * bpe for g in groups]
+    outstanding = [len(g.parts) for g in groups]
+    released: deque = deque()
+    in_flight = 0.0
+    leads: dict[tuple[int, int], float] = {}
+
+    # Where a part starts because an answer came back (its stream or the window freed), the
+    # workers start it staggered as their answers were: a shard's core answers its n workers
+    # one after another, n·α_shard apart in all, and the representative worker (answered last)
+    # sends last, so the core has summed the others' pushes by then. Parts started on release
+    # (ready times, alike on every worker) arrive together.
+    answer_spread = (n - 1) * ash
+    spread: dict[tuple[int, int], float] = {}
+
+    def admit(now: float, staggered: float = 0.0) -> None:
+        """The SendWindow's rule: admit released groups in order while they fit the credit."""
+        nonlocal in_flight
+        while released and (
+            in_flight == 0.0 or (credit is not None and in_flight + size[released[0]] <= credit)
+        ):
+            g = released.popleft()
+            in_flight += size[g]
             for j, part in enumerate(groups[g].parts):
                 streams.setdefault(part.shard, deque()).append((g, j))
                 if part.shard not in busy:
                     busy.add(part.shard)
-                    push(now, "start", *streams[part.shard].popleft())
+                    first = streams[part.shard].popleft()
+                    spread[first] = staggered
+                    push(now, "start", *first)
+
+    while events:
+        now, _, kind, data = heapq.heappop(events)
+        if kind == "release":
+            released.append(data[0])
+            admit(now)
         elif kind == "start":
             g, j = data
             part = groups[g].parts[j]
             nbytes = part.numel * bpe
+            # the others' sends lead by the stagger, less what this worker's thread delays
+            lead = max(0.0, spread.pop((g, j), 0.0) - max(0.0, thread - now))
             thread = max(now, thread) + aw
             egress = max(thread, egress) + nbytes / rate
-            shard_in[part.shard] = max(thread, shard_in[part.shard]) + n * nbytes / shard_rate
+            shard_in[part.shard] = (
+                max(thread - lead, shard_in[part.shard]) + n * nbytes / shard_rate
+            )
             crossed = cross(thread, part.shard, nbytes, inward=True)
             sent[g][j] = egress
             arrived[g][j] = max(egress, crossed, shard_in[part.shard])
+            leads[(g, j)] = lead
             for i, position in enumerate(gate[g]):
                 if (i == j or position == j) and None not in (arrived[g][i], sent[g][position]):
                     push(max(arrived[g][i], sent[g][position]), "pushed", g, i)
@@ -249,7 +281,8 @@ def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> l
             part = groups[g].parts[j]
             nbytes = part.numel * bpe
             s = part.shard
-            summed = max(now, shard_core[s]) + n * ash
+            lead = leads.pop((g, j), 0.0)
+            summed = max(now + ash, max(now - lead, shard_core[s]) + n * ash)
             shard_core[s] = summed + n * ash  # the n answers
             shard_out[s] = max(summed + ash, shard_out[s]) + n * nbytes / shard_rate
             ingress = max(shard_core[s], ingress) + nbytes / rate
@@ -259,11 +292,17 @@ def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> l
             g, j = data
             thread = max(now, thread) + aw
             ends[g] = max(ends[g], thread)
-            push(thread, "back", groups[g].parts[j].shard)
+            push(thread, "back", g, groups[g].parts[j].shard)
         else:  # a part is back: its shard's stream carries the next part
-            (s,) = data
+            g, s = data
+            outstanding[g] -= 1
+            if not outstanding[g]:  # the group's bytes leave the window
+                in_flight -= size[g]
+                admit(now, answer_spread)
             if streams[s]:
-                push(now, "start", *streams[s].popleft())
+                following = streams[s].popleft()
+                spread[following] = answer_spread
+                push(now, "start", *following)
             else:
                 busy.discard(s)
     return ends

@@ -45,40 +45,75 @@ def _element_ranges(profile: ModelProfile, layer_ranges: LayerRanges) -> list[tu
     return [(int(offsets[a]), int(offsets[b])) for a, b in layer_ranges]
 
 
+WINDOWS = ("all", "group")
+
+
+def _window(profile: ModelProfile, cluster: ClusterSpec, window: str) -> int | None:
+    """``credit_bytes`` for a PS plan's ``window``: ``"all"`` admits every group as it is
+    released (a BytePS client pushes every tensor asynchronously with no credit by default,
+    ``BYTEPS_SCHEDULING_CREDIT`` = 0, so only one round trip per shard stream limits what is in
+    flight); ``"group"`` admits one group at a time (a prototype that waits for a group's
+    answer before it sends the next: blocking send/recv per tensor, as a PS written on
+    ``torch.distributed`` point-to-point calls does)."""
+    if window not in WINDOWS:
+        raise ValueError(f"window must be one of {WINDOWS}, got {window!r}")
+    return profile.total_params * cluster.bytes_per_element if window == "all" else None
+
+
 def _layer_plan(
-    profile, cluster, policy, layer_ranges, aggregator="ps", placement="pieces", **fields
+    profile,
+    cluster,
+    policy,
+    layer_ranges,
+    aggregator="ps",
+    placement="pieces",
+    window="all",
+    **fields,
 ) -> Plan:
     """Groups of whole layers placed over shards (``placement``: BytePS ``"pieces"`` or each
-    group ``"whole"`` on one shard, round-robin; no parts for all-reduce).
-
-    A BytePS client pushes every tensor (every partition) asynchronously as soon as it is
-    ready, with no credit by default (``BYTEPS_SCHEDULING_CREDIT`` = 0), so the window admits
-    every group: what limits the messages in flight is one round trip per shard stream.
-    """
+    group ``"whole"`` on one shard, round-robin; no parts for all-reduce), admitted as
+    ``window`` says (``_window``)."""
     ranges = _element_ranges(profile, layer_ranges)
     if aggregator != "ps":
         groups = tuple(Group(a, b) for a, b in ranges)
         return Plan(policy, groups, aggregator=aggregator, **plan_skeleton(profile), **fields)
     parts = place_groups(ranges, cluster.shards, placement, PARTITION_ELEMENTS)
     groups = tuple(Group(a, b, p) for (a, b), p in zip(ranges, parts, strict=True))
-    window = profile.total_params * cluster.bytes_per_element
-    return Plan(policy, groups, credit_bytes=window, **plan_skeleton(profile), **fields)
+    credit = _window(profile, cluster, window)
+    return Plan(policy, groups, credit_bytes=credit, **plan_skeleton(profile), **fields)
 
 
 def plan_default(
-    profile: ModelProfile, cluster: ClusterSpec, *, aggregator: str = "ps", placement="pieces"
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    *,
+    aggregator: str = "ps",
+    placement="pieces",
+    window: str = "all",
 ) -> Plan:
     layers = single_layers(len(profile.layers))
     return _layer_plan(
-        profile, cluster, "default", layers, aggregator, placement, trigger="after_backward"
+        profile,
+        cluster,
+        "default",
+        layers,
+        aggregator,
+        placement,
+        window,
+        trigger="after_backward",
     )
 
 
 def plan_wfbp(
-    profile: ModelProfile, cluster: ClusterSpec, *, aggregator: str = "ps", placement="pieces"
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    *,
+    aggregator: str = "ps",
+    placement="pieces",
+    window: str = "all",
 ) -> Plan:
     layers = single_layers(len(profile.layers))
-    return _layer_plan(profile, cluster, "wfbp", layers, aggregator, placement)
+    return _layer_plan(profile, cluster, "wfbp", layers, aggregator, placement, window)
 
 
 def plan_fusion(
@@ -88,10 +123,18 @@ def plan_fusion(
     threshold: int = 500_000,
     aggregator: str = "ps",
     placement: str = "pieces",
+    window: str = "all",
 ) -> Plan:
     layers = threshold_groups(profile.params, threshold)
     return _layer_plan(
-        profile, cluster, "fusion", layers, aggregator, placement, options={"threshold": threshold}
+        profile,
+        cluster,
+        "fusion",
+        layers,
+        aggregator,
+        placement,
+        window,
+        options={"threshold": threshold},
     )
 
 
@@ -102,6 +145,7 @@ def plan_mgwfbp(
     cost: AllReduceCost | None = None,
     aggregator: str = "ps",
     placement: str = "pieces",
+    window: str = "all",
 ) -> Plan:
     if cost is None:
         # MG-WFBP fits α, β on the transfers it actually makes: here, through the PS.
@@ -120,6 +164,7 @@ def plan_mgwfbp(
         layers,
         aggregator,
         placement,
+        window,
         options={"alpha": cost.alpha, "workers": cost.workers},
     )
 
@@ -157,19 +202,22 @@ def plan_merge(
     cluster: ClusterSpec,
     *,
     placement: str = "pieces",
+    window: str = "all",
     max_evaluations: int = 2000,
 ) -> Plan:
     """Groups chosen by playing candidate plans out on the PS's resources (``costs.ps_step_end``:
     per-message costs per part on the worker's one thread and the shards' cores, incast at each
-    part's shard, one round trip per shard stream, the window admitting every group), placed
-    as the baselines are (``placement``). The search (``grouping.search_groups``) starts from
-    the best of WFBP's and static fusion's groupings, so by its own model merge is never behind
-    either."""
+    part's shard, one round trip per shard stream, groups admitted as ``window`` says), placed
+    and windowed as the baselines are (``placement``, ``window``). The search
+    (``grouping.search_groups``) starts from the best of WFBP's and static fusion's groupings,
+    so by its own model merge is never behind either."""
     ready = profile.ready_times()
 
     def build(candidate) -> Plan:
         layers = [(a, b) for a, b, _ in candidate]
-        return _layer_plan(profile, cluster, "merge", layers, placement=placement)
+        return _layer_plan(
+            profile, cluster, "merge", layers, placement=placement, window=window
+        )
 
     def evaluate(candidate) -> tuple[float, float]:
         return _step_and_mean_end(build(candidate), cluster, ready)
@@ -182,7 +230,11 @@ def plan_merge(
 
 
 def plan_imerge(
-    profile: ModelProfile, cluster: ClusterSpec, *, max_evaluations: int = 2000
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    *,
+    window: str = "all",
+    max_evaluations: int = 2000,
 ) -> Plan:
     """Groups *and* their spans chosen by playing candidate plans out on the PS's resources
     (``costs.ps_step_end``), as ``merge`` does, but interleaved: group g over ``span`` consecutive
@@ -190,10 +242,10 @@ def plan_imerge(
     group's n pushes spread over several shards' ports instead of meeting at one. A span costs
     α_worker per part on the worker's one thread, which every later group waits behind, so the
     search weighs each span against the step's end. It starts from merge's starts, each group
-    over as many shards as BytePS would cut it into pieces. The window admits every group as it
-    is released, as the baselines' does."""
+    over as many shards as BytePS would cut it into pieces. ``window`` as the baselines'
+    (``_window``)."""
     ready = profile.ready_times()
-    element_bytes = cluster.bytes_per_element
+    credit = _window(profile, cluster, window)
     span_candidates = PSCost(cluster).span_candidates()
 
     def build(candidate) -> Plan:
@@ -205,7 +257,7 @@ def plan_imerge(
             "imerge",
             groups,
             interleave=True,
-            credit_bytes=profile.total_params * element_bytes,
+            credit_bytes=credit,
             **plan_skeleton(profile),
             options={"spans": [len(p) for p in parts]},
         )

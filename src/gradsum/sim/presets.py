@@ -31,6 +31,9 @@ class Preset:
     # How the baselines (default, wfbp, fusion, mgwfbp, merge) place whole-layer groups:
     # "pieces" (BytePS partitions) or "whole" (each tensor on one shard, round-robin).
     placement: str = "pieces"
+    # What a worker has in flight on every PS plan but priority's (planners._window): "all"
+    # (BytePS: every released group) or "group" (one group's round trip at a time).
+    window: str = "all"
     # How priority slices are placed: "bytescheduler" (a key per slice), "p3" (round-robin).
     slice_placement: str = "bytescheduler"
     description: str = ""
@@ -41,7 +44,9 @@ class Preset:
         if policy == "priority":
             return {"slice_placement": self.slice_placement}
         if policy in ("default", "wfbp", "fusion", "mgwfbp", "merge"):
-            return {"placement": self.placement}
+            return {"placement": self.placement, "window": self.window}
+        if policy == "imerge":
+            return {"window": self.window}
         return {}
 
     def cluster(self, workers: int) -> ClusterSpec:
@@ -90,14 +95,23 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 # sim/fit.py's result (2026-12-02): the grid, its losses and the winner. Rerun the fit after any
-# change to the simulator or the planners and update these values.
-FITTED = {"alpha_worker": 100e-6, "placement": "pieces", "batch_size": 64}
+# change to the simulator or the planners and update these values. The PS core's rate is twice
+# imerge-seed's: one E5-2680 v4 core sums fp32 faster than that, but receiving 40 Gbit/s of TCP
+# on one core is the upper end of plausible (over RDMA verbs it is not a limit).
+FITTED = {
+    "alpha_worker": 300e-6,
+    "placement": "pieces",
+    "batch_size": 128,
+    "shard_bw": 5e9,
+    "window": "group",
+}
 FIT_RECORD = (
-    "alpha_worker in {0.1, 0.447, 1.995} ms (alpha_shard = alpha_worker / 2); with the "
-    "whole-plan merge planners (commit bbe2d9d): batch 64 pieces 4.335 / 4.885 / 4.764, batch "
-    "128 pieces 5.045 at 0.1 ms; searched before them: batch 128 pieces 5.049 / 5.710 / 5.104, "
-    "whole 6.594 / 6.381 / 6.641, batch 64 whole not searched; best alpha_worker 0.1 ms, "
-    "pieces, batch 64 (loss 4.335)"
+    "alpha_worker 0.3 ms (alpha_shard 0.15 ms), pieces, batch 128, shard 5 GB/s, window group "
+    "(loss 0.800); searched with the window free (2026-12-02, commit d7c28e2; window group "
+    "unless said): pieces batch 128 shard 5 GB/s alpha_worker 0.2 / 0.3 / 0.5 / 1.0 ms: "
+    "0.952 / 0.800 / 0.882 / 1.721; pieces 128 2.5 GB/s 0.1 / 0.3 ms: 2.390 / 2.601; pieces 64 "
+    "2.5 GB/s 0.1 ms: 4.950; whole 128 5 GB/s 0.3 ms: 3.076; whole 256 5 GB/s 0.3 ms: 2.610; "
+    "window all (before): best 4.335 (pieces, batch 64, 2.5 GB/s, 0.1 ms)"
 )
 PRESETS["imerge-seed-fit"] = replace(
     PRESETS["imerge-seed"],
@@ -106,8 +120,10 @@ PRESETS["imerge-seed-fit"] = replace(
     alpha_shard=FITTED["alpha_worker"] / 2,
     placement=FITTED["placement"],
     batch_size=FITTED["batch_size"],
-    description="imerge-seed's hardware, per-message cost, placement and batch fitted to the "
-    "seed's 32-worker findings",
+    shard_bw=FITTED["shard_bw"],
+    window=FITTED["window"],
+    description="imerge-seed's hardware; per-message cost, placement, batch, PS core rate and "
+    "window fitted to the seed's 32-worker findings",
     fitted=FIT_RECORD,
 )
 PRESET_NAMES = tuple(PRESETS)
