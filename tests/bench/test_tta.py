@@ -10,13 +10,13 @@ from gradsum.bench import tta
 from gradsum.bench.train_testbed import train_flags
 from gradsum.cli import UsageError, build_parser, main
 from gradsum.train.config import TrainConfig
-from gradsum.train.methods import method_fields, method_name
+from gradsum.train.methods import method_fields, method_name, parse_methods
 from gradsum.train.peers import wire_bytes_per_step
 
 
 @pytest.mark.parametrize(
     "name", ["ddp", "ddp:fp16", "ddp:bf16", "ddp:powersgd2", "ddp:powersgd4", "switch:thc",
-             "allreduce:none", "ps:topk"],
+             "allreduce:none", "ps:topk", "switch:thc(correlated=true,bits=4)"],
 )  # fmt: skip
 def test_method_names_round_trip_through_the_config(name):
     assert method_name(TrainConfig(**method_fields(name))) == name
@@ -25,18 +25,33 @@ def test_method_names_round_trip_through_the_config(name):
 @pytest.mark.parametrize(
     ("name", "complaint"),
     [("ddp:powersgd", "ddp:powersgdR"), ("ddp:fp8", "ddp:powersgdR"),
-     ("switch:topk", "cannot run on the switch"), ("thc", "not AGGREGATOR:CODEC")],
+     ("switch:topk", "cannot run on the switch"), ("thc", "not AGGREGATOR:CODEC"),
+     ("switch:thc(colour=red)", "has no option colour"),
+     ("switch:thc(bits=4", "AGGREGATOR:CODEC\\("),
+     ("ddp:fp16(bits=4)", "AGGREGATOR:CODEC\\(")],
 )  # fmt: skip
 def test_unknown_methods_are_refused_naming_what_would_work(name, complaint):
     with pytest.raises(UsageError, match=complaint):
         method_fields(name)
 
 
+def test_methods_split_at_commas_outside_a_codecs_options():
+    methods = parse_methods("ddp, switch:thc(correlated=true,bits=4),ps:topk(ratio=0.01)")
+    assert [name for name, _ in methods] == ["ddp", "switch:thc(correlated=true,bits=4)",
+                                             "ps:topk(ratio=0.01)"]  # fmt: skip
+    assert methods[1][1] == {"aggregator": "switch", "codec": "thc",
+                             "codec_options": "correlated=true,bits=4"}  # fmt: skip
+    for unbalanced in ("ddp,switch:thc(bits=4", "switch:thc)bits=4("):
+        with pytest.raises(UsageError, match="without its"):
+            parse_methods(unbalanced)
+
+
 def test_a_testbed_job_gets_every_workload_flag_back():
     config = TrainConfig(model="gpt", dataset="stdlib", batch_size=2, optimizer="adamw",
                          ddp_hook="powersgd", powersgd_rank=4, context=64, data_bytes=10_000,
                          time_budget=30.0, eval_every=5, eval_samples=8, fallback="none",
-                         fusion_elements=12345)  # fmt: skip
+                         fusion_elements=12345, codec="thc",
+                         codec_options="correlated=true,bits=4")  # fmt: skip
     args = build_parser().parse_args(["train", "--aggregator", "ddp", *train_flags(config)])
     for name in (
         "model",
@@ -57,6 +72,8 @@ def test_a_testbed_job_gets_every_workload_flag_back():
         "layers",
         "width",
         "heads",
+        "codec",
+        "codec_options",
     ):
         assert getattr(args, name) == getattr(config, name), name  # fmt: skip
 

@@ -201,6 +201,7 @@ def train_flags(config) -> list[str]:
         "--time-budget": config.time_budget, "--target-loss": config.target_loss,
         "--divergence-factor": config.divergence_factor, "--fallback": config.fallback,
         "--message-delay": config.message_delay or None,
+        "--codec-options": config.codec_options or None,
     }  # fmt: skip
     for flag, value in optional.items():
         if value is not None:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..failures import Failure
-from ..train.methods import method_fields
+from ..train.methods import parse_methods
 from .cli import positive_int
 from .train_testbed import train_flags
 
@@ -80,8 +80,8 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--methods",
         default=",".join(DEFAULT_METHODS),
-        help="comma-separated methods, the first the baseline: AGGREGATOR:CODEC, ddp, "
-        "ddp:fp16, ddp:bf16, ddp:powersgdR",
+        help="comma-separated methods, the first the baseline: AGGREGATOR:CODEC, "
+        "AGGREGATOR:CODEC(option=value,...), ddp, ddp:fp16, ddp:bf16, ddp:powersgdR",
     )
     parser.add_argument("--model", default="gpt")
     parser.add_argument("--dataset", default="stdlib")
@@ -126,10 +126,7 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             plot_runs(rows, args.plot, args.target_loss)
         return 0
-    names = [item.strip() for item in args.methods.split(",") if item.strip()]
-    if not names:
-        raise UsageError("--methods is empty")
-    methods = [(name, method_fields(name)) for name in names]
+    methods = parse_methods(args.methods)
     if args.time_budget is None and args.max_steps is None:
         raise UsageError("give --time-budget or --max-steps: runs must end")
     if args.stop_at_target and args.target_loss is None:
