@@ -49,7 +49,8 @@ def test_methods_split_at_commas_outside_a_codecs_options():
 def test_a_testbed_job_gets_every_workload_flag_back():
     config = TrainConfig(model="gpt", dataset="stdlib", batch_size=2, optimizer="adamw",
                          ddp_hook="powersgd", powersgd_rank=4, context=64, data_bytes=10_000,
-                         time_budget=30.0, eval_every=5, eval_samples=8, fallback="none",
+                         time_budget=30.0, eval_every=5, eval_seconds=2.5, eval_samples=8,
+                         fallback="none",
                          fusion_elements=12345, codec="thc",
                          codec_options="correlated=true,bits=4")  # fmt: skip
     args = build_parser().parse_args(["train", "--aggregator", "ddp", *train_flags(config)])
@@ -64,6 +65,7 @@ def test_a_testbed_job_gets_every_workload_flag_back():
         "data_bytes",
         "time_budget",
         "eval_every",
+        "eval_seconds",
         "eval_samples",
         "fallback",
         "fusion_elements",
