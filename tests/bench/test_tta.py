@@ -146,3 +146,43 @@ def test_the_run_tabulates_writes_and_plots_each_method(tmp_path, monkeypatch, c
         next(line for line in again.splitlines() if line.startswith("switch:thc")).split()[1]
         == "50.0"
     )
+
+
+def test_several_seeds_compare_each_run_with_its_seeds_baseline_and_take_medians(
+    tmp_path, monkeypatch, capsys
+):
+    # seed -> method -> (seconds per step, losses every 10 steps)
+    curves = {
+        0: {"ddp": (2.0, [5.5, 4.0, 3.5, 3.2]), "switch:thc": (1.0, [5.5, 4.2, 3.6, 3.3, 3.1])},
+        1: {"ddp": (2.0, [5.5, 4.0, 3.4, 3.3]), "switch:thc": (1.0, [5.5, 4.0, 3.4, 3.2, 3.1])},
+        2: {"ddp": (2.0, [5.5, 3.9, 3.6, 3.2]), "switch:thc": (1.0, [5.5, 4.3, 3.7, 3.6, 3.5])},
+    }
+    seen = []
+
+    def fake(args, fields):
+        seen.append((fields["seed"], method_name(TrainConfig(**fields))))
+        return _summary(*curves[fields["seed"]][seen[-1][1]])
+
+    monkeypatch.setattr(tta, "_outcome", fake)
+    path, png = tmp_path / "rows.json", tmp_path / "tta.png"
+    assert main(["bench", "tta", "--methods", "ddp,switch:thc", "--seeds", "0,1,2",
+                 "--layers", "1", "--width", "32", "--heads", "2", "--context", "16",
+                 "--target-loss", "3.5", "--json", str(path), "--plot", str(png)]) == 0  # fmt: skip
+    assert seen == [(0, "ddp"), (0, "switch:thc"), (1, "ddp"), (1, "switch:thc"),
+                    (2, "ddp"), (2, "switch:thc")]  # fmt: skip
+    rows = json.loads(path.read_text())
+    assert [(r["seed"], r["time_to_target"]) for r in rows] == [
+        (0, 40.0), (0, 30.0), (1, 40.0), (1, 20.0), (2, 60.0), (2, 40.0)]  # fmt: skip
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    # each run against its own seed's baseline: seed 1, 40 / 20 s; at step 30, 3.2 / 3.3
+    seed1 = next(line for line in lines if line.startswith("switch:thc seed 1"))
+    assert "2.00x" in seed1 and "-3.0%" in seed1
+    medians = lines[next(i for i, line in enumerate(lines) if line.startswith("medians")) :]
+    thc = next(line for line in medians if line.startswith("switch:thc")).split()
+    # medians: ddp 40 s, thc 30 s -> 1.33x; gaps +3.1 %, -3.0 %, +12.5 % -> median +3.1 %
+    assert thc[1:4] == ["30.0", "1.33x", "+3.1%"] and thc[4] == "-3.0..+12.5%"
+    assert thc[5] == "3/3"
+    assert png.stat().st_size > 10_000
+    with pytest.raises(SystemExit):
+        main(["bench", "tta", "--seeds", "1,1", "--max-steps", "2"])
