@@ -16,7 +16,7 @@ from gradsum.cli import main
 from gradsum.failures import Failure, WorkerFailed
 from gradsum.testbed.shell import TestbedError
 from gradsum.train import launch
-from gradsum.train.methods import method_fields, method_name
+from gradsum.train.methods import method_fields, method_name, parse_methods
 
 
 def _row(scheduler: str, samples_per_s: float, plan: str = "") -> TrainRow:
@@ -164,7 +164,7 @@ def test_a_testbed_job_of_a_ddp_method_gets_its_hook(monkeypatch):
     args = argparse.Namespace(model="gpt", dataset="stdlib", epochs=1, batch_size=1,
                               lr=1e-3, seed=0, link_rate="100mbit", workers=4,
                               message_delay=0.0, fusion_elements=500_000, shards=None)  # fmt: skip
-    fields = bench_train.parse_methods("ddp:powersgd4")[0][1]
+    fields = parse_methods("ddp:powersgd4")[0][1]
     list(bench_train._testbed_outcomes(args, fields, ["fusion"]))
     flags = " ".join(seen["flags"])
     assert seen["aggregator"] == "ddp"

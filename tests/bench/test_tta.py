@@ -10,13 +10,13 @@ from gradsum.bench import tta
 from gradsum.bench.train_testbed import train_flags
 from gradsum.cli import UsageError, build_parser, main
 from gradsum.train.config import TrainConfig
-from gradsum.train.methods import method_fields, method_name
+from gradsum.train.methods import method_fields, method_name, parse_methods
 from gradsum.train.peers import wire_bytes_per_step
 
 
 @pytest.mark.parametrize(
     "name", ["ddp", "ddp:fp16", "ddp:bf16", "ddp:powersgd2", "ddp:powersgd4", "switch:thc",
-             "allreduce:none", "ps:topk"],
+             "allreduce:none", "ps:topk", "switch:thc(correlated=true,bits=4)"],
 )  # fmt: skip
 def test_method_names_round_trip_through_the_config(name):
     assert method_name(TrainConfig(**method_fields(name))) == name
@@ -25,18 +25,34 @@ def test_method_names_round_trip_through_the_config(name):
 @pytest.mark.parametrize(
     ("name", "complaint"),
     [("ddp:powersgd", "ddp:powersgdR"), ("ddp:fp8", "ddp:powersgdR"),
-     ("switch:topk", "cannot run on the switch"), ("thc", "not AGGREGATOR:CODEC")],
+     ("switch:topk", "cannot run on the switch"), ("thc", "not AGGREGATOR:CODEC"),
+     ("switch:thc(colour=red)", "has no option colour"),
+     ("switch:thc(bits=4", "AGGREGATOR:CODEC\\("),
+     ("ddp:fp16(bits=4)", "AGGREGATOR:CODEC\\(")],
 )  # fmt: skip
 def test_unknown_methods_are_refused_naming_what_would_work(name, complaint):
     with pytest.raises(UsageError, match=complaint):
         method_fields(name)
 
 
+def test_methods_split_at_commas_outside_a_codecs_options():
+    methods = parse_methods("ddp, switch:thc(correlated=true,bits=4),ps:topk(ratio=0.01)")
+    assert [name for name, _ in methods] == ["ddp", "switch:thc(correlated=true,bits=4)",
+                                             "ps:topk(ratio=0.01)"]  # fmt: skip
+    assert methods[1][1] == {"aggregator": "switch", "codec": "thc",
+                             "codec_options": "correlated=true,bits=4"}  # fmt: skip
+    for unbalanced in ("ddp,switch:thc(bits=4", "switch:thc)bits=4("):
+        with pytest.raises(UsageError, match="without its"):
+            parse_methods(unbalanced)
+
+
 def test_a_testbed_job_gets_every_workload_flag_back():
     config = TrainConfig(model="gpt", dataset="stdlib", batch_size=2, optimizer="adamw",
                          ddp_hook="powersgd", powersgd_rank=4, context=64, data_bytes=10_000,
-                         time_budget=30.0, eval_every=5, eval_samples=8, fallback="none",
-                         fusion_elements=12345)  # fmt: skip
+                         time_budget=30.0, eval_every=5, eval_seconds=2.5, eval_samples=8,
+                         fallback="none",
+                         fusion_elements=12345, codec="thc",
+                         codec_options="correlated=true,bits=4")  # fmt: skip
     args = build_parser().parse_args(["train", "--aggregator", "ddp", *train_flags(config)])
     for name in (
         "model",
@@ -49,6 +65,7 @@ def test_a_testbed_job_gets_every_workload_flag_back():
         "data_bytes",
         "time_budget",
         "eval_every",
+        "eval_seconds",
         "eval_samples",
         "fallback",
         "fusion_elements",
@@ -57,6 +74,8 @@ def test_a_testbed_job_gets_every_workload_flag_back():
         "layers",
         "width",
         "heads",
+        "codec",
+        "codec_options",
     ):
         assert getattr(args, name) == getattr(config, name), name  # fmt: skip
 
@@ -127,3 +146,43 @@ def test_the_run_tabulates_writes_and_plots_each_method(tmp_path, monkeypatch, c
         next(line for line in again.splitlines() if line.startswith("switch:thc")).split()[1]
         == "50.0"
     )
+
+
+def test_several_seeds_compare_each_run_with_its_seeds_baseline_and_take_medians(
+    tmp_path, monkeypatch, capsys
+):
+    # seed -> method -> (seconds per step, losses every 10 steps)
+    curves = {
+        0: {"ddp": (2.0, [5.5, 4.0, 3.5, 3.2]), "switch:thc": (1.0, [5.5, 4.2, 3.6, 3.3, 3.1])},
+        1: {"ddp": (2.0, [5.5, 4.0, 3.4, 3.3]), "switch:thc": (1.0, [5.5, 4.0, 3.4, 3.2, 3.1])},
+        2: {"ddp": (2.0, [5.5, 3.9, 3.6, 3.2]), "switch:thc": (1.0, [5.5, 4.3, 3.7, 3.6, 3.5])},
+    }
+    seen = []
+
+    def fake(args, fields):
+        seen.append((fields["seed"], method_name(TrainConfig(**fields))))
+        return _summary(*curves[fields["seed"]][seen[-1][1]])
+
+    monkeypatch.setattr(tta, "_outcome", fake)
+    path, png = tmp_path / "rows.json", tmp_path / "tta.png"
+    assert main(["bench", "tta", "--methods", "ddp,switch:thc", "--seeds", "0,1,2",
+                 "--layers", "1", "--width", "32", "--heads", "2", "--context", "16",
+                 "--target-loss", "3.5", "--json", str(path), "--plot", str(png)]) == 0  # fmt: skip
+    assert seen == [(0, "ddp"), (0, "switch:thc"), (1, "ddp"), (1, "switch:thc"),
+                    (2, "ddp"), (2, "switch:thc")]  # fmt: skip
+    rows = json.loads(path.read_text())
+    assert [(r["seed"], r["time_to_target"]) for r in rows] == [
+        (0, 40.0), (0, 30.0), (1, 40.0), (1, 20.0), (2, 60.0), (2, 40.0)]  # fmt: skip
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    # each run against its own seed's baseline: seed 1, 40 / 20 s; at step 30, 3.2 / 3.3
+    seed1 = next(line for line in lines if line.startswith("switch:thc seed 1"))
+    assert "2.00x" in seed1 and "-3.0%" in seed1
+    medians = lines[next(i for i, line in enumerate(lines) if line.startswith("medians")) :]
+    thc = next(line for line in medians if line.startswith("switch:thc")).split()
+    # medians: ddp 40 s, thc 30 s -> 1.33x; gaps +3.1 %, -3.0 %, +12.5 % -> median +3.1 %
+    assert thc[1:4] == ["30.0", "1.33x", "+3.1%"] and thc[4] == "-3.0..+12.5%"
+    assert thc[5] == "3/3"
+    assert png.stat().st_size > 10_000
+    with pytest.raises(SystemExit):
+        main(["bench", "tta", "--seeds", "1,1", "--max-steps", "2"])

@@ -7,8 +7,10 @@ import torch
 
 from gradsum.codecs import (
     CODEC_NAMES,
+    ErrorFeedback,
     NonFiniteGradientError,
     WidthOverflowError,
+    codec_options,
     make_codec,
     nmse,
     parse_options,
@@ -161,6 +163,24 @@ def test_unknown_codec_and_option_are_clear_errors():
     with pytest.raises(ValueError, match="has no option bogus"):
         make_codec("thc", bogus=1)
     assert set(CODEC_NAMES) >= {"none", "fp16", "bfp", "thc", "thc-uniform", "topk", "dgc"}
+
+
+def test_error_feedback_is_an_option_like_the_others():
+    """``--codec-options error_feedback=false`` turns a codec's error feedback off: the second
+    round of the same input then carries nothing of the first round's error."""
+    x = gaussian_inputs(1, 10_000)
+    with_feedback, without = make_codec("thc"), make_codec("thc", error_feedback=False)
+    options = parse_options("error_feedback=false")
+    assert isinstance(with_feedback, ErrorFeedback) and not isinstance(without, ErrorFeedback)
+    assert not isinstance(make_codec("thc", **options), ErrorFeedback)
+    assert codec_options("thc")["error_feedback"] is True
+    assert codec_options("qsgd")["error_feedback"] is False
+    first = run_round(make_codec("thc", **options), x, step=1).average
+    again = make_codec("thc", **options)
+    run_round(again, x, step=0)
+    assert torch.equal(run_round(again, x, step=1).average, first)  # no memory of step 0
+    with pytest.raises(ValueError, match="true or false"):
+        make_codec("thc", **parse_options("error_feedback=2"))
 
 
 def test_parse_options():

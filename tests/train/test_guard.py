@@ -14,7 +14,7 @@ from gradsum.sync.allreduce import AllReduceAggregator
 from gradsum.sync.gradient_sync import GradientSync
 from gradsum.train.config import TrainConfig
 from gradsum.train.guard import DivergenceError, DivergenceGuard
-from gradsum.train.loop import _Stepper
+from gradsum.train.loop import _gradients_finite, _Stepper
 from gradsum.train.models import build_model
 
 
@@ -83,6 +83,20 @@ def _steps(fallback, bad_steps, count=6):
     finally:
         sync.close()
     return losses, guard, aggregator, model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_finiteness_check_finds_one_bad_entry_anywhere_and_passes_large_finite_ones(dtype):
+    model = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, 3)).to(dtype)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, torch.finfo(dtype).max / 4)  # finite; fp16's sum would not be
+    assert _gradients_finite(model)
+    for bad in (math.nan, math.inf, -math.inf):
+        for p, where in ((model[0].weight, (999, 17)), (model[1].bias, (2,))):
+            p.grad[where] = bad
+            assert not _gradients_finite(model), (bad, where)
+            p.grad[where] = 1.0
+    assert _gradients_finite(torch.nn.Linear(2, 2))  # no gradients yet
 
 
 def test_a_non_finite_gradient_stops_training_naming_the_step_and_method(gloo_alone):

@@ -90,3 +90,43 @@ def test_a_few_steps_of_the_language_model_lower_its_validation_loss(method):
     assert summary["bits_per_byte"] == pytest.approx(losses[-1] / math.log(2))
     assert summary["steps"] == 30 and summary["fallbacks"] == 0
     assert summary["compute_s"] > 0
+
+
+@pytest.mark.parametrize(("every", "steps"), [(None, [0, 3, 6, 9, 12, 15, 18, 20]),
+                                              (10, [0, 3, 6, 9, 10, 12, 15, 18, 20])])  # fmt: skip
+def test_evaluations_come_every_eval_seconds_of_training_on_worker_0s_clock(
+    monkeypatch, every, steps
+):
+    """0.7 s steps, an evaluation every 2 s of training: after steps 3 (2.1 s), 6 (4.2 s), ...;
+    the evaluations' own time is not training time, and the step schedule still applies."""
+    from gradsum.train import loop
+
+    now = [0.0]
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            return now[0]
+
+    class Step:
+        count = 0
+
+        def __call__(self, inputs, labels, stop=False):
+            now[0] += 0.7
+            self.count += 1
+            return torch.zeros(()), None
+
+    def validation(model, data, samples):
+        now[0] += 100.0  # evaluating takes long; none of it counts as training
+        return 1.0, 0.5
+
+    monkeypatch.setattr(loop, "time", Clock)
+    monkeypatch.setattr(loop, "validation", validation)
+    monkeypatch.setattr(loop, "shard_batches",
+                        lambda *args: [(torch.zeros(1), torch.zeros(1))] * 1000)  # fmt: skip
+    config = TrainConfig(max_steps=20, eval_seconds=2.0, eval_every=every, progress=False)
+    log = type("Log", (), {"write": lambda self, record: None})()
+    dataset = type("Data", (), {"train": None, "test": None})()
+    evals = loop._train_steps(config, 0, 1, Step(), torch.nn.Linear(1, 1), dataset, log)
+    assert [e["step"] for e in evals] == steps
+    assert [e["seconds"] for e in evals] == pytest.approx([0.7 * s for s in steps])

@@ -74,8 +74,9 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--methods",
         default=",".join(DEFAULT_METHODS),
-        help="comma-separated methods, the first the baseline: AGGREGATOR:CODEC, ddp, "
-        "ddp:fp16, ddp:bf16, ddp:powersgdR (torch DDP and its hooks)",
+        help="comma-separated methods, the first the baseline: AGGREGATOR:CODEC, "
+        "AGGREGATOR:CODEC(option=value,...), ddp, ddp:fp16, ddp:bf16, ddp:powersgdR (torch DDP "
+        "and its hooks)",
     )
     parser.add_argument(
         "--schedulers",
@@ -112,19 +113,6 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def parse_methods(text: str) -> list[tuple[str, dict]]:
-    """Each method's name and ``TrainConfig`` fields, parsed as ``bench tta`` parses them:
-    gradsum's AGGREGATOR:CODEC pairs or DDP and its hooks (``ddp``, ``ddp:fp16``, ...)."""
-    from ..cli import UsageError
-    from ..train.methods import method_fields
-
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    methods = [(name, method_fields(name)) for name in names]
-    if not methods:
-        raise UsageError("--methods is empty")
-    return methods
-
-
 def parse_schedulers(text: str) -> list[str]:
     from ..cli import UsageError
     from ..schedule import PLANNER_NAMES
@@ -138,6 +126,7 @@ def parse_schedulers(text: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
+    from ..train.methods import parse_methods
 
     if args.shards is not None and not args.link_rate:
         raise UsageError("--shards places PS shards in the testbed: give --link-rate too")

@@ -197,10 +197,12 @@ def train_flags(config) -> list[str]:
         "--powersgd-start": config.powersgd_start, "--layers": config.layers,
         "--width": config.width, "--heads": config.heads, "--context": config.context,
         "--data-bytes": config.data_bytes, "--max-steps": config.max_steps,
-        "--eval-every": config.eval_every, "--eval-samples": config.eval_samples,
+        "--eval-every": config.eval_every, "--eval-seconds": config.eval_seconds,
+        "--eval-samples": config.eval_samples,
         "--time-budget": config.time_budget, "--target-loss": config.target_loss,
         "--divergence-factor": config.divergence_factor, "--fallback": config.fallback,
         "--message-delay": config.message_delay or None,
+        "--codec-options": config.codec_options or None,
     }  # fmt: skip
     for flag, value in optional.items():
         if value is not None:

@@ -24,11 +24,12 @@ import argparse
 import contextlib
 import json
 import math
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..failures import Failure
-from ..train.methods import method_fields
+from ..train.methods import parse_methods
 from .cli import positive_int
 from .train_testbed import train_flags
 
@@ -49,6 +50,7 @@ class TTARow:
     method: str
     link_rate: str
     workers: int
+    seed: int = 0
     steps: int | None = None
     train_seconds: float | None = None
     step_s: float | None = None
@@ -80,15 +82,19 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--methods",
         default=",".join(DEFAULT_METHODS),
-        help="comma-separated methods, the first the baseline: AGGREGATOR:CODEC, ddp, "
-        "ddp:fp16, ddp:bf16, ddp:powersgdR",
+        help="comma-separated methods, the first the baseline: AGGREGATOR:CODEC, "
+        "AGGREGATOR:CODEC(option=value,...), ddp, ddp:fp16, ddp:bf16, ddp:powersgdR",
     )
     parser.add_argument("--model", default="gpt")
     parser.add_argument("--dataset", default="stdlib")
     parser.add_argument("--workers", type=positive_int, default=4)
     parser.add_argument("--batch-size", type=positive_int, default=4, help="per worker")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds", default="0",
+        help="comma-separated seeds: each method runs once per seed (weights, batches and the "
+        "codecs' randomness), and the table adds each method's median over them",
+    )  # fmt: skip
     parser.add_argument(
         "--scheduler", default="fusion",
         help="gradsum's communication plan (default: static fusion into groups of "
@@ -126,24 +132,24 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             plot_runs(rows, args.plot, args.target_loss)
         return 0
-    names = [item.strip() for item in args.methods.split(",") if item.strip()]
-    if not names:
-        raise UsageError("--methods is empty")
-    methods = [(name, method_fields(name)) for name in names]
+    methods = parse_methods(args.methods)
+    seeds = parse_seeds(args.seeds)
     if args.time_budget is None and args.max_steps is None:
         raise UsageError("give --time-budget or --max-steps: runs must end")
     if args.stop_at_target and args.target_loss is None:
         raise UsageError("--stop-at-target needs --target-loss")
     rows: list[TTARow] = []
-    for name, fields in methods:
-        print(f"  {name} ...", flush=True)
-        outcome = _outcome(args, fields)
-        rows.append(make_row(args, name, fields, outcome))
-        _print_row(rows[-1], args.target_loss)
-        if args.json:
-            from .train import write_rows
+    for seed in seeds:  # a seed's methods together: one seed's table is whole early
+        for name, fields in methods:
+            fields = {**fields, "seed": seed}
+            print(f"  {name} seed {seed} ...", flush=True)
+            outcome = _outcome(args, fields)
+            rows.append(make_row(args, name, fields, outcome))
+            _print_row(rows[-1], args.target_loss)
+            if args.json:
+                from .train import write_rows
 
-            write_rows(args.json, [asdict(row) for row in rows])
+                write_rows(args.json, [asdict(row) for row in rows])
     print(format_table(rows, args.target_loss))
     if args.plot:
         plot_runs(rows, args.plot, args.target_loss)
@@ -160,7 +166,7 @@ def _config(args, fields: dict):
         workload["target_loss"] = None  # measured from the curve; the run goes on
     return TrainConfig(
         model=args.model, dataset=args.dataset, workers=args.workers, batch_size=args.batch_size,
-        lr=args.lr, seed=args.seed, scheduler=args.scheduler, progress=False,
+        lr=args.lr, scheduler=args.scheduler, progress=False,
         fusion_elements=args.fusion_elements,
         **{**workload, **fields},
     )  # fmt: skip
@@ -191,6 +197,18 @@ def _in_testbed(args, config) -> dict | Failure:
     return outcome
 
 
+def parse_seeds(text: str) -> list[int]:
+    from ..cli import UsageError
+
+    try:
+        seeds = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise UsageError(f"--seeds {text!r}: not a comma-separated list of integers") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise UsageError(f"--seeds {text!r}: give distinct seeds")
+    return seeds
+
+
 def row_from_dict(record: dict) -> TTARow:
     error = record.get("error")
     return TTARow(**{**record, "error": Failure(**error) if error else None})
@@ -211,12 +229,13 @@ def with_target(row: TTARow, target: float | None) -> TTARow:
 def make_row(args, name: str, fields: dict, outcome: dict | Failure) -> TTARow:
     rate = args.link_rate or "loopback"
     if isinstance(outcome, Failure):
-        return TTARow(name, rate, args.workers, error=outcome)
+        return TTARow(name, rate, args.workers, fields["seed"], error=outcome)
     evals = outcome.get("evals", [])
     step_s, compute_s = outcome.get("step_s"), outcome.get("compute_s")
     ratio = (step_s - compute_s) / compute_s if step_s and compute_s else None
     return TTARow(
-        method=name, link_rate=rate, workers=args.workers, steps=outcome.get("steps"),
+        method=name, link_rate=rate, workers=args.workers, seed=fields["seed"],
+        steps=outcome.get("steps"),
         train_seconds=outcome.get("train_seconds"), step_s=step_s, compute_s=compute_s,
         comm_to_compute=ratio, time_to_target=first_at_target(evals, args.target_loss),
         final_val_loss=outcome.get("val_loss"), bits_per_byte=outcome.get("bits_per_byte"),
@@ -274,39 +293,92 @@ def _print_row(row: TTARow, target: float | None) -> None:
 
 
 def format_table(rows: list[TTARow], target: float | None) -> str:
-    base = next((row for row in rows if not row.failed), None)
+    """One line per run; with several seeds, each run's comparisons are with the baseline's run
+    of the same seed, and a second table gives each method's medians over the seeds."""
+    seeds = sorted({row.seed for row in rows})
+    several = len(seeds) > 1
+    bases = {row.seed: row for row in rows if row.method == rows[0].method and not row.failed}
     head = rows[0]
-    lines = [f"workers={head.workers}  links={head.link_rate}  target val loss={target}"]
-    if base is not None and base.comm_to_compute is not None:
+    lines = [f"workers={head.workers}  links={head.link_rate}  target val loss={target}"
+             + (f"  seeds={','.join(map(str, seeds))}" if several else "")]  # fmt: skip
+    ratios = [b.comm_to_compute for b in bases.values() if b.comm_to_compute is not None]
+    if ratios:
+        base = bases[min(bases)]
         lines.append(
             f"baseline {base.method}: {base.step_s:.3f} s per step, {base.compute_s:.3f} s of "
-            f"compute: communication-to-compute ratio {base.comm_to_compute:.2f}"
+            f"compute: communication-to-compute ratio {statistics.median(ratios):.2f}"
+            + (" (median over seeds)" if len(ratios) > 1 else "")
         )
     same = common_step(rows)
+    width = max(16, *(len(_label(row, several)) for row in rows))
     lines.append(
-        f"{'method':<16} {'to target s':>11} {'vs base':>8} {'final loss':>10} {'bpb':>6} "
+        f"{'method':<{width}} {'to target s':>11} {'vs base':>8} {'final loss':>10} {'bpb':>6} "
         f"{f'loss @{same}':>10} {'vs base':>8} {'steps':>6} {'s/step':>7} {'MB/step':>8} "
         f"{'retries':>7}"
     )
-    base_same = loss_at_step(base, same) if base and same is not None else None
     for row in rows:
         if row.failed:
-            lines.append(f"{row.method:<16} failed")
+            lines.append(f"{_label(row, several):<{width}} failed")
             continue
-        ttt = row.time_to_target
-        speedup = (
-            base.time_to_target / ttt if base and base.time_to_target is not None and ttt else None
-        )
-        at_same = loss_at_step(row, same) if same is not None else None
-        gap = at_same / base_same - 1 if at_same is not None and base_same else None
+        speedup, gap = _against(row, bases.get(row.seed), same)
         lines.append(
-            f"{row.method:<16} {_num(ttt, '.1f'):>11} {_num(speedup, '.2f', 'x'):>8} "
-            f"{row.final_val_loss:>10.4f} {row.bits_per_byte:>6.3f} {_num(at_same, '.4f'):>10} "
+            f"{_label(row, several):<{width}} {_num(row.time_to_target, '.1f'):>11} "
+            f"{_num(speedup, '.2f', 'x'):>8} {row.final_val_loss:>10.4f} "
+            f"{row.bits_per_byte:>6.3f} {_num(loss_at_step(row, same), '.4f'):>10} "
             f"{_num(gap * 100 if gap is not None else None, '+.1f', '%'):>8} {row.steps:>6} "
             f"{row.step_s:>7.3f} {row.bytes_per_step / 1e6:>8.2f} {row.fallbacks:>7}"
         )
-    failures = [f"  {row.method}: {row.error}" for row in rows if row.failed]
+    if several:
+        lines += _medians(rows, bases, same, width)
+    failures = [f"  {_label(row, several)}: {row.error}" for row in rows if row.failed]
     return "\n".join(lines + (["failed:", *failures] if failures else []))
+
+
+def _label(row: TTARow, several: bool) -> str:
+    return f"{row.method} seed {row.seed}" if several else row.method
+
+
+def _against(row: TTARow, base: TTARow | None, same: int | None):
+    """The baseline's time to target over the row's, and the row's loss gap to the baseline's
+    at step ``same`` (None where either is missing)."""
+    if base is None:
+        return None, None
+    ttt, base_ttt = row.time_to_target, base.time_to_target
+    speedup = base_ttt / ttt if base_ttt is not None and ttt else None
+    at_same = loss_at_step(row, same) if same is not None else None
+    base_same = loss_at_step(base, same) if same is not None else None
+    gap = at_same / base_same - 1 if at_same is not None and base_same else None
+    return speedup, gap
+
+
+def _medians(rows: list[TTARow], bases: dict, same: int | None, width: int) -> list[str]:
+    """Per method over the seeds: the median time to target (when every seed reached it), the
+    baseline's median over it, the median and range of the paired loss gaps at step ``same``."""
+    lines = [
+        f"medians over seeds ({'paired with the baseline of the same seed'}):",
+        f"{'method':<{width}} {'to target s':>11} {'vs base':>8} {f'gap @{same}':>10} "
+        f"{'gap range':>15} {'reached':>8} {'s/step':>7}",
+    ]
+    base_times = [b.time_to_target for b in bases.values()]
+    base_median = statistics.median(base_times) if None not in base_times else None
+    for method in dict.fromkeys(row.method for row in rows):
+        runs = [row for row in rows if row.method == method and not row.failed]
+        if not runs:
+            continue
+        times = [row.time_to_target for row in runs]
+        reached = sum(t is not None for t in times)
+        median = statistics.median(times) if reached == len(times) else None
+        speedup = base_median / median if base_median is not None and median else None
+        gaps = [g for row in runs
+                if (g := _against(row, bases.get(row.seed), same)[1]) is not None]  # fmt: skip
+        spread = f"{min(gaps) * 100:+.1f}..{max(gaps) * 100:+.1f}%" if gaps else "-"
+        gap = statistics.median(gaps) * 100 if gaps else None
+        lines.append(
+            f"{method:<{width}} {_num(median, '.1f'):>11} {_num(speedup, '.2f', 'x'):>8} "
+            f"{_num(gap, '+.1f', '%'):>10} {spread:>15} {f'{reached}/{len(runs)}':>8} "
+            f"{statistics.median(r.step_s for r in runs):>7.3f}"
+        )
+    return lines
 
 
 def _num(value: float | None, spec: str, suffix: str = "") -> str:
@@ -320,14 +392,20 @@ def plot_runs(rows: list[TTARow], path: Path, target: float | None) -> None:
     import matplotlib.pyplot as plt
 
     figure, (by_time, by_step) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    seeds = sorted({row.seed for row in rows})
+    colours = {m: f"C{i}" for i, m in enumerate(dict.fromkeys(row.method for row in rows))}
+    styles = ("-", "--", ":", "-.")
     for row in rows:
         if row.failed or not row.evals:
             continue
         seconds = [e["seconds"] for e in row.evals]
         steps = [e["step"] for e in row.evals]
         losses = [e["val_loss"] for e in row.evals]
-        by_time.plot(seconds, losses, marker=".", label=row.method)
-        by_step.plot(steps, losses, marker=".", label=row.method)
+        # a method's seeds share its colour; only its first seed is in the legend
+        look = {"color": colours[row.method], "linestyle": styles[seeds.index(row.seed) % 4],
+                "label": row.method if row.seed == seeds[0] else None, "marker": "."}  # fmt: skip
+        by_time.plot(seconds, losses, **look)
+        by_step.plot(steps, losses, **look)
     for axis, label in ((by_time, "seconds of training"), (by_step, "steps")):
         if target is not None:
             axis.axhline(target, color="grey", linestyle="--", linewidth=1)
@@ -335,7 +413,8 @@ def plot_runs(rows: list[TTARow], path: Path, target: float | None) -> None:
         axis.grid(alpha=0.3)
     by_time.set_ylabel("validation loss (nats per byte)")
     by_step.legend(fontsize=8)
-    figure.suptitle(f"{rows[0].workers} workers, links {rows[0].link_rate}")
+    over = f", seeds {', '.join(map(str, seeds))} (line styles)" if len(seeds) > 1 else ""
+    figure.suptitle(f"{rows[0].workers} workers, links {rows[0].link_rate}{over}")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

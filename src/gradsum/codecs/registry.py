@@ -40,6 +40,10 @@ def make_codec(name: str, workers: int = 1, error_feedback: bool | None = None, 
     if name not in _CODECS:
         raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
     cls, feedback_default = _CODECS[name]
+    if "error_feedback" in options:  # an option like the others on command lines
+        error_feedback = options.pop("error_feedback")
+    if error_feedback is not None and not isinstance(error_feedback, bool):
+        raise ValueError(f"codec option error_feedback is true or false, got {error_feedback!r}")
     accepted = codec_options(name)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
@@ -56,10 +60,11 @@ def make_codec(name: str, workers: int = 1, error_feedback: bool | None = None, 
 
 
 def codec_options(name: str) -> dict[str, object]:
-    """A codec's tunable options and their defaults."""
-    cls = _CODECS[name][0]
+    """A codec's tunable options and their defaults, error feedback's among them."""
+    cls, feedback_default = _CODECS[name]
     parameters = inspect.signature(cls.__init__).parameters.values()
-    return {p.name: p.default for p in parameters if p.name not in ("self", "workers")}
+    options = {p.name: p.default for p in parameters if p.name not in ("self", "workers")}
+    return {**options, "error_feedback": feedback_default}
 
 
 def parse_options(text: str) -> dict[str, object]:

@@ -11,14 +11,15 @@ class IncompatibleChoice(ValueError):
     """The codec cannot run on the chosen aggregator; the message says what would."""
 
 
-def check_compatible(aggregator: str, codec: str) -> None:
+def check_compatible(aggregator: str, codec: str, options: dict | None = None) -> None:
+    """Refuse an aggregator the codec cannot run on, or options the codec does not have."""
     if aggregator == DDP:  # torch's DDP hooks compress, not a gradsum codec (train/peers.py)
         return
     if aggregator not in AGGREGATOR_NAMES:
         raise IncompatibleChoice(
             f"unknown aggregator {aggregator!r}; choose one of {', '.join(AGGREGATOR_NAMES)}"
         )
-    built = make_codec(codec, workers=1)
+    built = make_codec(codec, workers=1, **(options or {}))
     if aggregator == "switch" and not built.aggregation.integer_only:
         raise IncompatibleChoice(
             f"codec {codec!r} cannot run on the switch: a switch only adds integers, and "
@@ -28,7 +29,7 @@ def check_compatible(aggregator: str, codec: str) -> None:
 
 
 def make_aggregator(config, rank: int, world: int, codec: Codec) -> Aggregator:
-    check_compatible(config.aggregator, config.codec)
+    check_compatible(config.aggregator, config.codec, parse_options(config.codec_options))
     if config.aggregator == "allreduce":
         from ..sync.allreduce import AllReduceAggregator
 

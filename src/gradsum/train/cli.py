@@ -7,7 +7,7 @@ import os
 import sys
 from typing import NoReturn
 
-from ..bench.cli import positive_int
+from ..bench.cli import positive_float, positive_int
 from ..devices import DEVICE_NAMES
 
 
@@ -130,6 +130,11 @@ def add_workload_flags(parser: argparse.ArgumentParser, defaults) -> None:
         help="evaluate every N steps, outside the timed region",
     )  # fmt: skip
     group.add_argument(
+        "--eval-seconds", type=positive_float, default=defaults.eval_seconds,
+        help="also evaluate every S seconds of training, so methods of different step times "
+        "are seen at the same wall-clock times",
+    )  # fmt: skip
+    group.add_argument(
         "--eval-samples", type=positive_int, default=defaults.eval_samples,
         help="validation samples per evaluation (default: all)",
     )  # fmt: skip
@@ -154,7 +159,8 @@ def add_workload_flags(parser: argparse.ArgumentParser, defaults) -> None:
 
 _WORKLOAD_FIELDS = (
     "optimizer", "ddp_hook", "powersgd_rank", "powersgd_start", "layers", "width", "heads",
-    "context", "data_bytes", "max_steps", "eval_every", "eval_samples", "time_budget",
+    "context", "data_bytes", "max_steps", "eval_every", "eval_seconds", "eval_samples",
+    "time_budget",
     "target_loss", "divergence_factor", "fallback",
 )  # fmt: skip
 

@@ -73,11 +73,13 @@ class TrainConfig:
     context: int = 128
     data_bytes: int | None = None  # stdlib: bytes of training text (data.STDLIB_BYTES)
     # Step-based runs with a fixed evaluation schedule (bench tta): with max_steps or
-    # eval_every set, training runs by steps instead of epochs, evaluates every eval_every
-    # steps outside its timed region, and stops at max_steps, after time_budget seconds of
-    # training, or once the validation loss reaches target_loss.
+    # eval_every or eval_seconds set, training runs by steps instead of epochs, evaluates every
+    # eval_every steps and every eval_seconds seconds of training (worker 0's clock) outside
+    # its timed region, and stops at max_steps, after time_budget seconds of training, or once
+    # the validation loss reaches target_loss.
     max_steps: int | None = None
     eval_every: int | None = None
+    eval_seconds: float | None = None
     eval_samples: int | None = None  # validation samples per evaluation (None: all)
     time_budget: float | None = None
     target_loss: float | None = None

@@ -1,7 +1,8 @@
 """Names of training methods, as ``bench tta`` and ``bench train`` take them and as tables and
 messages print them: torch DDP and its hooks (``ddp``, ``ddp:fp16``, ``ddp:bf16``,
-``ddp:powersgdR``, train/peers.py) or gradsum's ``AGGREGATOR:CODEC``. Light: the command line
-parses them before torch is imported."""
+``ddp:powersgdR``, train/peers.py) or gradsum's ``AGGREGATOR:CODEC``, optionally with the codec's
+options in parentheses: ``switch:thc(correlated=true,bits=4)``, as ``--codec-options`` takes
+them. Light: the command line parses them before torch is imported."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ def method_name(config) -> str:
     """The name a run's method goes by in tables and messages: ``ddp``, ``ddp:fp16``,
     ``ddp:powersgd2``, or gradsum's ``AGGREGATOR:CODEC``."""
     if config.aggregator != "ddp":
-        return f"{config.aggregator}:{config.codec}"
+        options = config.codec_options.replace(" ", "")
+        return f"{config.aggregator}:{config.codec}" + (f"({options})" if options else "")
     if config.ddp_hook == "allreduce":
         return "ddp"
     if config.ddp_hook == "powersgd":
@@ -20,14 +22,40 @@ def method_name(config) -> str:
     return f"ddp:{config.ddp_hook}"
 
 
+def parse_methods(text: str) -> list[tuple[str, dict]]:
+    """``--methods``: each method's name and ``TrainConfig`` fields. Methods are separated by
+    commas outside parentheses, so a codec's options may hold commas of their own."""
+    from ..cli import UsageError
+
+    names, depth, start = [], 0, 0
+    for i, char in enumerate(text + ","):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth < 0:
+            raise UsageError(f"--methods {text!r}: a ')' without its '('")
+        if char == "," and depth == 0:
+            names.append(text[start:i].strip())
+            start = i + 1
+    if depth:
+        raise UsageError(f"--methods {text!r}: a '(' without its ')'")
+    methods = [(name, method_fields(name)) for name in names if name]
+    if not methods:
+        raise UsageError("--methods is empty")
+    return methods
+
+
 def method_fields(name: str) -> dict:
     """The ``TrainConfig`` fields of a method name: ``ddp``, ``ddp:fp16``, ``ddp:bf16``,
     ``ddp:powersgdR``, or gradsum's ``AGGREGATOR:CODEC`` (``method_name`` is the inverse), as
     ``bench tta`` and ``bench train`` take them."""
     from ..cli import UsageError
+    from ..codecs import parse_options
     from .aggregators import IncompatibleChoice, check_compatible
 
     head, _, tail = name.partition(":")
+    tail, bracket, options = tail.partition("(")
+    if bracket and (head == DDP or not options.endswith(")")):
+        raise UsageError(f"--methods {name}: options go as AGGREGATOR:CODEC(name=value,...)")
+    options = options.removesuffix(")").strip()
     if head == DDP:
         if tail in ("", "allreduce"):
             return {"aggregator": DDP, "ddp_hook": "allreduce"}
@@ -41,7 +69,7 @@ def method_fields(name: str) -> dict:
     if not tail:
         raise UsageError(f"--methods: {name!r} is not AGGREGATOR:CODEC nor a ddp method")
     try:
-        check_compatible(head, tail)
+        check_compatible(head, tail, parse_options(options))
     except (IncompatibleChoice, ValueError) as error:
         raise UsageError(f"--methods {name}: {error}") from None
-    return {"aggregator": head, "codec": tail}
+    return {"aggregator": head, "codec": tail, "codec_options": options}
