@@ -50,6 +50,18 @@ def parse_size(text: str) -> int:
     return value
 
 
+def parse_list(text: str, convert, flag: str) -> list:
+    from ..cli import UsageError
+
+    try:
+        values = [convert(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise UsageError(f"--{flag} {text!r}: not a comma-separated list") from None
+    if not values:
+        raise UsageError(f"--{flag} is empty")
+    return values
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)

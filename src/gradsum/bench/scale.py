@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .cli import positive_int
+from .cli import parse_list, positive_int
 
 DEFAULT_WORKERS = (4, 8, 16, 32, 64)
 DEFAULT_METHODS = ("none", "thc", "topk", "qsgd")
@@ -155,26 +155,14 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def _parse_list(text: str, convert, flag: str) -> list:
-    from ..cli import UsageError
-
-    try:
-        values = [convert(item) for item in text.split(",") if item.strip()]
-    except ValueError:
-        raise UsageError(f"--{flag} {text!r}: not a comma-separated list") from None
-    if not values:
-        raise UsageError(f"--{flag} is empty")
-    return values
-
-
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
     from ..codecs.names import CODEC_NAMES
     from ..failures import Failure
 
-    workers = _parse_list(args.workers, int, "workers")
-    methods = _parse_list(args.methods, str.strip, "methods")
-    quorums = _parse_list(args.quorums, float, "quorums")
+    workers = parse_list(args.workers, int, "workers")
+    methods = parse_list(args.methods, str.strip, "methods")
+    quorums = parse_list(args.quorums, float, "quorums")
     unknown = [m for m in methods if m not in CODEC_NAMES]
     if unknown:
         raise UsageError(

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..failures import Failure
 from ..train.methods import parse_methods
-from .cli import positive_int
+from .cli import parse_list, positive_int
 from .train_testbed import train_flags
 
 DEFAULT_METHODS = (
@@ -200,11 +200,8 @@ def _in_testbed(args, config) -> dict | Failure:
 def parse_seeds(text: str) -> list[int]:
     from ..cli import UsageError
 
-    try:
-        seeds = [int(item) for item in text.split(",") if item.strip()]
-    except ValueError:
-        raise UsageError(f"--seeds {text!r}: not a comma-separated list of integers") from None
-    if not seeds or len(set(seeds)) != len(seeds):
+    seeds = parse_list(text, int, "seeds")
+    if len(set(seeds)) != len(seeds):
         raise UsageError(f"--seeds {text!r}: give distinct seeds")
     return seeds
 
@@ -355,7 +352,7 @@ def _medians(rows: list[TTARow], bases: dict, same: int | None, width: int) -> l
     """Per method over the seeds: the median time to target (when every seed reached it), the
     baseline's median over it, the median and range of the paired loss gaps at step ``same``."""
     lines = [
-        f"medians over seeds ({'paired with the baseline of the same seed'}):",
+        "medians over seeds (paired with the baseline of the same seed):",
         f"{'method':<{width}} {'to target s':>11} {'vs base':>8} {f'gap @{same}':>10} "
         f"{'gap range':>15} {'reached':>8} {'s/step':>7}",
     ]
