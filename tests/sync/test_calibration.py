@@ -191,3 +191,64 @@ def test_every_worker_follows_worker_0_through_repeated_rounds():
     assert len(first["warnings"]) == 1 and second["warnings"] == []  # worker 0 speaks for all
     first, second = run_distributed(calibrate_over_allreduce, 2, timeout=120)
     assert first["cost"] == second["cost"] and first["cost"].fit.beta > 0
+
+
+LINK = 125e6  # bytes/s each way: a 1 Gbit/s link
+CHUNK = 64 * 1024  # bytes per chunk, as large as the protocol's (docs/protocol.md)
+
+
+def _round_trip(nbytes: float, senders: int, rate: float, fixed: float = 1e-3) -> float:
+    """One calibration transfer played chunk by chunk as the protocol runs it: ``senders``
+    copies of every chunk queue into the bottleneck port, which answers a chunk (``senders``
+    copies out) as soon as all of its copies are in; in and out are the two directions of a
+    full-duplex port, each first come, first served."""
+    pushed = answered = 0.0
+    left = nbytes
+    while left > 0:
+        chunk = min(CHUNK, left)
+        left -= chunk
+        pushed += senders * chunk / rate
+        answered = max(pushed, answered) + senders * chunk / rate
+    return fixed + answered
+
+
+def _fitted(senders: int, rate: float) -> AlphaBeta:
+    cost = judge_calibration([[(b, _round_trip(b, senders, rate)) for b in SIZES]])
+    return cost.fit
+
+
+def test_one_machine_calibration_gives_the_shard_port_rate_not_twice_it():
+    # 4 workers on the shard's host: its port carries 4 copies each way, pushes and answers
+    # overlapping (read as two stages in series, the port came out twice as fast)
+    cluster = cluster_from_fit(_fitted(4, LINK), 4, 2)
+    assert cluster.machines == 1
+    assert cluster.shard_bw == pytest.approx(LINK, rel=0.05)
+
+
+@pytest.mark.parametrize("workers", [2, 4, 8])
+def test_testbed_calibration_gives_the_link_rate(workers):
+    # one host per worker, shard 0 beside worker 0: the other workers' copies cross its link
+    cluster = cluster_from_fit(_fitted(workers - 1, LINK), workers, 2, remote=workers - 1)
+    assert cluster.machines == workers and cluster.nic_bw == pytest.approx(LINK, rel=0.05)
+    assert cluster.shard_machine(0) == cluster.worker_machine(0)  # one local worker, as measured
+    assert min(cluster.shard_bw, cluster.worker_bw) >= cluster.nic_bw  # the link is the bottleneck
+
+
+def test_remote_workers_are_those_that_cannot_bind_the_shards_address():
+    class Shards:
+        def __init__(self, host):
+            self.shard_addresses = [(host, 7000), ("127.0.0.1", 7001)]
+
+    assert scheduling.remote_workers(Shards("127.0.0.1")) == 0
+    assert scheduling.remote_workers(Shards("192.0.2.1")) == 1  # TEST-NET-1: no host's own
+    assert scheduling.remote_workers(_Recorder()) == 0  # no addressed shards: one machine
+    with pytest.raises(ValueError, match="5 of 4 workers"):
+        cluster_from_fit(TRUTH, 4, 2, remote=5)
+
+
+def test_calibration_sizes_stop_at_the_largest_message_a_plan_can_send():
+    assert scheduling.calibration_sizes(10_000_000) == scheduling.CALIBRATION_SIZES
+    assert scheduling.calibration_sizes(6_090) == (1 << 10, 6_090)  # digits-cnn: all of it
+    assert scheduling.calibration_sizes(500) == (62, 500)
+    with pytest.raises(ValueError, match="at least 2 gradient elements"):
+        scheduling.calibration_sizes(1)

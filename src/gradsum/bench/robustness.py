@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> None:
             calls.append((f"fusion{threshold}", ["--methods", "ps:none", "--shards",
                           str(args.shards), "--schedulers", "fusion",
                           "--fusion-elements", str(threshold)]))  # fmt: skip
-        calls.append(("ddp", ["--methods", "ddp", "--schedulers", "wfbp"]))
+        if args.ddp:
+            calls.append(("ddp", ["--methods", "ddp", "--schedulers", "wfbp"]))
         for label, flags in calls:
             path = args.out / f"{name}_{label}.json"
             if path.exists():
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     measure.add_argument("--shards", type=int, default=2)
     measure.add_argument("--epochs", type=int, default=1)
     measure.add_argument("--lr", type=float, default=0.02)
+    measure.add_argument("--no-ddp", dest="ddp", action="store_false",
+                         help="leave out DDP (repeats of a point compare the PS schedules)")
     summary = commands.add_parser("report")
     summary.add_argument("--out", type=Path, required=True)
     summary.add_argument("--plot", type=Path)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import socket
 import time
 import warnings
 from collections.abc import Sequence
@@ -158,28 +159,76 @@ def judge_calibration(
     return CostModel(DEFAULT_COST, "default", reason)
 
 
-def cluster_from_fit(fit: AlphaBeta, workers: int, shards: int) -> ClusterSpec:
+def cluster_from_fit(fit: AlphaBeta, workers: int, shards: int, remote: int = 0) -> ClusterSpec:
     """The cluster a measured single-shard round trip implies.
 
-    Calibration sends one message from every worker to one shard and back, which the PS cost
-    model describes as two stages of α_worker + n·α_shard + n·M/B_shard (n-way incast). Assumed:
-    the shard's port, not the worker's, is the bottleneck, and a worker and a shard spend the same
-    time per message; so B_shard = 2n/β, α_worker = α_shard = α/(2(n+1)), and a worker's own port
-    is as fast as a shard's. One machine: no NIC is crossed.
+    Calibration sends one message of M bytes from every worker to shard 0 and back; ``remote``
+    of the n workers reach that shard over a link (the others share its host). The shard
+    answers each chunk as soon as every worker's copy of it is in (docs/protocol.md), so the
+    pushes into the shard and the answers out of it overlap on full-duplex ports: the round
+    trip moves its bytes through the busiest port once each way *at the same time*, not as a
+    push stage and then a pull stage. The busiest port: with every worker on the shard's host
+    (``remote`` 0) the shard's own, n·M each way, so B_shard = n/β; otherwise the shard host's
+    link, ``remote``·M each way, so the link (NIC) runs at remote/β, with one host per worker
+    and the shards beside the first workers (the testbed's layout), and each node's port taken
+    at the least the round trip shows it to be, n/β (the shard's port moved n·M in that time).
+    The fixed costs do run in series: the worker's thread sends and receives (2 α_worker), the
+    shard's core takes the n pushes and sends the n answers (2n α_shard); a worker and a shard
+    are taken to spend the same time per message, α_worker = α_shard = α/(2(n+1)).
     """
     n = workers
+    if not 0 <= remote <= n:
+        raise ValueError(f"{remote} of {n} workers cannot be remote from the calibrated shard")
     per_message = fit.alpha / (2 * (n + 1))
-    bandwidth = 2 * n / fit.beta
+    port = n / fit.beta
     return ClusterSpec(
         workers=n,
         shards=shards,
-        machines=1,
-        worker_bw=bandwidth,
-        shard_bw=bandwidth,
-        nic_bw=bandwidth * max(n, shards),
+        machines=1 if remote == 0 else n,
+        worker_bw=port,
+        shard_bw=port,
+        nic_bw=port * max(n, shards) if remote == 0 else remote / fit.beta,
         alpha_worker=per_message,
         alpha_shard=per_message,
     )
+
+
+def remote_workers(aggregator) -> int:
+    """How many workers reach shard 0, the calibrated one, over a link rather than on their
+    own host (0 for an aggregator without addressed shards, or on one machine). A host is this
+    worker's own when a socket can bind to its address; every worker asks for itself."""
+    addresses = getattr(aggregator, "shard_addresses", None)
+    if not addresses:
+        return 0
+    remote = [0 if _is_own_address(addresses[0][0]) else 1]
+    if dist.is_initialized():
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, remote[0])
+        return sum(everyone)
+    return remote[0]
+
+
+def _is_own_address(host: str) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((host, 0))
+        except OSError:
+            return False
+    return True
+
+
+def calibration_sizes(elements: int, sizes: Sequence[int] = CALIBRATION_SIZES) -> tuple[int, ...]:
+    """The transfer sizes to fit α, β on, no larger than the largest message a plan of this
+    model can send (all its gradients in one group): a fit over sizes the plan never sends
+    extrapolates, and on a slow link a 1 MiB incast behaves unlike the model's messages (at
+    100 Mbit/s, 2 workers: 2 MB/s per message fitted where the link carries 12.5 MB/s)."""
+    if elements < 2:
+        raise ValueError(f"calibrating needs at least 2 gradient elements, got {elements}")
+    capped = sorted({min(size, elements) for size in sizes})
+    if len(capped) < 2:  # a model smaller than the smallest size: its whole and a piece of it
+        capped = [max(1, elements // 8), elements]
+    return tuple(capped)
 
 
 def calibrate(
@@ -223,7 +272,9 @@ def calibrate(
     return cost
 
 
-def _cost_model(scheduler: str, fit: AlphaBeta | None, aggregator, codec) -> CostModel:
+def _cost_model(
+    scheduler: str, fit: AlphaBeta | None, aggregator, codec, elements: int
+) -> CostModel:
     if fit is not None:
         if not (fit.alpha >= 0 and fit.beta > 0):
             raise ValueError(
@@ -232,7 +283,7 @@ def _cost_model(scheduler: str, fit: AlphaBeta | None, aggregator, codec) -> Cos
         return CostModel(fit, "given")
     if scheduler in COST_FREE:
         return CostModel(None, "not needed", f"{scheduler} plans from element counts alone")
-    return calibrate(aggregator, codec)
+    return calibrate(aggregator, codec, calibration_sizes(elements))
 
 
 def agree_on_plan(
@@ -254,7 +305,9 @@ def agree_on_plan(
     senders, so it cannot see it."""
     planner = make_planner(scheduler, **(options or {}))  # bad options fail on every worker
     started = time.perf_counter()
-    cost = _cost_model(scheduler, fit, aggregator, codec)
+    elements = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    cost = _cost_model(scheduler, fit, aggregator, codec, elements)
+    remote = remote_workers(aggregator) if cost.fit is not None else 0
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     shards = getattr(aggregator, "num_shards", world)
@@ -265,11 +318,9 @@ def agree_on_plan(
         cluster = (
             ClusterSpec(workers=world, shards=shards)
             if cost.fit is None
-            else cluster_from_fit(cost.fit, world, shards)
+            else cluster_from_fit(cost.fit, world, shards, remote)
         )
-        cluster = dataclasses.replace(
-            cluster, alpha_worker=cluster.alpha_worker + message_delay
-        )
+        cluster = dataclasses.replace(cluster, alpha_worker=cluster.alpha_worker + message_delay)
         plan = planner(profile, cluster)
         order = send_order(plan, profile, _transfer_seconds(cost, cluster, scheduler))
         chosen = [(plan, order, profile, cluster)]

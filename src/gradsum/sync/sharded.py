@@ -31,6 +31,11 @@ class ShardedServiceAggregator(ServiceAggregator):
     def num_shards(self) -> int:
         return len(self._groups) - 1
 
+    @property
+    def shard_addresses(self) -> list[tuple[str, int]]:
+        """(host, port) of each shard, in shard order."""
+        return [group[0] for group in self._groups[:-1]]
+
     def synchronize_part(
         self,
         shard: int,
