@@ -13,6 +13,7 @@ time against the measured one (``--plot``).
 
     python -m gradsum.bench.robustness run --out map/ --rates 1gbit --delays 0,0.005
     python -m gradsum.bench.robustness report --out map/ --plot predicted.png
+    python -m gradsum.bench.robustness report --out r1/ r2/ r3/   # repeats: median, range
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -83,36 +85,81 @@ def step_seconds(row: dict) -> float | None:
     return row["workers"] * BATCH / row["samples_per_s"]
 
 
+def best_baseline(rows: list[dict]) -> dict | None:
+    """The fastest of default, WFBP, priority and static fusion at its best threshold."""
+    fast = [r for r in rows if r["samples_per_s"]]
+    fusions = [r for r in fast if r["schedule"].startswith("fusion")]
+    baselines = [r for r in fast if r["schedule"] in BASELINES]
+    baselines += [max(fusions, key=lambda r: r["samples_per_s"])] if fusions else []
+    return max(baselines, key=lambda r: r["samples_per_s"], default=None)
+
+
+def imerge_ratio(rows: list[dict]) -> float | None:
+    """imerge's samples/s over the best tuned PS baseline's at one point."""
+    best = best_baseline(rows)
+    imerge = next((r for r in rows if r["schedule"] == "imerge" and r["samples_per_s"]), None)
+    return imerge["samples_per_s"] / best["samples_per_s"] if best and imerge else None
+
+
 def report(args: argparse.Namespace) -> None:
-    points = load(args.out)
-    for name, rows in points.items():
-        print(f"\n{name}")
-        by = {r["schedule"]: r for r in rows}
-        fusions = [r for r in rows if r["schedule"].startswith("fusion") and r["samples_per_s"]]
-        best_fusion = max(fusions, key=lambda r: r["samples_per_s"], default=None)
-        for schedule, row in by.items():
-            speed = row["samples_per_s"]
-            cell = f"{speed:8.1f} samples/s" if speed else "  failed"
-            predicted = row.get("predicted_step_s")
-            extra = f"  step {step_seconds(row):.3f} s" if speed else ""
-            extra += f", predicted {predicted:.3f} s" if predicted else ""
-            print(f"  {schedule:<18}{cell}{extra}  digest {row.get('parameter_digest', '')[:8]}")
-        baselines = [by[b] for b in BASELINES if b in by and by[b]["samples_per_s"]]
-        baselines += [best_fusion] if best_fusion else []
-        best = max(baselines, key=lambda r: r["samples_per_s"], default=None)
-        imerge = by.get("imerge")
-        if best and imerge and imerge["samples_per_s"]:
-            ratio = imerge["samples_per_s"] / best["samples_per_s"]
-            print(f"  imerge / best tuned PS baseline ({best['schedule']}): {ratio:.2f}")
-            ddp = by.get("ddp")
-            if ddp and ddp["samples_per_s"]:
-                ratio = imerge["samples_per_s"] / ddp["samples_per_s"]
-                print(f"  imerge / DDP all-reduce (no injected delay): {ratio:.2f}")
-        ps = [r for r in rows if r["aggregator"] == "ps" and r.get("parameter_digest")]
-        same = len({r["parameter_digest"] for r in ps}) == 1
-        print(f"  PS schedules ended with the same parameters: {same}")
+    measured = [load(out) for out in args.out]
+    for out, points in zip(args.out, measured, strict=True):
+        print(f"\n### {out}")
+        for name, rows in points.items():
+            report_point(name, rows)
+    if len(measured) > 1:
+        report_repeats(measured)
     if args.plot:
-        plot(points, args.plot)
+        plot({f"{name} ({k})" if len(measured) > 1 else name: rows
+              for k, points in enumerate(measured, 1) for name, rows in points.items()},
+             args.plot)  # fmt: skip
+
+
+def report_repeats(measured: list[dict[str, list[dict]]]) -> None:
+    """Per point measured in several folders: each schedule's median samples/s and range, and
+    imerge against the best baseline of the same repeat (median, range)."""
+    names = sorted({name for points in measured for name in points})
+    for name in names:
+        repeats = [points[name] for points in measured if name in points]
+        if len(repeats) < 2:
+            continue
+        print(f"\n{name}: {len(repeats)} repeats, median (min-max) samples/s")
+        schedules = dict.fromkeys(r["schedule"] for rows in repeats for r in rows)
+        for schedule in schedules:
+            speeds = [r["samples_per_s"] for rows in repeats for r in rows
+                      if r["schedule"] == schedule and r["samples_per_s"]]  # fmt: skip
+            if speeds:
+                print(f"  {schedule:<18}{statistics.median(speeds):8.1f} "
+                      f"({min(speeds):.1f}-{max(speeds):.1f}, {len(speeds)} runs)")  # fmt: skip
+        ratios = [x for x in (imerge_ratio(rows) for rows in repeats) if x is not None]
+        if ratios:
+            print(f"  imerge / best tuned PS baseline, same repeat: median "
+                  f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}; "
+                  + ", ".join(f"{x:.2f}" for x in ratios) + ")")  # fmt: skip
+
+
+def report_point(name: str, rows: list[dict]) -> None:
+    print(f"\n{name}")
+    by = {r["schedule"]: r for r in rows}
+    for schedule, row in by.items():
+        speed = row["samples_per_s"]
+        cell = f"{speed:8.1f} samples/s" if speed else "  failed"
+        predicted = row.get("predicted_step_s")
+        extra = f"  step {step_seconds(row):.3f} s" if speed else ""
+        extra += f", predicted {predicted:.3f} s" if predicted else ""
+        print(f"  {schedule:<18}{cell}{extra}  digest {row.get('parameter_digest', '')[:8]}")
+        if row.get("plan"):
+            print(f"  {'':<18}{row['plan']}")
+    best, ratio = best_baseline(rows), imerge_ratio(rows)
+    if ratio is not None:
+        print(f"  imerge / best tuned PS baseline ({best['schedule']}): {ratio:.2f}")
+        ddp = by.get("ddp")
+        if ddp and ddp["samples_per_s"]:
+            ratio = by["imerge"]["samples_per_s"] / ddp["samples_per_s"]
+            print(f"  imerge / DDP all-reduce (no injected delay): {ratio:.2f}")
+    ps = [r for r in rows if r["aggregator"] == "ps" and r.get("parameter_digest")]
+    same = len({r["parameter_digest"] for r in ps}) == 1
+    print(f"  PS schedules ended with the same parameters: {same}")
 
 
 def plot(points: dict[str, list[dict]], path: Path) -> None:
@@ -158,10 +205,20 @@ def main(argv: list[str] | None = None) -> None:
     measure.add_argument("--shards", type=int, default=2)
     measure.add_argument("--epochs", type=int, default=1)
     measure.add_argument("--lr", type=float, default=0.02)
-    measure.add_argument("--no-ddp", dest="ddp", action="store_false",
-                         help="leave out DDP (repeats of a point compare the PS schedules)")
+    measure.add_argument(
+        "--no-ddp",
+        dest="ddp",
+        action="store_false",
+        help="leave out DDP (repeats of a point compare the PS schedules)",
+    )
     summary = commands.add_parser("report")
-    summary.add_argument("--out", type=Path, required=True)
+    summary.add_argument(
+        "--out",
+        type=Path,
+        nargs="+",
+        required=True,
+        help="one folder, or several: repeats of the same points",
+    )
     summary.add_argument("--plot", type=Path)
     args = parser.parse_args(argv)
     run(args) if args.command == "run" else report(args)
