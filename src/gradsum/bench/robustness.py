@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> None:
                   "--link-rate", rate,
                   "--message-delay", str(delay)]  # fmt: skip
         calls = [("ps", ["--methods", "ps:none", "--shards", str(args.shards),
-                         "--schedulers", ",".join(PS_SCHEDULES)])]  # fmt: skip
+                         "--schedulers", ",".join(args.schedulers)])]  # fmt: skip
         for threshold in args.thresholds:
             calls.append((f"fusion{threshold}", ["--methods", "ps:none", "--shards",
                           str(args.shards), "--schedulers", "fusion",
@@ -200,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     measure.add_argument("--models", type=lambda t: t.split(","), default=["digits-wide"])
     measure.add_argument("--thresholds", type=lambda t: [int(x) for x in t.split(",")],
                          default=[4_300_000, 5_000_000])  # fmt: skip
+    measure.add_argument("--schedulers", type=lambda t: t.split(","), default=list(PS_SCHEDULES),
+                         help="the PS schedules (repeats of a point: the contenders)")  # fmt: skip
     measure.add_argument("--dataset", default="digits")
     measure.add_argument("--workers", type=int, default=4)
     measure.add_argument("--shards", type=int, default=2)
