@@ -10,7 +10,6 @@ re-encoded in between, which is what lets an integer-only switch aggregate THC.
 from __future__ import annotations
 
 import math
-import statistics
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -339,7 +338,6 @@ class THC(GridCodec):
         rotation_block: int | None = None,
         correlated: bool = False,
         spread_clamp: bool | None = None,
-        norm_cap: float | None = None,
     ):
         # Correlated rounding's table: 31 grid steps (n * 31 sums need the bits n * 30 do at
         # every n, so the wire is THC's), and the table and clamp that minimise its error.
@@ -354,14 +352,6 @@ class THC(GridCodec):
                 "spread_clamp solves correlated rounding's clamp per round: it needs "
                 "correlated=True and no fixed clamp p"
             )
-        # norm_cap: the grid's scale is set by at most norm_cap x the median of the round's
-        # norms, not by the largest alone. One worker's gradient spike (a batch-1 LM gradient
-        # 50x the others' norm is common) otherwise puts every worker on a grid that much
-        # coarser; under the cap the spike saturates the clamp and error feedback delivers the
-        # rest over the next rounds.
-        if norm_cap is not None and not (isinstance(norm_cap, (int, float)) and norm_cap >= 1
-                                         and math.isfinite(norm_cap)):  # fmt: skip
-            raise ValueError(f"norm_cap is a finite factor >= 1 (or none), got {norm_cap!r}")
         if p is None:
             p = correlated_clamp(bits, granularity, workers) if correlated else 1 / 32
         table = self._table(bits, granularity, p, workers if correlated else None)
@@ -369,7 +359,6 @@ class THC(GridCodec):
         self.p = p
         self.threshold = clamp_threshold(p)  # the clamp at equal norms
         self.spread_clamp = bool(spread_clamp)
-        self.norm_cap = None if norm_cap is None else float(norm_cap)
         self._clamps = spread_clamps(bits, granularity, workers) if spread_clamp else None
         self._device_clamps: dict[torch.device, torch.Tensor] = {}
         self.rotation_block = rotation_block
@@ -405,68 +394,52 @@ class THC(GridCodec):
     def _placed(self, norm: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         """The summary: the norm, or with the spread clamp the norm in this worker's slot of
         one per worker (zeros elsewhere), so the MAX round hands every worker every norm."""
-        if not self._all_norms:
+        if not self.spread_clamp:
             return norm
         placed = norm.new_zeros(self.workers)
         placed[(ctx.worker if ctx is not None else 0) % self.workers] = norm[0]
         return placed
 
-    @property
-    def _all_norms(self) -> bool:
-        """Whether the MAX round carries every worker's norm, not only the largest."""
-        return self.spread_clamp or self.norm_cap is not None
-
     def _norm_and_clamp(self, shared: torch.Tensor | None) -> tuple[Scalar, Scalar]:
-        """The norm that sets the round's grid and its clamp t_p. The norm is the largest, or
-        with ``norm_cap`` at most that factor times the median of the norms present. The clamp
-        is the fixed one, or the one solved for the spread of the norms (their RMS over the
-        grid's norm, each capped at it, to the nearest of ``tables.SPREADS``). Every worker and
-        the decode compute both from the same values, so all round on one grid."""
-        if not self._all_norms:
+        """The round's largest norm, which sets the grid's scale, and its clamp t_p: the fixed
+        one, or the one solved for the spread of the norms the MAX round brought (the RMS over
+        the largest of those present, to the nearest of ``tables.SPREADS``). Every worker and
+        the decode compute it from the same values, so all round on one grid."""
+        if not self.spread_clamp:
             return _shared_scalar(shared, self.name, "max norm"), self.threshold
         if shared is None or shared.numel() != self.workers:
             raise ValueError(
-                f"{self.name} with {'spread_clamp' if self.spread_clamp else 'norm_cap'} needs "
-                f"the preliminary round's {self.workers} norms, one per worker; got "
-                f"{None if shared is None else shared.numel()}"
+                f"{self.name} with spread_clamp needs the preliminary round's {self.workers} "
+                f"norms, one per worker; got {None if shared is None else shared.numel()}"
             )
         first, step = SPREADS[0], SPREADS[1] - SPREADS[0]
         if _reads_scalars(shared):
             norms = [float(v) for v in shared.reshape(-1)]
             if not all(math.isfinite(v) and v >= 0 for v in norms):
                 raise ValueError(f"{self.name}: invalid norms {norms}")
-            present = sorted(v for v in norms if v > 0)
-            if not present:
+            largest = max(norms)
+            if largest == 0:
                 return 0.0, self.threshold
-            grid = present[-1]
-            if self.norm_cap is not None:
-                grid = min(grid, self.norm_cap * statistics.median(present))
-            if not self.spread_clamp:
-                return grid, self.threshold
-            spread = math.sqrt(sum(min(v / grid, 1.0) ** 2 for v in present) / len(present))
+            present = [(v / largest) ** 2 for v in norms if v > 0]
+            spread = math.sqrt(sum(present) / len(present))
             index = min(max(round((spread - first) / step), 0), len(SPREADS) - 1)
-            return grid, self._clamps[index]
+            return largest, self._clamps[index]
         norms = shared.reshape(-1).to(torch.float64)
 
         def fail() -> None:
             raise ValueError(f"{self.name}: invalid norms {norms.tolist()}")
 
         require(torch.isfinite(norms).all() & (norms >= 0).all(), fail)
+        largest = norms.amax()
         present = norms > 0
-        grid = norms.amax()
-        if self.norm_cap is not None:  # the median of those present, on the device
-            median = torch.where(present, norms, torch.nan).nanquantile(0.5)
-            grid = torch.where(present.any(), torch.minimum(grid, self.norm_cap * median), grid)
-        if not self.spread_clamp:
-            return grid, self.threshold
-        relative = torch.where(present, (norms / grid.clamp(min=1e-300)).clamp(max=1.0), 0.0)
+        relative = torch.where(present, norms / largest.clamp(min=1e-300), 0.0)
         spread = (relative.square().sum() / present.sum().clamp(min=1)).sqrt()
         index = ((spread - first) / step).round().clamp(0, len(SPREADS) - 1).to(torch.int64)
         clamps = self._device_clamps.get(norms.device)
         if clamps is None:
             clamps = torch.tensor(self._clamps, dtype=torch.float64, device=norms.device)
             self._device_clamps[norms.device] = clamps
-        return grid, torch.where(grid > 0, clamps[index], self.threshold)
+        return largest, torch.where(largest > 0, clamps[index], self.threshold)
 
     @staticmethod
     def _norm_overflow(flat: torch.Tensor) -> None:
@@ -578,7 +551,7 @@ class THC(GridCodec):
         return (
             f"THC(workers={self.workers}, bits={self.bits}, granularity={self.granularity}, "
             f"p={self.p:g}, rotation_block={self.rotation_block}, correlated={self.correlated}, "
-            f"spread_clamp={self.spread_clamp}, norm_cap={self.norm_cap})"
+            f"spread_clamp={self.spread_clamp})"
         )
 
 
