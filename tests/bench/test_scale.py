@@ -161,3 +161,32 @@ def test_a_row_that_fails_is_named_and_the_others_are_written(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert "failed: thc n=1 quorum=1: FloatingPointError: gradient turned non-finite" in err
     assert "failed: thc n=2 quorum=2: FloatingPointError" in err
+
+
+def test_methods_take_codec_options_and_rows_of_two_seeds_pair_by_seed(tmp_path, capsys):
+    rows = tmp_path / "rows.json"
+    flags = ["bench", "scale", "--workers", "2", "--methods",
+             "none,thc(feedback_bound=inf,bits=4)", "--steps", "2", "--global-batch", "4",
+             "--layers", "1", "--width", "16", "--heads", "2", "--context", "8",
+             "--eval-every", "2", "--eval-samples", "8", "--data-bytes", "16384",
+             "--json", str(rows)]  # fmt: skip
+    assert main([*flags, "--seed", "0"]) == 0
+    assert main([*flags, "--seed", "1"]) == 0
+    written = json.loads(rows.read_text())
+    assert [(r["method"], r["setup"]["seed"]) for r in written] == [
+        ("none", 0), ("thc(feedback_bound=inf,bits=4)", 0),
+        ("none", 1), ("thc(feedback_bound=inf,bits=4)", 1),
+    ]  # fmt: skip
+    from gradsum.bench.scale import ScaleRow, format_table, gap
+
+    parsed = [ScaleRow(**r) for r in written]
+    fp32 = [written[2 * (i // 2)]["val_loss"] for i in range(4)]  # the same seed's none
+    expected = [r["val_loss"] / base - 1 for r, base in zip(written, fp32, strict=True)]
+    assert [gap(r, parsed) for r in parsed] == pytest.approx(expected)
+    table = capsys.readouterr().out.splitlines()
+    assert table[-1].split()[:2] == ["thc(feedback_bound=inf,bits=4)", "1"]
+    assert format_table(parsed).splitlines()[-2].split()[:2] == ["none", "1"]
+    with pytest.raises(SystemExit) as usage:
+        main([*flags[:5], "thc(nonsense=1)", *flags[6:]])
+    assert usage.value.code == 2
+    assert "has no option nonsense" in capsys.readouterr().err

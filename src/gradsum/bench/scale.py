@@ -158,16 +158,26 @@ def register(benches: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
     from ..codecs.names import CODEC_NAMES
+    from ..codecs.registry import codec_options, parse_options
     from ..failures import Failure
+    from ..train.methods import codec_spec, split_methods
 
     workers = parse_list(args.workers, int, "workers")
-    methods = parse_list(args.methods, str.strip, "methods")
+    methods = split_methods(args.methods)
     quorums = parse_list(args.quorums, float, "quorums")
-    unknown = [m for m in methods if m not in CODEC_NAMES]
-    if unknown:
-        raise UsageError(
-            f"--methods: unknown codec {unknown[0]!r}; choose from {', '.join(CODEC_NAMES)}"
-        )
+    for method in methods:
+        name, options = codec_spec(method)
+        if name not in CODEC_NAMES:
+            raise UsageError(
+                f"--methods: unknown codec {name!r}; choose from {', '.join(CODEC_NAMES)}"
+            )
+        try:
+            unknown = set(parse_options(options)) - set(codec_options(name))
+        except ValueError as error:
+            raise UsageError(f"--methods {method}: {error}") from None
+        if unknown:
+            raise UsageError(f"--methods {method}: codec {name!r} has no option "
+                             f"{', '.join(sorted(unknown))}")  # fmt: skip
     for n in workers:
         if n < 1 or (args.per_worker_batch is None and args.global_batch % n):
             raise UsageError(f"--workers {n}: must divide --global-batch {args.global_batch}")
@@ -327,8 +337,9 @@ def train_simulated(
     codec round; ``quorum``: the workers each round aggregates (all when None)."""
     import torch
 
-    from ..codecs import make_codec, run_round
+    from ..codecs import make_codec, parse_options, run_round
     from ..train.loop import validation
+    from ..train.methods import codec_spec
     from ..train.models import build_model, count_parameters
 
     global_batch = setup.batch(workers)
@@ -350,7 +361,8 @@ def train_simulated(
         context=setup.context,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0)
-    codec = make_codec(method, workers=workers)
+    name, options = codec_spec(method)
+    codec = make_codec(name, workers=workers, **parse_options(options))
     gradients = WorkerGradients(model, how)
     stragglers = Stragglers(workers, setup.straggler_delay, setup.seed)
     order = torch.Generator().manual_seed(setup.seed)
@@ -451,17 +463,20 @@ def format_table(rows: list[ScaleRow]) -> str:
     per_worker = first.setup.get("per_worker_batch")
     batch = (f"global batch {first.setup['global_batch']} (fixed)" if per_worker is None
              else f"{per_worker} per worker (global scaled with n)")  # fmt: skip
+    width = max(8, *(len(row.method) for row in rows))
     lines = [
         f"gpt {first.parameters:,} parameters, {first.setup['steps']} steps, {batch} x "
         f"{first.setup['context']} tokens, AdamW lr {first.setup['lr']:g}",
-        f"{'method':<8} {'n':>4} {'quorum':>6} {'bits up':>8} {'rel err':>8} {'val loss':>9} "
-        f"{'vs fp32':>8} {'modelled t':>11} {'vs full':>8}",
+        f"{'method':<{width}} {'seed':>4} {'n':>4} {'quorum':>6} {'bits up':>8} {'rel err':>8} "
+        f"{'val loss':>9} {'vs fp32':>8} {'modelled t':>11} {'vs full':>8}",
     ]
-    for row in sorted(rows, key=lambda r: (r.workers, -r.quorum, r.method)):
+    order = sorted(rows, key=lambda r: (r.setup["seed"], r.workers, -r.quorum, r.method))
+    for row in order:
         relative = gap(row, rows)
         full = full_quorum(row, rows)
         lines.append(
-            f"{row.method:<8} {row.workers:>4} {row.quorum:>6} {row.bits_up:>8.2f} "
+            f"{row.method:<{width}} {row.setup['seed']:>4} {row.workers:>4} {row.quorum:>6} "
+            f"{row.bits_up:>8.2f} "
             f"{'-' if row.relative_error is None else f'{row.relative_error:.4f}':>8} "
             f"{row.val_loss:>9.4f} "
             f"{'-' if relative is None else f'{100 * relative:+.2f}%':>8} "

@@ -223,6 +223,9 @@ class Codec(ABC):
     keeps_own_feedback: bool = False
     # Why error feedback must not wrap this codec (None: it may).
     feedback_refusal: str | None = None
+    # Error feedback's bound on the memory added, as a factor of the gradient's norm
+    # (``feedback.ErrorFeedback``); None: unbounded.
+    feedback_bound: float | None = None
 
     def __init__(self, workers: int = 1):
         if workers < 1:

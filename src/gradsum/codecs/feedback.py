@@ -3,12 +3,20 @@
     x'  = x + e                       (precondition)
     e  <- x' - reconstruct(payload)   (after encode: what this worker's payload lost)
 
+With a ``bound`` b the memory added is at most b times the new gradient's norm (scaled down,
+direction kept). In steady state a codec's error is a fraction of the gradient and the bound
+never acts. After a gradient spike (a step whose gradient is 100x the next one's, common in
+language-model training) the memory holds the spike's quantization error, which plain error
+feedback adds in full to a gradient that small; under Adam that is a large step in a random
+direction. The bound drops that part instead.
+
 State is keyed by the context's ``state_key`` (a tensor name or partition index) and checked for
 shape, so a re-bucketed gradient is reported instead of silently mixed with another's error.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -18,9 +26,13 @@ from .base import Codec, CodecContext, IntegerOp, Payload
 
 
 class ErrorFeedback(Codec):
-    def __init__(self, inner: Codec):
+    def __init__(self, inner: Codec, bound: float | None = None):
         super().__init__(inner.workers)
+        if bound is not None and not (isinstance(bound, (int, float)) and bound > 0
+                                      and math.isfinite(bound)):  # fmt: skip
+            raise ValueError(f"feedback_bound is a finite factor > 0 (or none), got {bound!r}")
         self.inner = inner
+        self.bound = None if bound is None else float(bound)
         self.name = inner.name
         self.aggregation = inner.aggregation
         # The wire facts are the inner codec's, except ``blockwise``: the memory is kept per
@@ -40,7 +52,16 @@ class ErrorFeedback(Codec):
                 f"error-feedback memory for {ctx.state_key!r} holds {error.numel()} coordinates, "
                 f"the gradient has {x.numel()}; call reset() after re-bucketing"
             )
-        return x + error
+        return x + self._bounded(error, x)
+
+    def _bounded(self, error: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The memory scaled to at most ``bound`` times ``x``'s norm, in place (the memory is
+        replaced at the encode; a redone round scales it by 1), on the device: no host sync."""
+        if self.bound is None:
+            return error
+        limit = self.bound * torch.linalg.vector_norm(x)
+        norm = torch.linalg.vector_norm(error)
+        return error.mul_(torch.where(norm > limit, limit / norm.clamp(min=1e-30), 1.0))
 
     @property
     def needs_summary(self) -> bool:
@@ -107,7 +128,8 @@ class ErrorFeedback(Codec):
         self.inner.load_state_dict(state.get("inner", {}))
 
     def __repr__(self) -> str:
-        return f"ErrorFeedback({self.inner!r})"
+        bound = "" if self.bound is None else f", bound={self.bound}"
+        return f"ErrorFeedback({self.inner!r}{bound})"
 
 
 @runtime_checkable
@@ -142,10 +164,10 @@ class TransformedErrorFeedback(ErrorFeedback):
     is).
     """
 
-    def __init__(self, inner: Codec):
+    def __init__(self, inner: Codec, bound: float | None = None):
         if not isinstance(inner, FeedbackTransform):
             raise TypeError(f"{type(inner).__name__} has no transformed domain")
-        super().__init__(inner)
+        super().__init__(inner, bound)
         self.costly_preparation = True  # the precondition runs the transform
         self._lengths: dict[Hashable, int | None] = {}  # per key: length, None if untransformed
 
@@ -159,6 +181,8 @@ class TransformedErrorFeedback(ErrorFeedback):
                 f"error-feedback memory for {ctx.state_key!r} holds {error.numel()} coordinates, "
                 f"the gradient has {x.numel()}; call reset() after re-bucketing"
             )
+        if error is not None:
+            error = self._bounded(error, x)  # the transform is orthogonal: norms are kept
         if transformed:
             return self.inner.transform(x, ctx, add=error)
         return x.clone() if error is None else x + error
@@ -175,19 +199,21 @@ class TransformedErrorFeedback(ErrorFeedback):
         return payload
 
     def __repr__(self) -> str:
-        return f"TransformedErrorFeedback({self.inner!r})"
+        bound = "" if self.bound is None else f", bound={self.bound}"
+        return f"TransformedErrorFeedback({self.inner!r}{bound})"
 
 
 class FeedbackRefused(ValueError):
     """Error feedback was asked for a codec it makes diverge (``Codec.feedback_refusal``)."""
 
 
-def feedback_for(codec: Codec) -> ErrorFeedback:
-    """The error feedback a codec runs best with: in its transformed domain where it has one."""
+def feedback_for(codec: Codec, bound: float | None = None) -> ErrorFeedback:
+    """The error feedback a codec runs best with: in its transformed domain where it has one;
+    ``bound``: ``ErrorFeedback``'s bound on the memory added."""
     if codec.feedback_refusal is not None:
         raise FeedbackRefused(
             f"codec {codec.name!r} refuses error feedback: {codec.feedback_refusal}"
         )
     if isinstance(codec, FeedbackTransform):
-        return TransformedErrorFeedback(codec)
-    return ErrorFeedback(codec)
+        return TransformedErrorFeedback(codec, bound)
+    return ErrorFeedback(codec, bound)

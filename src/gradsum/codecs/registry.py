@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 
 from .base import Codec
@@ -35,8 +36,12 @@ if tuple(_CODECS) != CODEC_NAMES:  # names.py lists them for command lines witho
     raise ImportError(f"codecs/names.py lists {CODEC_NAMES}, the registry has {tuple(_CODECS)}")
 
 
-def make_codec(name: str, workers: int = 1, error_feedback: bool | None = None, **options) -> Codec:
-    """Build a codec by name, e.g. ``make_codec("thc", workers=4, bits=4, granularity=30)``."""
+def make_codec(name: str, workers: int = 1, error_feedback: bool | None = None,
+               feedback_bound: float | None = None, **options) -> Codec:  # fmt: skip
+    """Build a codec by name, e.g. ``make_codec("thc", workers=4, bits=4, granularity=30)``.
+    ``feedback_bound``: error feedback's memory added is at most that times the gradient's
+    norm (``feedback.ErrorFeedback``); None: the codec's own (``Codec.feedback_bound``); inf:
+    unbounded."""
     if name not in _CODECS:
         raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
     cls, feedback_default = _CODECS[name]
@@ -52,11 +57,18 @@ def make_codec(name: str, workers: int = 1, error_feedback: bool | None = None, 
             f"its options are {', '.join(accepted) or '(none)'}"
         )
     use_feedback = feedback_default if error_feedback is None else error_feedback
+    if feedback_bound is not None and (cls.keeps_own_feedback or not use_feedback):
+        why = "it keeps its own" if cls.keeps_own_feedback else "it runs without"
+        raise ValueError(f"codec {name!r} takes no feedback_bound: {why} error feedback")
+    if feedback_bound is None:
+        feedback_bound = cls.feedback_bound
+    elif feedback_bound == math.inf:
+        feedback_bound = None
     if cls.keeps_own_feedback:
         options.setdefault("error_feedback", use_feedback)
         return cls(workers=workers, **options)
     codec = cls(workers=workers, **options)
-    return feedback_for(codec) if use_feedback else codec
+    return feedback_for(codec, feedback_bound) if use_feedback else codec
 
 
 def codec_options(name: str) -> dict[str, object]:
@@ -64,7 +76,10 @@ def codec_options(name: str) -> dict[str, object]:
     cls, feedback_default = _CODECS[name]
     parameters = inspect.signature(cls.__init__).parameters.values()
     options = {p.name: p.default for p in parameters if p.name not in ("self", "workers")}
-    return {**options, "error_feedback": feedback_default}
+    feedback = {"error_feedback": feedback_default}
+    if not cls.keeps_own_feedback:
+        feedback["feedback_bound"] = cls.feedback_bound
+    return {**options, **feedback}
 
 
 def parse_options(text: str) -> dict[str, object]:

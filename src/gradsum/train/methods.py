@@ -23,8 +23,13 @@ def method_name(config) -> str:
 
 
 def parse_methods(text: str) -> list[tuple[str, dict]]:
-    """``--methods``: each method's name and ``TrainConfig`` fields. Methods are separated by
-    commas outside parentheses, so a codec's options may hold commas of their own."""
+    """``--methods``: each method's name and ``TrainConfig`` fields."""
+    return [(name, method_fields(name)) for name in split_methods(text)]
+
+
+def split_methods(text: str) -> list[str]:
+    """``--methods`` split at commas outside parentheses, so a codec's options may hold commas
+    of their own: ``ddp,switch:thc(correlated=true,bits=4)``."""
     from ..cli import UsageError
 
     names, depth, start = [], 0, 0
@@ -37,10 +42,21 @@ def parse_methods(text: str) -> list[tuple[str, dict]]:
             start = i + 1
     if depth:
         raise UsageError(f"--methods {text!r}: a '(' without its ')'")
-    methods = [(name, method_fields(name)) for name in names if name]
-    if not methods:
+    names = [name for name in names if name]
+    if not names:
         raise UsageError("--methods is empty")
-    return methods
+    return names
+
+
+def codec_spec(text: str) -> tuple[str, str]:
+    """A codec with its options, ``thc(correlated=true,bits=4)``: its name and its options'
+    text (``--codec-options``'s form, empty when it has none)."""
+    from ..cli import UsageError
+
+    name, bracket, options = text.partition("(")
+    if bracket and not options.endswith(")"):
+        raise UsageError(f"--methods {text}: options go as CODEC(name=value,...)")
+    return name.strip(), options.removesuffix(")").strip()
 
 
 def method_fields(name: str) -> dict:
@@ -52,10 +68,9 @@ def method_fields(name: str) -> dict:
     from .aggregators import IncompatibleChoice, check_compatible
 
     head, _, tail = name.partition(":")
-    tail, bracket, options = tail.partition("(")
-    if bracket and (head == DDP or not options.endswith(")")):
+    if "(" in tail and (head == DDP or not tail.endswith(")")):
         raise UsageError(f"--methods {name}: options go as AGGREGATOR:CODEC(name=value,...)")
-    options = options.removesuffix(")").strip()
+    tail, options = codec_spec(tail)
     if head == DDP:
         if tail in ("", "allreduce"):
             return {"aggregator": DDP, "ddp_hook": "allreduce"}

@@ -324,6 +324,10 @@ class THC(GridCodec):
 
     name = "thc"
     aggregation = Aggregation.LOOKUP_SUM
+    # THC's error is a fraction of the gradient's norm, so a bound of 1 never acts in steady
+    # state; after a gradient spike it keeps the spike's coarse-grid error out of the next,
+    # far smaller gradients (docs/benchmarks.md, "Error feedback after a gradient spike").
+    feedback_bound = 1.0
 
     def __init__(
         self,
