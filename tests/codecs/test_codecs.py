@@ -119,6 +119,23 @@ def test_thc_wire_widths_follow_the_worker_count():
         assert result.aggregate.bits_per_coordinate() == down_bits
 
 
+def test_thc_granularity_follows_the_bits_so_every_width_builds():
+    # 2^(b+1) - 2 steps: the paper's 30 at 4 bits, and a grid fine enough for every table width,
+    # so thc(bits=8) needs no granularity of its own; its error falls with the width, down to
+    # what the clamp (p = 1/32, unchanged) leaves.
+    inputs = gaussian_inputs(4, 1 << 18)
+    errors = {}
+    for bits, granularity, down_bits in [(2, 6, 5), (4, 30, 7), (8, 510, 11)]:
+        codec = make_codec("thc", workers=4, bits=bits, error_feedback=False)
+        assert codec.granularity == granularity
+        result = run_round(codec, inputs)
+        assert result.payloads[0].bits_per_coordinate() == bits
+        assert result.aggregate.bits_per_coordinate() == down_bits
+        errors[bits] = nmse(result.average, inputs)
+    assert errors[4] <= 0.0203 / 4 * 1.15
+    assert errors[8] < errors[4] / 2 < errors[2] / 4
+
+
 def test_more_contributions_than_configured_workers_is_an_error():
     for name in ("thc", "thc-uniform", "bfp"):
         codec = make_codec(name, workers=2)

@@ -13,7 +13,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "it on one line.",
     )
     parser.add_argument("--bits", type=int, default=4, help="index bits b (default 4)")
-    parser.add_argument("--granularity", type=int, default=30, help="grid size g (default 30)")
+    parser.add_argument(
+        "--granularity",
+        type=int,
+        default=None,
+        help="grid size g (default 2^(b+1) - 2: 30 at 4 bits)",
+    )
     parser.add_argument("--p", type=_fraction, default=1 / 32, help="clamp fraction p, e.g. 1/32")
     parser.add_argument("--errors", action="store_true", help="also print the expected errors")
     parser.set_defaults(run=run)
@@ -31,10 +36,13 @@ def _fraction(text: str) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from ...cli import UsageError
-    from .tables import solve_table, table_error
+    from .tables import default_granularity, solve_table, table_error
 
+    granularity = args.granularity
+    if granularity is None:
+        granularity = default_granularity(args.bits)
     try:
-        table = solve_table(args.bits, args.granularity, args.p)
+        table = solve_table(args.bits, granularity, args.p)
     except ValueError as error:
         raise UsageError(str(error)) from None
     print(" ".join(str(v) for v in table))

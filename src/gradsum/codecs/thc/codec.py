@@ -40,6 +40,7 @@ from .tables import (
     clamp_threshold,
     correlated_clamp,
     correlated_table,
+    default_granularity,
     solve_table,
     spread_clamps,
 )
@@ -342,7 +343,9 @@ class THC(GridCodec):
         # Correlated rounding's table: 31 grid steps (n * 31 sums need the bits n * 30 do at
         # every n, so the wire is THC's), and the table and clamp that minimise its error.
         if granularity is None:
-            granularity = CORRELATED_GRANULARITY if correlated else 30
+            granularity = (
+                CORRELATED_GRANULARITY if correlated and bits == 4 else default_granularity(bits)
+            )
         # spread_clamp: the clamp solved per round for the spread of the workers' norms
         # (``tables.spread_clamps``); correlated rounding's default unless a clamp p is given
         if spread_clamp is None:

@@ -39,6 +39,12 @@ def interval_variance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return -second + (a + b) * first - a * b * mass
 
 
+def default_granularity(bits: int) -> int:
+    """THC's grid for a ``bits``-bit table: 2^(b+1) - 2 steps (30 at the paper's 4 bits), so
+    the 2^b entries always sit on a grid twice as fine, whatever the bit width chosen."""
+    return (1 << (bits + 1)) - 2
+
+
 @functools.lru_cache(maxsize=256)
 def solve_table(bits: int, granularity: int, p: float) -> tuple[int, ...]:
     """The optimal symmetric table for (b, g, p), as a tuple of 2**bits increasing integers."""
