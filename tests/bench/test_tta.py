@@ -52,7 +52,8 @@ def test_a_testbed_job_gets_every_workload_flag_back():
                          time_budget=30.0, eval_every=5, eval_seconds=2.5, eval_samples=8,
                          fallback="none",
                          fusion_elements=12345, codec="thc",
-                         codec_options="correlated=true,bits=4")  # fmt: skip
+                         codec_options="correlated=true,bits=4",
+                         window_bytes=262144)  # fmt: skip
     args = build_parser().parse_args(["train", "--aggregator", "ddp", *train_flags(config)])
     for name in (
         "model",
@@ -76,6 +77,7 @@ def test_a_testbed_job_gets_every_workload_flag_back():
         "heads",
         "codec",
         "codec_options",
+        "window_bytes",
     ):
         assert getattr(args, name) == getattr(config, name), name  # fmt: skip
 

@@ -203,6 +203,7 @@ def train_flags(config) -> list[str]:
         "--divergence-factor": config.divergence_factor, "--fallback": config.fallback,
         "--message-delay": config.message_delay or None,
         "--codec-options": config.codec_options or None,
+        "--window-bytes": config.window_bytes,
     }  # fmt: skip
     for flag, value in optional.items():
         if value is not None:

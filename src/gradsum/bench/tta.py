@@ -102,6 +102,10 @@ def register(benches: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     parser.add_argument("--fusion-elements", type=positive_int, default=1 << 20)
     parser.add_argument(
+        "--window-bytes", type=positive_int, default=None, metavar="BYTES",
+        help="gradsum train --window-bytes for the switch/server methods (default: 32 chunks)",
+    )  # fmt: skip
+    parser.add_argument(
         "--link-rate",
         help="run in an emulated cluster (gradsum testbed; root) with links of this rate, "
         "e.g. 100mbit; default: local workers on loopback",
@@ -167,7 +171,7 @@ def _config(args, fields: dict):
     return TrainConfig(
         model=args.model, dataset=args.dataset, workers=args.workers, batch_size=args.batch_size,
         lr=args.lr, scheduler=args.scheduler, progress=False,
-        fusion_elements=args.fusion_elements,
+        fusion_elements=args.fusion_elements, window_bytes=args.window_bytes,
         **{**workload, **fields},
     )  # fmt: skip
 

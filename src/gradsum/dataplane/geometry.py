@@ -7,6 +7,8 @@ native pump cut their streams with it, and the benchmarks count packets with it,
   registered ``elements``.
 * With a path ``mtu``, packets fit one frame (so IP never fragments them) and a chunk of the
   window is a group of them sent in one UDP GSO send; the aggregator holds a slot per packet.
+* A window of ``window_bytes`` holds as many chunks as fit those bytes: SwitchML sizes its pool
+  to the path, and a window larger than a slow link's queue loses packets every round.
 """
 
 from __future__ import annotations
@@ -22,6 +24,16 @@ MAX_SEGMENTS = 64  # packets per GSO send (net/_pump.c)
 def lanes_fitting(bits: int, payload: int = MAX_PAYLOAD) -> int:
     """Most lanes of ``bits`` bits, a multiple of 8, whose packed bytes fit ``payload``."""
     return (payload * 8 // bits) // 8 * 8
+
+
+def window_slots(window_bytes: int, chunk_lanes: int, segments: int, bits: int, most: int) -> int:
+    """Chunks in flight whose datagrams (``segments`` packets of ``chunk_lanes`` lanes of
+    ``bits`` bits in all, headers included) fit ``window_bytes``: at least one, at most
+    ``most``. ``bits`` is the wider of a job's two widths, so the results fit it as well."""
+    if window_bytes < 1:
+        raise ValueError(f"window_bytes must be positive, got {window_bytes}")
+    chunk = (chunk_lanes * bits + 7) // 8 + segments * (HEADER_SIZE + IPV4_UDP_HEADERS)
+    return max(1, min(most, window_bytes // chunk))
 
 
 def packet_lanes(elements: int, bits: int) -> int:

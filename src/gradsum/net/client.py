@@ -30,7 +30,7 @@ from ..codecs.round import CodecRound
 from ..dataplane import authentication, bounded_json
 from ..dataplane.codec_wire import WireFormat, wire_format
 from ..dataplane.collective import Collective, JobHandle
-from ..dataplane.geometry import aggregator_slots, lanes_fitting, packet_geometry
+from ..dataplane.geometry import aggregator_slots, lanes_fitting, packet_geometry, window_slots
 from ..dataplane.jobspec import Address, JobSpec
 from ..dataplane.packet import (
     HEADER_SIZE,
@@ -451,6 +451,7 @@ class SwitchClient:
         codec: str = "bfp",
         codec_options: dict | None = None,
         slots: int = 32,
+        window_bytes: int | None = None,
         elements: int | None = None,
         bind: Address = ("127.0.0.1", 0),
         seed: int = 0,
@@ -484,6 +485,11 @@ class SwitchClient:
             )
         else:  # one serialized payload per packet, of at most this many coordinates
             self.elements, self.segments = elements or PAYLOAD_ELEMENTS, 1
+        if window_bytes is not None:  # at most ``slots`` chunks, as many as fit the bytes
+            bits = max(self.format.in_bits, self.format.out_bits) if self.format.lanes else 32
+            self.slots = window_slots(
+                window_bytes, self.elements * self.segments, self.segments, bits, slots
+            )
         self.sock = open_socket(bind)
         self.address = local_address(self.sock)
         if multicast and self.sock.family != socket.AF_INET:

@@ -34,6 +34,7 @@ class JobSettings:
     world: int
     seed: int = 0
     mtu: int | None = None  # packets of one frame, sent a chunk at a time (net/client.py)
+    window_bytes: int | None = None  # a window of chunks that fits these bytes (else 32 slots)
     silence: float = 3.0  # seconds without a result before a round checks its aggregators
     timeout: float = 120.0  # how long a recovery waits for the other workers
 
@@ -62,6 +63,7 @@ def connect_jobs(
             seed=settings.seed,
             rank=settings.rank,
             mtu=settings.mtu,
+            window_bytes=settings.window_bytes,
             silence=settings.silence,
         )
         client.codec = settings.codec

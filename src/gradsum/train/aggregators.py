@@ -46,7 +46,8 @@ def make_aggregator(config, rank: int, world: int, codec: Codec) -> Aggregator:
         raise IncompatibleChoice(f"--aggregator {config.aggregator} needs {flag}")
     options = parse_options(config.codec_options)
     settings = JobSettings(codec, config.codec, options, rank, world, seed=config.seed,
-                           mtu=config.mtu, silence=config.liveness,
+                           mtu=config.mtu, window_bytes=config.window_bytes,
+                           silence=config.liveness,
                            timeout=config.timeout)  # fmt: skip
     if config.aggregator == "ps":  # shards addressed one by one: plans place parts on them
         return ShardedServiceAggregator(addresses, settings, standby=config.standby)

@@ -92,6 +92,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "fragments)",
     )  # fmt: skip
     parser.add_argument(
+        "--window-bytes", type=positive_int, default=None, metavar="BYTES",
+        help="bytes each worker keeps in flight to the switch/servers: as many chunks as fit "
+        "(at most 32, the default). Size it to the path's buffer: a window larger than a slow "
+        "link's queue loses packets every round (docs/benchmarks.md)",
+    )  # fmt: skip
+    parser.add_argument(
         "--device", choices=DEVICE_NAMES, default=None,
         help="where the model trains: one GPU per local rank, gradients over NCCL where the "
         "aggregator is all-reduce (default: cuda when present, else cpu)",
@@ -201,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         servers=[s.strip() for s in args.servers.split(",") if s.strip()],
         timeout=args.timeout,
         mtu=args.mtu,
+        window_bytes=args.window_bytes,
         device=_device(args.device),
         standby=[s.strip() for s in args.standby.split(",") if s.strip()],
         liveness=args.liveness,

@@ -59,6 +59,8 @@ class TrainConfig:
     standby: list[str] = field(default_factory=list)
     liveness: float = 3.0  # seconds without a result before a round checks its aggregators
     mtu: int | None = None  # path MTU to the aggregators: packets of one frame (net/client.py)
+    # bytes a worker keeps in flight to the switch/servers (net/client.py; None: 32 chunks)
+    window_bytes: int | None = None
     progress: bool = True
     device: str = "cpu"  # "cuda": one GPU per local rank, NCCL for gradients (train/launch.py)
     optimizer: str = "sgd"
