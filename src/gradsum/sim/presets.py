@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 from ..schedule.cluster import ClusterSpec
+from ..schedule.planners import PARTITION_ELEMENTS
 from ..schedule.profile import ModelProfile
 
 
@@ -31,11 +32,17 @@ class Preset:
     # How the baselines (default, wfbp, fusion, mgwfbp, merge) place whole-layer groups:
     # "pieces" (BytePS partitions) or "whole" (each tensor on one shard, round-robin).
     placement: str = "pieces"
+    # The largest piece, in elements, a "pieces" placement cuts (BytePS's
+    # BYTEPS_PARTITION_BYTES = 4,096,000 bytes of fp32 by default; a user setting).
+    partition_elements: int = PARTITION_ELEMENTS
     # What a worker has in flight on every PS plan but priority's (planners._window): "all"
     # (BytePS: every released group) or "group" (one group's round trip at a time).
     window: str = "all"
     # How priority slices are placed: "bytescheduler" (a key per slice), "p3" (round-robin).
     slice_placement: str = "bytescheduler"
+    # What one gradient message carries before any fusion: a "layer" (a module's tensors
+    # together) or a "tensor" (each parameter as its gradient hook hands it over).
+    unit: str = "layer"
     description: str = ""
     fitted: str = ""  # which parameters were fitted to the seed's results, and how
 
@@ -44,7 +51,11 @@ class Preset:
         if policy == "priority":
             return {"slice_placement": self.slice_placement}
         if policy in ("default", "wfbp", "fusion", "mgwfbp", "merge"):
-            return {"placement": self.placement, "window": self.window}
+            return {
+                "placement": self.placement,
+                "window": self.window,
+                "partition": self.partition_elements,
+            }
         if policy == "imerge":
             return {"window": self.window}
         return {}
@@ -63,7 +74,14 @@ class Preset:
         )
 
     def profile(self, model: str) -> ModelProfile:
-        return _analytic(model, self.flops_per_s, self.batch_size)
+        layers = _analytic(model, self.flops_per_s, self.batch_size)
+        if self.unit == "layer":
+            return layers
+        if self.unit == "tensor":
+            return layers.per_tensor(_tensor_sizes(model))
+        raise ValueError(
+            f"preset {self.name!r}: unit must be 'layer' or 'tensor', got {self.unit!r}"
+        )
 
 
 @cache
@@ -78,6 +96,13 @@ def _analytic(model: str, flops_per_s: float, batch_size: int) -> ModelProfile:
         batch_size=batch_size,
         model_name=model,
     )
+
+
+@cache
+def _tensor_sizes(model: str) -> tuple[int, ...]:
+    from ..train.models import build_model
+
+    return tuple(p.numel() for p in build_model(model).parameters())
 
 
 PRESETS: dict[str, Preset] = {
