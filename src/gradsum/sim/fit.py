@@ -3,7 +3,9 @@
 Objective: the score's loss over the seed's 16 percentages and 4 implied default efficiencies
 plus the order penalty (``score.order_penalty``: every step of imerge > merge > static fusion >
 WFBP > default short of the 3 % margin costs as a percentage off by up to 1.5× does), so a
-point that gets the percentages but not the seed's ranking cannot win.
+point that gets the percentages but not the seed's ranking scores worse; and the best point is
+the one that misses the fewest steps of that order, then the lowest objective (the ranking is
+the seed's headline).
 
 Free, with everything else ``imerge-seed``'s: the per-message cost (α_worker, and α_shard:
 α_worker / 2 as in ``imerge-seed`` unless given), the baselines' placement ("pieces" or
@@ -95,7 +97,8 @@ def fit(
     units=(None,),
 ) -> dict:
     """The point of the grid (every product of the lists; None keeps the base preset's value,
-    for ``alpha_shards_ms`` it is α_worker / 2) with the lowest loss + order penalty."""
+    for ``alpha_shards_ms`` it is α_worker / 2) that misses the fewest steps of the seed's order,
+    and of those the lowest loss + order penalty."""
     base = base or get_preset("imerge-seed")
     processes = processes or default_processes()
     best = None
@@ -120,10 +123,15 @@ def fit(
             f"{score['findings']} within 1.5x), order {score['held']} of {score['steps']} steps "
             f"(penalty {score['penalty']:.3f}), objective {score['value']:.3f}"
         )
-        if best is None or score["value"] < best["score"]["value"]:
+        if best is None or _rank(score) < _rank(best["score"]):
             best = {"preset": preset, "score": score}
     report(f"best: {describe(best['preset'])}, objective {best['score']['value']:.3f}")
     return best
+
+
+def _rank(score: dict) -> tuple[int, float]:
+    """The order first (the seed's headline: fewest steps missed), then loss + penalty."""
+    return score["steps"] - score["held"], score["value"]
 
 
 def _floats(text: str | None, scale: float = 1.0):
