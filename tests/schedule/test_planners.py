@@ -300,6 +300,18 @@ def test_baseline_placement_is_a_stated_parameter():
         make_planner("default", placement="hashed")(profile, cluster)
 
 
+def test_the_largest_piece_is_a_stated_parameter_merge_places_as_the_baselines():
+    profile = uniform_profile([3_000_000, 10, 500_000, 20], [0.01] * 4)
+    cluster = ClusterSpec(4, 4)
+    for policy in ("default", "wfbp", "fusion", "mgwfbp"):
+        plan = make_planner(policy, partition=4_000_000)(profile, cluster)
+        assert len(plan.groups[0].parts) == 1, policy  # 3M elements: under one piece
+    merge = make_planner("merge", partition=2_000_000)(profile, cluster)
+    assert all(len(g.parts) == -(-g.numel // 2_000_000) for g in merge.groups)
+    with pytest.raises(ValueError, match="partition"):
+        make_planner("wfbp", partition=0)(profile, cluster)
+
+
 def test_priority_slices_are_placed_as_bytescheduler_or_p3():
     profile = uniform_profile([400_000, 100_000], [0.01] * 2)
     cluster = ClusterSpec(4, 4)

@@ -67,3 +67,21 @@ def test_alpha_beta_fit_recovers_a_line_from_noisy_samples():
 def test_alpha_beta_fit_needs_two_sizes():
     with pytest.raises(ValueError):
         fit_alpha_beta([(100, 1.0), (100, 1.1)])
+
+
+def test_a_per_tensor_profile_keeps_every_ready_time_and_the_compute():
+    model = build_model("resnet18")
+    layers = analytic_profile(model, (3, 32, 32), flops_per_s=1e12, batch_size=8)
+    sizes = [p.numel() for p in model.parameters()]
+    tensors = layers.per_tensor(sizes)
+    assert len(tensors.layers) == len(sizes)
+    assert sorted(i for t in tensors.layers for i in t.param_indices) == list(range(len(sizes)))
+    assert tensors.total_params == layers.total_params
+    assert tensors.compute_s == pytest.approx(layers.compute_s)
+    # every layer's tensors are ready when the layer is: the same set of ready times
+    assert set(tensors.ready_times().round(12)) == set(layers.ready_times().round(12))
+    bn = next(t for t in layers.layers if len(t.param_indices) == 2)
+    apart = [t for t in tensors.layers if t.param_indices[0] in bn.param_indices]
+    assert [t.params for t in apart] == [sizes[i] for i in sorted(bn.param_indices)]
+    with pytest.raises(ValueError, match="do not add up"):
+        layers.per_tensor([1] * len(sizes))

@@ -20,3 +20,11 @@ def seed_table():
         processes=default_processes(),
     )
     return {(r["model"], r["policy"]): r for r in rows}
+
+
+@pytest.fixture(scope="session")
+def fit_table():
+    """``imerge-seed-fit`` scored: the five scored policies at 1 and 32 workers (40 runs)."""
+    from gradsum.sim.score import scored_rows
+
+    return scored_rows(get_preset("imerge-seed-fit"), processes=default_processes())

@@ -14,6 +14,8 @@ from gradsum.sim.score import (
     format_score,
     implied_default_efficiency,
     loss,
+    order_penalty,
+    order_steps,
 )
 
 
@@ -78,3 +80,26 @@ def test_simulate_score_prints_the_table_the_loss_and_the_fitted_values(monkeypa
     out = capsys.readouterr().out
     assert "vgg16 imerge over default" in out and "loss " in out
     assert "fitted parameters: alpha_worker" in out
+
+
+def test_the_order_holds_where_each_step_is_3_percent_and_a_tie_costs_a_factor_1_5():
+    steps = order_steps(seed_exact_table())
+    assert len(steps) == 4 * 4
+    # The seed's own numbers: every step holds but merge over fusion on AlexNet (+2.1%) and on
+    # ResNet50 ("close": 0); the tie costs exactly what a percentage off by 1.5 does.
+    missed = {(s.model, s.faster) for s in steps if not s.holds}
+    assert missed == {("alexnet", "merge"), ("resnet50", "merge")}
+    tie = next(s for s in steps if s.model == "resnet50" and s.faster == "merge")
+    assert tie.ratio == pytest.approx(1.0) and tie.penalty == pytest.approx(math.log(1.5) ** 2)
+    alexnet = next(s for s in steps if s.model == "alexnet" and s.faster == "merge")
+    assert 0 < alexnet.penalty < tie.penalty
+    assert order_penalty(steps) == pytest.approx(tie.penalty + alexnet.penalty)
+    table = seed_exact_table()
+    table[("vgg16", WORKERS, "imerge")]["throughput"] = (
+        table[("vgg16", WORKERS, "merge")]["throughput"] * 0.97
+    )  # a reversal costs more than a tie
+    reversed_step = next(
+        s for s in order_steps(table) if s.model == "vgg16" and s.faster == "imerge"
+    )
+    assert reversed_step.penalty > tie.penalty
+    assert "order: 14 of 16 steps hold" in format_score(seed_exact_table(), findings(table), "t")

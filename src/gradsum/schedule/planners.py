@@ -68,16 +68,19 @@ def _layer_plan(
     aggregator="ps",
     placement="pieces",
     window="all",
+    partition=PARTITION_ELEMENTS,
     **fields,
 ) -> Plan:
-    """Groups of whole layers placed over shards (``placement``: BytePS ``"pieces"`` or each
-    group ``"whole"`` on one shard, round-robin; no parts for all-reduce), admitted as
-    ``window`` says (``_window``)."""
+    """Groups of whole layers placed over shards (``placement``: BytePS ``"pieces"`` of at most
+    ``partition`` elements or each group ``"whole"`` on one shard, round-robin; no parts for
+    all-reduce), admitted as ``window`` says (``_window``)."""
+    if partition < 1:
+        raise ValueError(f"partition must be at least 1 element, got {partition}")
     ranges = _element_ranges(profile, layer_ranges)
     if aggregator != "ps":
         groups = tuple(Group(a, b) for a, b in ranges)
         return Plan(policy, groups, aggregator=aggregator, **plan_skeleton(profile), **fields)
-    parts = place_groups(ranges, cluster.shards, placement, PARTITION_ELEMENTS)
+    parts = place_groups(ranges, cluster.shards, placement, partition)
     groups = tuple(Group(a, b, p) for (a, b), p in zip(ranges, parts, strict=True))
     credit = _window(profile, cluster, window)
     return Plan(policy, groups, credit_bytes=credit, **plan_skeleton(profile), **fields)
@@ -90,6 +93,7 @@ def plan_default(
     aggregator: str = "ps",
     placement="pieces",
     window: str = "all",
+    partition: int = PARTITION_ELEMENTS,
 ) -> Plan:
     layers = single_layers(len(profile.layers))
     return _layer_plan(
@@ -100,6 +104,7 @@ def plan_default(
         aggregator,
         placement,
         window,
+        partition,
         trigger="after_backward",
     )
 
@@ -111,9 +116,10 @@ def plan_wfbp(
     aggregator: str = "ps",
     placement="pieces",
     window: str = "all",
+    partition: int = PARTITION_ELEMENTS,
 ) -> Plan:
     layers = single_layers(len(profile.layers))
-    return _layer_plan(profile, cluster, "wfbp", layers, aggregator, placement, window)
+    return _layer_plan(profile, cluster, "wfbp", layers, aggregator, placement, window, partition)
 
 
 def plan_fusion(
@@ -124,6 +130,7 @@ def plan_fusion(
     aggregator: str = "ps",
     placement: str = "pieces",
     window: str = "all",
+    partition: int = PARTITION_ELEMENTS,
 ) -> Plan:
     layers = threshold_groups(profile.params, threshold)
     return _layer_plan(
@@ -134,6 +141,7 @@ def plan_fusion(
         aggregator,
         placement,
         window,
+        partition,
         options={"threshold": threshold},
     )
 
@@ -146,6 +154,7 @@ def plan_mgwfbp(
     aggregator: str = "ps",
     placement: str = "pieces",
     window: str = "all",
+    partition: int = PARTITION_ELEMENTS,
 ) -> Plan:
     if cost is None:
         # MG-WFBP fits α, β on the transfers it actually makes: here, through the PS.
@@ -165,6 +174,7 @@ def plan_mgwfbp(
         aggregator,
         placement,
         window,
+        partition,
         options={"alpha": cost.alpha, "workers": cost.workers},
     )
 
@@ -203,12 +213,13 @@ def plan_merge(
     *,
     placement: str = "pieces",
     window: str = "all",
+    partition: int = PARTITION_ELEMENTS,
     max_evaluations: int = 2000,
 ) -> Plan:
     """Groups chosen by playing candidate plans out on the PS's resources (``costs.ps_step_end``:
     per-message costs per part on the worker's one thread and the shards' cores, incast at each
     part's shard, one round trip per shard stream, groups admitted as ``window`` says), placed
-    and windowed as the baselines are (``placement``, ``window``). The search
+    and windowed as the baselines are (``placement``, ``partition``, ``window``). The search
     (``grouping.search_groups``) starts from the best of WFBP's and static fusion's groupings,
     so by its own model merge is never behind either."""
     ready = profile.ready_times()
@@ -216,16 +227,20 @@ def plan_merge(
     def build(candidate) -> Plan:
         layers = [(a, b) for a, b, _ in candidate]
         return _layer_plan(
-            profile, cluster, "merge", layers, placement=placement, window=window
+            profile,
+            cluster,
+            "merge",
+            layers,
+            placement=placement,
+            window=window,
+            partition=partition,
         )
 
     def evaluate(candidate) -> tuple[float, float]:
         return _step_and_mean_end(build(candidate), cluster, ready)
 
     starts = [tuple((a, b, 1) for a, b in ranges) for ranges in _search_starts(profile)]
-    best = search_groups(
-        len(profile.layers), starts, evaluate, max_evaluations=max_evaluations
-    )
+    best = search_groups(len(profile.layers), starts, evaluate, max_evaluations=max_evaluations)
     return build(best)
 
 
@@ -268,9 +283,7 @@ def plan_imerge(
     def span_of(first: int, stop: int) -> int:
         return _pieces(profile, cluster, first, stop)
 
-    starts = [
-        tuple((a, b, span_of(a, b)) for a, b in ranges) for ranges in _search_starts(profile)
-    ]
+    starts = [tuple((a, b, span_of(a, b)) for a, b in ranges) for ranges in _search_starts(profile)]
     best = search_groups(
         len(profile.layers),
         starts,

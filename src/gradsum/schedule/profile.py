@@ -13,6 +13,7 @@ slices are element ranges of that buffer (see :mod:`gradsum.schedule.plan`).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -87,6 +88,31 @@ class ModelProfile:
             for lp in self.layers
         )
         return ModelProfile(self.model, layers, self.batch_size, self.source, dict(self.notes))
+
+    def per_tensor(self, sizes: Sequence[int]) -> ModelProfile:
+        """One entry per parameter tensor instead of per layer (``sizes``: element counts of
+        ``list(model.parameters())``): what a PS client sends that pushes each gradient as its
+        hook hands it over (a weight and its bias apart). A layer's tensors are ready together:
+        the first (its lowest parameter index) carries the layer's compute, the others none,
+        so the ready times and the compute total are the layer profile's."""
+        layers = []
+        for lp in self.layers:
+            if sum(sizes[i] for i in lp.param_indices) != lp.params:
+                raise ValueError(f"layer {lp.name!r}: tensor sizes do not add up to its params")
+            for k, i in enumerate(sorted(lp.param_indices)):
+                first = k == 0
+                layers.append(
+                    LayerProfile(
+                        f"{lp.name}[{i}]",
+                        int(sizes[i]),
+                        lp.backward_s if first else 0.0,
+                        lp.forward_s if first else 0.0,
+                        (i,),
+                    )
+                )
+        return ModelProfile(
+            self.model, tuple(layers), self.batch_size, self.source, dict(self.notes)
+        )
 
     def to_json(self) -> dict:
         return {

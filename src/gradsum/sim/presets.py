@@ -3,8 +3,9 @@
 ``imerge-seed`` stands in for the IMerge evaluation: 2 machines × 16 workers (K80 dies), one PS
 shard per worker (a CPU core each), 100 Gbit/s NICs. Every number is an assumption documented in
 ``docs/scheduling.md``; none is fitted to the seed's results. ``imerge-seed-fit`` is the same
-hardware with the free parameters (per-message cost, baseline placement, batch) fitted once, for
-all four models, to the seed score's loss (``sim/fit.py``, ``sim/score.py``).
+hardware with the free parameters (per-message costs, the baselines' placement and largest piece,
+what one message carries, batch, PS core rate, window) fitted once, for all four models, to the
+seed score's loss and the seed's order (``sim/fit.py``, ``sim/score.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 from ..schedule.cluster import ClusterSpec
+from ..schedule.planners import PARTITION_ELEMENTS
 from ..schedule.profile import ModelProfile
 
 
@@ -31,11 +33,17 @@ class Preset:
     # How the baselines (default, wfbp, fusion, mgwfbp, merge) place whole-layer groups:
     # "pieces" (BytePS partitions) or "whole" (each tensor on one shard, round-robin).
     placement: str = "pieces"
+    # The largest piece, in elements, a "pieces" placement cuts (BytePS's
+    # BYTEPS_PARTITION_BYTES = 4,096,000 bytes of fp32 by default; a user setting).
+    partition_elements: int = PARTITION_ELEMENTS
     # What a worker has in flight on every PS plan but priority's (planners._window): "all"
     # (BytePS: every released group) or "group" (one group's round trip at a time).
     window: str = "all"
     # How priority slices are placed: "bytescheduler" (a key per slice), "p3" (round-robin).
     slice_placement: str = "bytescheduler"
+    # What one gradient message carries before any fusion: a "layer" (a module's tensors
+    # together) or a "tensor" (each parameter as its gradient hook hands it over).
+    unit: str = "layer"
     description: str = ""
     fitted: str = ""  # which parameters were fitted to the seed's results, and how
 
@@ -44,7 +52,11 @@ class Preset:
         if policy == "priority":
             return {"slice_placement": self.slice_placement}
         if policy in ("default", "wfbp", "fusion", "mgwfbp", "merge"):
-            return {"placement": self.placement, "window": self.window}
+            return {
+                "placement": self.placement,
+                "window": self.window,
+                "partition": self.partition_elements,
+            }
         if policy == "imerge":
             return {"window": self.window}
         return {}
@@ -63,7 +75,14 @@ class Preset:
         )
 
     def profile(self, model: str) -> ModelProfile:
-        return _analytic(model, self.flops_per_s, self.batch_size)
+        layers = _analytic(model, self.flops_per_s, self.batch_size)
+        if self.unit == "layer":
+            return layers
+        if self.unit == "tensor":
+            return layers.per_tensor(_tensor_sizes(model))
+        raise ValueError(
+            f"preset {self.name!r}: unit must be 'layer' or 'tensor', got {self.unit!r}"
+        )
 
 
 @cache
@@ -80,6 +99,13 @@ def _analytic(model: str, flops_per_s: float, batch_size: int) -> ModelProfile:
     )
 
 
+@cache
+def _tensor_sizes(model: str) -> tuple[int, ...]:
+    from ..train.models import build_model
+
+    return tuple(p.numel() for p in build_model(model).parameters())
+
+
 PRESETS: dict[str, Preset] = {
     "imerge-seed": Preset(
         name="imerge-seed",
@@ -94,36 +120,33 @@ PRESETS: dict[str, Preset] = {
         description="2 machines × 16 K80-class workers, 1 PS core per worker, 100 Gbit/s",
     ),
 }
-# sim/fit.py's result (2026-12-02): the grid, its losses and the winner. Rerun the fit after any
-# change to the simulator or the planners and update these values. The PS core's rate is twice
-# imerge-seed's: one E5-2680 v4 core sums fp32 faster than that, but receiving 40 Gbit/s of TCP
-# on one core is the upper end of plausible (over RDMA verbs it is not a limit).
+# sim/fit.py's result (2026-12-02): the grid, its objective and the chosen point. Rerun the fit
+# after any change to the simulator or the planners and update these values. The PS core's rate
+# is twice imerge-seed's: one E5-2680 v4 core sums fp32 faster than that, but receiving 40 Gbit/s
+# of TCP on one core is the upper end of plausible (over RDMA verbs it is not a limit).
 FITTED = {
     "alpha_worker": 300e-6,
+    "alpha_shard": 150e-6,
     "placement": "pieces",
+    "partition_elements": 8_000_000,
+    "unit": "tensor",
     "batch_size": 128,
     "shard_bw": 5e9,
     "window": "group",
 }
 FIT_RECORD = (
-    "alpha_worker 0.3 ms (alpha_shard 0.15 ms), pieces, batch 128, shard 5 GB/s, window group "
-    "(loss 0.800); searched with the window free (2026-12-02, commit d7c28e2; window group "
-    "unless said): pieces batch 128 shard 5 GB/s alpha_worker 0.2 / 0.3 / 0.5 / 1.0 ms: "
-    "0.952 / 0.800 / 0.882 / 1.721; pieces 128 2.5 GB/s 0.1 / 0.3 ms: 2.390 / 2.601; pieces 64 "
-    "2.5 GB/s 0.1 ms: 4.950; whole 128 5 GB/s 0.3 ms: 3.076; whole 256 5 GB/s 0.3 ms: 2.610; "
-    "window all (before): best 4.335 (pieces, batch 64, 2.5 GB/s, 0.1 ms)"
+    "alpha_worker 0.3 ms, alpha_shard 0.15 ms, pieces of at most 8,000,000 elements, a message "
+    "per tensor, batch 128, shard 5 GB/s, window group: loss 1.812 (15 of 20 within 1.5x), the "
+    "order on all 16 steps (objective 1.812); the lowest objective searched, 1.510 at alpha_worker "
+    "0.2 ms, alpha_shard 0.1 ms, misses AlexNet's fusion > wfbp step (+2.2%). Searched 2026-12-02 "
+    "(window group, batch 128, 5 GB/s, pieces; docs/scheduling.md has the grid)"
 )
 PRESETS["imerge-seed-fit"] = replace(
     PRESETS["imerge-seed"],
     name="imerge-seed-fit",
-    alpha_worker=FITTED["alpha_worker"],
-    alpha_shard=FITTED["alpha_worker"] / 2,
-    placement=FITTED["placement"],
-    batch_size=FITTED["batch_size"],
-    shard_bw=FITTED["shard_bw"],
-    window=FITTED["window"],
-    description="imerge-seed's hardware; per-message cost, placement, batch, PS core rate and "
-    "window fitted to the seed's 32-worker findings",
+    **FITTED,
+    description="imerge-seed's hardware; per-message costs, placement and its largest piece, "
+    "message unit, batch, PS core rate and window fitted to the seed's 32-worker findings",
     fitted=FIT_RECORD,
 )
 PRESET_NAMES = tuple(PRESETS)

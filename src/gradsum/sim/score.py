@@ -18,10 +18,20 @@ the squared log-ratio of every default efficiency against its implied value (for
 when it is exceeded). A factor of 1.5 either way costs 0.16 per term. Efficiency uses each
 policy's own one-worker run as the seed's speed-up does ("single-node training time"); the
 table also shows it against compute alone (one worker, no gradient exchange).
+
+Order: the seed ranks the policies imerge > merge > static fusion > WFBP > default on every
+model, each step by at least 2 % (merge over fusion on ResNet50: "close", 0 here) and mostly by
+far more. :func:`order_steps` gives each neighbour's speed ratio at 32 workers, and a step holds
+when it is at least ``1 + ORDER_MARGIN`` (3 %: more than the simulator's tie noise between plans
+it cannot tell apart, under every step the seed gives but that one). :func:`order_penalty` is
+what the fit adds for the steps that miss: a step short of the margin by its whole width (a tie)
+costs what a factor of 1.5 costs a percentage, (log 1.5)², and the cost grows with the square of
+the shortfall, as the loss's terms do.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -29,8 +39,10 @@ from .presets import Preset
 from .scaling import sweep
 
 MODELS = ("resnet18", "vgg16", "alexnet", "resnet50")
+# The seed's order, slowest first.
 SCORED_POLICIES = ("default", "wfbp", "fusion", "merge", "imerge")
 WORKERS = 32
+ORDER_MARGIN = 0.03
 
 SEED_GAIN_OVER_DEFAULT = {
     "wfbp": (0.346, 0.611, 0.373, 0.453),
@@ -114,6 +126,40 @@ def loss(found: list[Finding]) -> float:
     return sum(f.loss for f in found)
 
 
+@dataclass(frozen=True)
+class Step:
+    model: str
+    slower: str
+    faster: str
+    ratio: float  # the faster policy's throughput over the slower's at 32 workers
+
+    @property
+    def holds(self) -> bool:
+        return self.ratio >= 1 + ORDER_MARGIN
+
+    @property
+    def penalty(self) -> float:
+        shortfall = max(0.0, math.log(1 + ORDER_MARGIN) - math.log(self.ratio))
+        return (math.log(1.5) * shortfall / math.log(1 + ORDER_MARGIN)) ** 2
+
+
+def order_steps(table: dict) -> list[Step]:
+    """Every neighbour step of the seed's order (``SCORED_POLICIES``) on every model."""
+    steps = []
+    for model in MODELS:
+        for slower, faster in itertools.pairwise(SCORED_POLICIES):
+            ratio = (
+                table[(model, WORKERS, faster)]["throughput"]
+                / table[(model, WORKERS, slower)]["throughput"]
+            )
+            steps.append(Step(model, slower, faster, ratio))
+    return steps
+
+
+def order_penalty(steps: list[Step]) -> float:
+    return sum(s.penalty for s in steps)
+
+
 def format_score(table: dict, found: list[Finding], preset_name: str) -> str:
     lines = [f"\nscore of {preset_name} at {WORKERS} workers against the IMerge seed"]
     lines.append(f"{'finding':<34}{'seed':>9}{'sim':>9}{'ratio':>8}{'loss':>8}  within 1.5x")
@@ -125,6 +171,22 @@ def format_score(table: dict, found: list[Finding], preset_name: str) -> str:
         lines.append(f"{f.name:<34}{seed:>9}{sim:>9}{f.ratio:>8.2f}{f.loss:>8.3f}  {mark}")
     within = sum(f.within_1_5 for f in found)
     lines.append(f"loss {loss(found):.3f} ({within} of {len(found)} within a factor of 1.5)")
+    steps = order_steps(table)
+    lines.append(
+        f"\norder at {WORKERS} workers, each step's speed ratio (holds at ≥ {1 + ORDER_MARGIN:.2f})"
+    )
+    pairs = [f"{a}<{b}" for a, b in itertools.pairwise(SCORED_POLICIES)]
+    lines.append(f"{'model':<10}" + "".join(f"{p:>16}" for p in pairs))
+    for model in MODELS:
+        cells = "".join(
+            f"{s.ratio:>12.3f} {'ok' if s.holds else 'NO':>3}" for s in steps if s.model == model
+        )
+        lines.append(f"{model:<10}{cells}")
+    held = sum(s.holds for s in steps)
+    lines.append(
+        f"order: {held} of {len(steps)} steps hold (penalty {order_penalty(steps):.3f}; "
+        f"loss + penalty {loss(found) + order_penalty(steps):.3f})"
+    )
     lines.append(
         "\nefficiency at 32 workers: against each policy's own one-worker run / "
         "against compute alone"
