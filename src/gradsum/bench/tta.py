@@ -354,11 +354,14 @@ def _against(row: TTARow, base: TTARow | None, same: int | None):
 
 def _medians(rows: list[TTARow], bases: dict, same: int | None, width: int) -> list[str]:
     """Per method over the seeds: the median time to target (when every seed reached it), the
-    baseline's median over it, the median and range of the paired loss gaps at step ``same``."""
+    baseline's median over it, the median of the per-seed speed-ups (each seed's baseline over
+    its run: a seed the method did not reach counts as none), the median and range of the paired
+    loss gaps at step ``same``."""
     lines = [
-        "medians over seeds (paired with the baseline of the same seed):",
-        f"{'method':<{width}} {'to target s':>11} {'vs base':>8} {f'gap @{same}':>10} "
-        f"{'gap range':>15} {'reached':>8} {'s/step':>7}",
+        "medians over seeds (vs base: the ratio of the median times; paired: the median of each "
+        "seed's ratio to its own baseline):",
+        f"{'method':<{width}} {'to target s':>11} {'vs base':>8} {'paired':>8} "
+        f"{f'gap @{same}':>10} {'gap range':>15} {'reached':>8} {'s/step':>7}",
     ]
     base_times = [b.time_to_target for b in bases.values()]
     base_median = statistics.median(base_times) if None not in base_times else None
@@ -370,13 +373,16 @@ def _medians(rows: list[TTARow], bases: dict, same: int | None, width: int) -> l
         reached = sum(t is not None for t in times)
         median = statistics.median(times) if reached == len(times) else None
         speedup = base_median / median if base_median is not None and median else None
+        paired = [_against(row, bases.get(row.seed), same)[0] for row in runs]
+        paired_median = statistics.median(paired) if None not in paired else None
         gaps = [g for row in runs
                 if (g := _against(row, bases.get(row.seed), same)[1]) is not None]  # fmt: skip
         spread = f"{min(gaps) * 100:+.1f}..{max(gaps) * 100:+.1f}%" if gaps else "-"
         gap = statistics.median(gaps) * 100 if gaps else None
         lines.append(
             f"{method:<{width}} {_num(median, '.1f'):>11} {_num(speedup, '.2f', 'x'):>8} "
-            f"{_num(gap, '+.1f', '%'):>10} {spread:>15} {f'{reached}/{len(runs)}':>8} "
+            f"{_num(paired_median, '.2f', 'x'):>8} {_num(gap, '+.1f', '%'):>10} {spread:>15} "
+            f"{f'{reached}/{len(runs)}':>8} "
             f"{statistics.median(r.step_s for r in runs):>7.3f}"
         )
     return lines
