@@ -13,6 +13,7 @@ native pump cut their streams with it, and the benchmarks count packets with it,
 
 from __future__ import annotations
 
+from ..codecs.lanes import packed_nbytes
 from .packet import HEADER_SIZE, MAX_PAYLOAD
 
 IPV4_UDP_HEADERS = 28
@@ -32,7 +33,7 @@ def window_slots(window_bytes: int, chunk_lanes: int, segments: int, bits: int, 
     ``most``. ``bits`` is the wider of a job's two widths, so the results fit it as well."""
     if window_bytes < 1:
         raise ValueError(f"window_bytes must be positive, got {window_bytes}")
-    chunk = (chunk_lanes * bits + 7) // 8 + segments * (HEADER_SIZE + IPV4_UDP_HEADERS)
+    chunk = packed_nbytes(chunk_lanes, bits) + segments * (HEADER_SIZE + IPV4_UDP_HEADERS)
     return max(1, min(most, window_bytes // chunk))
 
 
