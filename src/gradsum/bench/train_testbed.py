@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..failures import FAILURE_FILE_ENV, Failure, WorkerFailed, read_failure_file
+from ..train.config import WORKER_ENVIRONMENT
 
 _CLI = "import sys; from gradsum.cli import main; sys.exit(main())"
 
@@ -103,7 +104,7 @@ def _one_job(tb, workers: int, flags: list[str], port: int, timeout: float) -> d
                 # torch's libuv TCPStore aborted rank 0 (std::terminate, no Python frame) early in
                 # 2 of 8 runs of the testbed training test; the classic store in none of 12
                 "USE_LIBUV": "0",
-                "OMP_NUM_THREADS": "1",
+                **WORKER_ENVIRONMENT,
                 # a worker that raises writes its rank, exception type and message here
                 FAILURE_FILE_ENV: str(_failure_file(folder, rank)),
             }

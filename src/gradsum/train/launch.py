@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..failures import Failure, WorkerFailed
+from .config import WORKER_ENVIRONMENT
 from .loop import TrainConfig, train_worker
 
 
@@ -117,8 +118,9 @@ def run_local(config: TrainConfig) -> dict:
             for rank in range(config.workers)
         ]
         try:
-            for process in processes:
-                process.start()
+            with worker_environment():
+                for process in processes:
+                    process.start()
             _join(processes, results, config)
         finally:
             for process in processes:
@@ -130,6 +132,22 @@ def run_local(config: TrainConfig) -> dict:
                     process.kill()
                     process.join(5)
         return dict(results[0])
+
+
+@contextlib.contextmanager
+def worker_environment():
+    """``WORKER_ENVIRONMENT`` in ``os.environ`` while workers are spawned (a spawned process
+    copies it at start), the launcher's own restored afterwards."""
+    saved = {name: os.environ.get(name) for name in WORKER_ENVIRONMENT}
+    os.environ.update(WORKER_ENVIRONMENT)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _join(processes, results, config: TrainConfig) -> None:
