@@ -112,7 +112,9 @@ class RuntimePlan:
         return float(self.profile.forward_s.sum()) + max(comm, backward)
 
 
-def fit_measurements(measurements: Sequence[Samples]) -> tuple[AlphaBeta, str]:
+def fit_measurements(
+    measurements: Sequence[Samples], *, settled: bool = False
+) -> tuple[AlphaBeta, str]:
     """α, β from repeated rounds of (bytes, seconds) samples, and a note on how; ValueError when
     the rounds are unusable.
 
@@ -122,39 +124,50 @@ def fit_measurements(measurements: Sequence[Samples]) -> tuple[AlphaBeta, str]:
 
     Time that does not grow with size, within ``RESOLUTION`` of the slowest time, is a
     measurement, not a failure: at these sizes the per-message cost dominates (a small model
-    on a fast link: 4 KiB and 24 KB take the same 3.5 ms at 1 Gbit/s). Then α is the fastest
-    time and β the steepest slope the sizes cannot resolve, RESOLUTION·t_max / (largest −
-    smallest size): the data rules out anything slower, and no plan of this model sends a
-    message larger than the largest size (``calibration_sizes``), so a faster true β only
-    makes its messages cheaper than planned. The note says so (the plan line shows it).
+    on a fast link: 4 KiB and 24 KB take the same 3.5 ms at 1 Gbit/s). Then β is the steepest
+    slope the sizes cannot resolve, RESOLUTION·t_max / (largest − smallest size), and α the
+    highest intercept that keeps the line at or under every fastest time: the data rules out
+    anything slower, and no plan of this model sends a message larger than the largest size
+    (``calibration_sizes``), so a faster true β only makes its messages cheaper than planned.
+    The note says so (the plan line shows it).
 
-    Unusable, so measure again: no samples, fewer than two sizes, a time or size that is not a
-    positive finite number, or time that *falls* with size by more than ``RESOLUTION``
-    (the small transfers were held up; a later round's fastest times settle it).
+    Time that *falls* with size by more than ``RESOLUTION`` says the smaller transfers were
+    held up; a later round's fastest times may settle it, so it is unusable until ``settled``
+    (the last round): then the fall is systematic (on the testbed the first size measured was
+    slower in every round), and the same bound is taken, the line under every fastest time.
+
+    A round with a size or time that is not a positive finite number is left out (and named
+    when no other round is left); fewer than two sizes cannot separate α from β.
     """
     fastest: dict[float, float] = {}
+    invalid = ""
     for samples in measurements:
+        bad = [(b, t) for b, t in samples if not (0 < b < math.inf and 0 < t < math.inf)]
+        if bad:
+            invalid = f"; a round with {bad[0][0]} bytes in {bad[0][1]} s was left out"
+            continue
         for nbytes, seconds in samples:
-            if not (0 < nbytes < math.inf and 0 < seconds < math.inf):
-                raise ValueError(f"({nbytes} bytes, {seconds} s) is not a transfer's size and time")
             fastest[nbytes] = min(seconds, fastest.get(nbytes, math.inf))
     if len(fastest) < 2:
-        raise ValueError(f"need at least two transfer sizes to separate α from β: {len(fastest)}")
+        raise ValueError(
+            f"need at least two transfer sizes to separate α from β, got {len(fastest)}{invalid}"
+        )
     sizes, times = zip(*sorted(fastest.items()), strict=True)
     span = sizes[-1] - sizes[0]
     noise = RESOLUTION * max(times)
     alpha, beta = least_squares(list(zip(sizes, times, strict=True)))
     if beta * span >= noise:
-        return AlphaBeta(max(alpha, 0.0), beta), ""
+        return AlphaBeta(max(alpha, 0.0), beta), invalid.removeprefix("; ")
     seen = ", ".join(f"{b:,.0f} B {t * 1e3:.2f} ms" for b, t in zip(sizes, times, strict=True))
-    if beta * span < -noise:
+    if beta * span >= -noise:
+        how = f"time flat within {RESOLUTION:.0%} over the sizes ({seen})"
+    elif settled:
+        how = f"time fell with size by more than {RESOLUTION:.0%} in every round ({seen})"
+    else:
         raise ValueError(f"transfer time falls with size by more than {RESOLUTION:.0%} ({seen})")
     beta = noise / span
     alpha = max(0.0, min(t - beta * b for b, t in zip(sizes, times, strict=True)))
-    note = (
-        f"time flat within {RESOLUTION:.0%} over the sizes ({seen}): per-message cost dominates, "
-        "β is the slowest the sizes can resolve"
-    )
+    note = f"{how}: per-message cost dominates, β is the slowest the sizes can resolve{invalid}"
     return AlphaBeta(alpha, beta), note
 
 
@@ -165,15 +178,16 @@ def judge_calibration(
     measure once more.
 
     Pure, so every outcome is testable without sockets; worker 0 calls it after each round and
-    broadcasts the answer. Round k is judged on all rounds so far (:func:`fit_measurements`);
-    the first usable fit stands. Once ``attempts`` rounds gave none, ``DEFAULT_COST`` does.
+    broadcasts the answer. Round k is judged on all rounds so far (:func:`fit_measurements`,
+    ``settled`` at round ``attempts``); the first usable fit stands. Once ``attempts`` rounds
+    gave none (no round with two sizes timed), ``DEFAULT_COST`` does.
     """
     if not measurements:
         raise ValueError("judging a calibration needs at least one round of measurements")
     failure: ValueError | None = None
     for rounds in range(1, min(len(measurements), attempts) + 1):
         try:
-            fit, note = fit_measurements(measurements[:rounds])
+            fit, note = fit_measurements(measurements[:rounds], settled=rounds == attempts)
         except ValueError as error:
             failure = error
             continue
