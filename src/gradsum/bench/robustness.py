@@ -109,10 +109,12 @@ def report(args: argparse.Namespace) -> None:
             report_point(name, rows)
     if len(measured) > 1:
         report_repeats(measured)
-    if args.plot:
-        plot({f"{name} ({k})" if len(measured) > 1 else name: rows
-              for k, points in enumerate(measured, 1) for name, rows in points.items()},
-             args.plot)  # fmt: skip
+    if args.plot:  # one colour per point, its repeats together
+        together: dict[str, list[dict]] = {}
+        for points in measured:
+            for name, rows in points.items():
+                together.setdefault(name, []).extend(rows)
+        plot(together, args.plot)
 
 
 def report_repeats(measured: list[dict[str, list[dict]]]) -> None:

@@ -36,8 +36,8 @@ class AlphaBeta:
         return self.alpha + self.beta * nbytes
 
 
-def fit_alpha_beta(samples: Iterable[tuple[float, float]]) -> AlphaBeta:
-    """Least-squares α, β from (bytes, seconds) samples; α is clipped at 0 (noise at tiny sizes)."""
+def least_squares(samples: Iterable[tuple[float, float]]) -> tuple[float, float]:
+    """The least-squares line (α, β) through (bytes, seconds) samples, unclipped and unjudged."""
     data = np.asarray(list(samples), dtype=float)
     if data.ndim != 2 or data.shape[0] < 2 or data.shape[1] != 2:
         raise ValueError("need at least two (bytes, seconds) samples")
@@ -45,9 +45,15 @@ def fit_alpha_beta(samples: Iterable[tuple[float, float]]) -> AlphaBeta:
         raise ValueError("need samples of at least two different sizes to separate α from β")
     design = np.column_stack([np.ones(len(data)), data[:, 0]])
     (alpha, beta), *_ = np.linalg.lstsq(design, data[:, 1], rcond=None)
+    return float(alpha), float(beta)
+
+
+def fit_alpha_beta(samples: Iterable[tuple[float, float]]) -> AlphaBeta:
+    """Least-squares α, β from (bytes, seconds) samples; α is clipped at 0 (noise at tiny sizes)."""
+    alpha, beta = least_squares(samples)
     if beta <= 0:
         raise ValueError("fitted β is not positive: transfer time does not grow with size")
-    return AlphaBeta(max(float(alpha), 0.0), float(beta))
+    return AlphaBeta(max(alpha, 0.0), beta)
 
 
 @dataclass(frozen=True)

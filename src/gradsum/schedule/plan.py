@@ -160,8 +160,10 @@ class Plan:
 
     def summary(self) -> str:
         sizes = [g.numel for g in self.groups]
+        parts = sum(len(g.parts) for g in self.groups)
+        into = f" in {parts} parts" if parts > len(self.groups) else ""  # a PS plan's messages
         return (
-            f"{self.policy}: {len(self.groups)} groups, largest {max(sizes):,} elements, "
+            f"{self.policy}: {len(self.groups)} groups{into}, largest {max(sizes):,} elements, "
             f"smallest {min(sizes):,}"
         )
 

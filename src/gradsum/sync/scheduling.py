@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import socket
 import time
 import warnings
@@ -30,8 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..schedule import AlphaBeta, ClusterSpec, ModelProfile, Plan, fit_alpha_beta, make_planner
-from ..schedule.costs import ps_step_end
+from ..schedule import AlphaBeta, ClusterSpec, ModelProfile, Plan, make_planner
+from ..schedule.costs import least_squares, ps_step_end
 from ..schedule.ordering import send_order
 from ..schedule.profiling import measure_profile
 from .sharded import time_transfers
@@ -48,9 +49,10 @@ COST_FREE = frozenset({"default", "wfbp", "fusion"})
 # (docs/scheduling.md, AlexNet runs: α 0.9–2.2 ms, β 29–33 MB/s). Stated, not measured here.
 DEFAULT_COST = AlphaBeta(alpha=1e-3, beta=1 / 30e6)
 
-# Slower than any transfer an aggregator here makes (β is s per byte): a fitted slope this
-# flat means the sizes' timings were indistinguishable, not that bytes are free.
-_FLATTEST_BETA = 1e-12  # 1 TB/s
+# Timings of two sizes closer than this fraction of the slower one are not told apart: each is
+# the median of five transfers, and on the shared testbed host the medians of one size move by
+# more than a few percent between rounds.
+RESOLUTION = 0.1
 
 Samples = Sequence[tuple[float, float]]  # (bytes, seconds) per transfer size
 
@@ -62,7 +64,8 @@ class CostModel:
     ``source``: ``"not needed"`` (a ``COST_FREE`` policy; ``fit`` is None), ``"given"`` by the
     caller, ``"fitted"`` on the first round of transfers, ``"refitted"`` after measuring again,
     or ``"default"`` (``DEFAULT_COST``: no round gave a usable fit). ``reason`` says why no
-    measurement was needed, or why one was repeated or abandoned.
+    measurement was needed, why one was repeated or abandoned, or that time did not grow with
+    size, so the per-message cost dominated and β is a bound (:func:`fit_measurements`).
     """
 
     fit: AlphaBeta | None
@@ -109,25 +112,63 @@ class RuntimePlan:
         return float(self.profile.forward_s.sum()) + max(comm, backward)
 
 
-def fit_measurements(measurements: Sequence[Samples]) -> AlphaBeta:
-    """α, β from repeated rounds of (bytes, seconds) samples; ValueError when unusable.
+def fit_measurements(
+    measurements: Sequence[Samples], *, settled: bool = False
+) -> tuple[AlphaBeta, str]:
+    """α, β from repeated rounds of (bytes, seconds) samples, and a note on how; ValueError when
+    the rounds are unusable.
 
     Per size the fastest round counts: load on a busy machine only ever adds time (a
     descheduled peer, a retransmission), so the minimum is the least disturbed estimate, and
-    a round that was slow for one size does not tilt the slope. Unusable: time that does not
-    grow with size (β ≤ 0), or grows so little that the sizes were indistinguishable.
+    a round that was slow for one size does not tilt the slope.
+
+    Time that does not grow with size, within ``RESOLUTION`` of the slowest time, is a
+    measurement, not a failure: at these sizes the per-message cost dominates (a small model
+    on a fast link: 4 KiB and 24 KB take the same 3.5 ms at 1 Gbit/s). Then β is the steepest
+    slope the sizes cannot resolve, RESOLUTION·t_max / (largest − smallest size), and α the
+    highest intercept that keeps the line at or under every fastest time: the data rules out
+    anything slower, and no plan of this model sends a message larger than the largest size
+    (``calibration_sizes``), so a faster true β only makes its messages cheaper than planned.
+    The note says so (the plan line shows it).
+
+    Time that *falls* with size by more than ``RESOLUTION`` says the smaller transfers were
+    held up; a later round's fastest times may settle it, so it is unusable until ``settled``
+    (the last round): then the fall is systematic (on the testbed the first size measured was
+    slower in every round), and the same bound is taken, the line under every fastest time.
+
+    A round with a size or time that is not a positive finite number is left out (and named
+    when no other round is left); fewer than two sizes cannot separate α from β.
     """
     fastest: dict[float, float] = {}
+    invalid = ""
     for samples in measurements:
+        bad = [(b, t) for b, t in samples if not (0 < b < math.inf and 0 < t < math.inf)]
+        if bad:
+            invalid = f"; a round with {bad[0][0]} bytes in {bad[0][1]} s was left out"
+            continue
         for nbytes, seconds in samples:
-            fastest[nbytes] = min(seconds, fastest.get(nbytes, float("inf")))
-    fit = fit_alpha_beta(sorted(fastest.items()))
-    if fit.beta < _FLATTEST_BETA:
+            fastest[nbytes] = min(seconds, fastest.get(nbytes, math.inf))
+    if len(fastest) < 2:
         raise ValueError(
-            f"fitted β {fit.beta:.3g} s/byte ({1e-9 / fit.beta:,.0f} GB/s) is implausibly flat: "
-            "transfer time barely grows with size"
+            f"need at least two transfer sizes to separate α from β, got {len(fastest)}{invalid}"
         )
-    return fit
+    sizes, times = zip(*sorted(fastest.items()), strict=True)
+    span = sizes[-1] - sizes[0]
+    noise = RESOLUTION * max(times)
+    alpha, beta = least_squares(list(zip(sizes, times, strict=True)))
+    if beta * span >= noise:
+        return AlphaBeta(max(alpha, 0.0), beta), invalid.removeprefix("; ")
+    seen = ", ".join(f"{b:,.0f} B {t * 1e3:.2f} ms" for b, t in zip(sizes, times, strict=True))
+    if beta * span >= -noise:
+        how = f"time flat within {RESOLUTION:.0%} over the sizes ({seen})"
+    elif settled:
+        how = f"time fell with size by more than {RESOLUTION:.0%} in every round ({seen})"
+    else:
+        raise ValueError(f"transfer time falls with size by more than {RESOLUTION:.0%} ({seen})")
+    beta = noise / span
+    alpha = max(0.0, min(t - beta * b for b, t in zip(sizes, times, strict=True)))
+    note = f"{how}: per-message cost dominates, β is the slowest the sizes can resolve{invalid}"
+    return AlphaBeta(alpha, beta), note
 
 
 def judge_calibration(
@@ -137,22 +178,23 @@ def judge_calibration(
     measure once more.
 
     Pure, so every outcome is testable without sockets; worker 0 calls it after each round and
-    broadcasts the answer. Round k is judged on all rounds so far (:func:`fit_measurements`);
-    the first usable fit stands. Once ``attempts`` rounds gave none, ``DEFAULT_COST`` does.
+    broadcasts the answer. Round k is judged on all rounds so far (:func:`fit_measurements`,
+    ``settled`` at round ``attempts``); the first usable fit stands. Once ``attempts`` rounds
+    gave none (no round with two sizes timed), ``DEFAULT_COST`` does.
     """
     if not measurements:
         raise ValueError("judging a calibration needs at least one round of measurements")
     failure: ValueError | None = None
     for rounds in range(1, min(len(measurements), attempts) + 1):
         try:
-            fit = fit_measurements(measurements[:rounds])
+            fit, note = fit_measurements(measurements[:rounds], settled=rounds == attempts)
         except ValueError as error:
             failure = error
             continue
         if failure is None:
-            return CostModel(fit, "fitted")
+            return CostModel(fit, "fitted", note)
         reason = f"{rounds} rounds of transfers, {rounds - 1} gave no usable fit: {failure}"
-        return CostModel(fit, "refitted", reason)
+        return CostModel(fit, "refitted", f"{reason}; {note}" if note else reason)
     if len(measurements) < attempts:
         return None
     reason = f"{attempts} rounds of transfers gave no usable fit: {failure}"
