@@ -54,9 +54,11 @@ LAYOUTS = {1000: [(20, 40), (100,), (10, 10)],
            SIZES[1]: [(1024, 1024), (2048,), (1024, 2048), (10_297,)]}  # fmt: skip
 
 
-# Options that change a codec's rounding but not its wire: run through the matrix as codecs
+# Options that change a codec's rounding (or its lane widths: 8-bit THC, 510 grid steps, whose
+# sums of 4 workers need 11-bit lanes downstream): run through the matrix as codecs
 VARIANTS = {"thc+correlated": ("thc", {"correlated": True}),
-            "thc-uniform+correlated": ("thc-uniform", {"correlated": True})}  # fmt: skip
+            "thc-uniform+correlated": ("thc-uniform", {"correlated": True}),
+            "thc+8-bits": ("thc", {"bits": 8})}  # fmt: skip
 NAMES = (*CODEC_NAMES, *VARIANTS)
 
 
