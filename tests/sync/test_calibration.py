@@ -1,5 +1,7 @@
 """Start-up's α–β calibration: fitted, measured again, or the stated default; never a failure."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -221,7 +223,8 @@ def test_a_failed_calibration_still_gives_the_asked_policy_on_the_default_cost(m
             "imerge", tiny_model(), torch.randn(8, 20), _Recorder(), make_codec("none", workers=1)
         )
     assert chosen.plan.policy == "imerge"
-    assert chosen.cluster == cluster_from_fit(DEFAULT_COST, 1, 1)
+    cores = scheduling.shared_host_cores()  # this process shares its host with itself
+    assert chosen.cluster == cluster_from_fit(DEFAULT_COST, 1, 1, shared_cores=cores)
     assert "β 30 MB/s per message (default: 3 rounds of transfers gave no usable fit" in (
         chosen.describe()
     )
@@ -241,6 +244,24 @@ def test_an_injected_message_delay_is_planned_with():
     plain = agree_on_plan("imerge", *args, fit=TRUTH)
     delayed = agree_on_plan("imerge", *args, fit=TRUTH, message_delay=0.002)
     assert delayed.cluster.alpha_worker == pytest.approx(plain.cluster.alpha_worker + 0.002)
+    # the delay holds the sender's thread, not a core
+    assert delayed.cluster.worker_wait == pytest.approx(0.002)
+    assert delayed.cluster.worker_cpu == pytest.approx(plain.cluster.worker_cpu)
+
+
+def test_one_process_shares_its_hosts_cores_with_itself():
+    assert scheduling.shared_host_cores() == len(os.sched_getaffinity(0))
+
+
+def test_a_plan_made_on_shared_cores_says_so_and_scales_the_measured_compute(monkeypatch):
+    args = (tiny_model(), torch.randn(8, 20), _Untouchable(), make_codec("none", workers=1))
+    monkeypatch.setattr(scheduling, "shared_host_cores", lambda: None)  # a core per node
+    own = agree_on_plan("imerge", *args, fit=TRUTH)
+    monkeypatch.setattr(scheduling, "shared_host_cores", lambda: 1)
+    shared = agree_on_plan("imerge", *args, fit=TRUTH)
+    assert own.cluster.shared_cores is None and shared.cluster.shared_cores == 1
+    assert "1 workers and 1 shards on 1 shared cores" in shared.describe()
+    assert "shared cores" not in own.describe()
 
 
 @pytest.mark.slow

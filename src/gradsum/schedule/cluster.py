@@ -7,6 +7,12 @@ Nodes: ``workers`` workers and ``shards`` PS shards, spread in contiguous blocks
 machines (never more machines than nodes). Every node has a full-duplex port (a worker's is its
 GPU↔host path, a shard's is what one CPU core can receive and sum per second); every machine has a
 full-duplex NIC that only traffic between machines crosses.
+
+A cluster whose nodes all run on one host's few cores (``shared_cores``: the testbed, or a
+one-machine run with more processes than cores) has one more resource: every node's
+per-message CPU queues on those cores, so parts spread over shards no longer run their fixed
+costs in parallel. Only the closed-form play (``costs.ps_group_ends``) prices it; the
+simulator's presets are clusters of real machines and leave it unset.
 """
 
 from __future__ import annotations
@@ -26,6 +32,11 @@ class ClusterSpec:
     alpha_worker: float = 50e-6  # s the sender spends per message before its bytes flow
     alpha_shard: float = 50e-6  # s of shard CPU per message (serial: one core per shard)
     bytes_per_element: int = 4
+    # Cores every node shares (None: each worker and shard has its own), and the seconds of
+    # α_worker spent waiting rather than computing (an injected delay: it holds the worker's
+    # thread, not a core).
+    shared_cores: int | None = None
+    worker_wait: float = 0.0
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.shards < 1 or self.machines < 1:
@@ -34,6 +45,25 @@ class ClusterSpec:
             raise ValueError("bandwidths must be positive")
         if min(self.alpha_worker, self.alpha_shard) < 0 or self.bytes_per_element < 1:
             raise ValueError("per-message costs must be >= 0 and bytes_per_element >= 1")
+        if self.shared_cores is not None and self.shared_cores < 1:
+            raise ValueError(f"shared_cores must be at least 1, got {self.shared_cores}")
+        if not 0 <= self.worker_wait <= self.alpha_worker:
+            raise ValueError(
+                f"worker_wait ({self.worker_wait}) must lie between 0 and alpha_worker "
+                f"({self.alpha_worker})"
+            )
+
+    @property
+    def worker_cpu(self) -> float:
+        """Seconds of CPU a worker spends per message: α_worker less its wait."""
+        return self.alpha_worker - self.worker_wait
+
+    def worker_message_time(self) -> float:
+        """How long one message holds a worker's thread when all n workers send at once: on
+        shared cores the n workers' CPU takes n/cores of the time it would alone."""
+        if self.shared_cores is None:
+            return self.alpha_worker
+        return self.worker_wait + self.worker_cpu * max(1.0, self.workers / self.shared_cores)
 
     def with_workers(self, workers: int, shards_per_worker: float | None = None) -> ClusterSpec:
         """The same hardware with another worker count (and shards scaled 1:1 if asked)."""

@@ -171,12 +171,18 @@ def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> l
     either way). With interleaving, a part is complete at its shard once the worker that sends it
     last (rotated order: position (j − w) mod span) has sent it; without it, when its own send is
     through. Every wait is a queue in time order (an event loop), as in the simulator.
+
+    On shared cores (``cluster.shared_cores``) every node's per-message CPU also queues on one
+    pool of that many cores: the n workers' sends (n·(α_worker − wait) of CPU), each shard's n
+    pushes and n answers. A part on another shard then adds its CPU to the same pool rather
+    than running beside the first, which is what spreading a group over shards costs on one
+    small host.
     """
     if plan.aggregator != "ps" or plan.order != "fifo":
         raise ValueError("ps_step_end plays PS plans sent in list order")
     credit = plan.credit_bytes
     n, m = cluster.workers, cluster.shards
-    aw, ash, bpe = cluster.alpha_worker, cluster.alpha_shard, cluster.bytes_per_element
+    ash, bpe = cluster.alpha_shard, cluster.bytes_per_element
     rate = cluster.worker_bw
     # Workers per machine, and each shard's machine: a part's n pushes cross into its shard's
     # machine from every other one, its n answers back out (the NIC pipes carry all workers).
@@ -200,6 +206,23 @@ def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> l
             into[there] = max(start, into[there]) + remote * nbytes / cluster.nic_bw
             done = max(done, into[there])
         return done
+
+    cores, wait, cpu = cluster.shared_cores, cluster.worker_wait, cluster.worker_cpu
+    pool = 0.0  # when the shared cores are next free
+
+    def on_cores(start: float, serial: float, work: float) -> float:
+        """When CPU work begun at ``start`` ends: ``serial`` s on its own process, ``work``
+        CPU-seconds over every node, queued on the shared cores where there are."""
+        nonlocal pool
+        if cores is None:
+            return start + serial
+        begin = max(start, pool)
+        pool = begin + work / cores
+        return max(begin + serial, pool)
+
+    def worker_message(start: float) -> float:
+        """The representative worker's thread sends or receives one message, as all do."""
+        return on_cores(start + wait, cpu, n * cpu)
 
     shard_rate = cluster.shard_bw
     release = _release_times(plan, ready)
@@ -270,7 +293,7 @@ def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> l
             nbytes = part.numel * bpe
             # the others' sends lead by the stagger, less what this worker's thread delays
             lead = max(0.0, spread.pop((g, j), 0.0) - max(0.0, thread - now))
-            thread = max(now, thread) + aw
+            thread = worker_message(max(now, thread))
             egress = max(thread, egress) + nbytes / rate
             shard_in[part.shard] = (
                 max(thread - lead, shard_in[part.shard]) + n * nbytes / shard_rate
@@ -288,15 +311,15 @@ def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> l
             nbytes = part.numel * bpe
             s = part.shard
             lead = leads.pop((g, j), 0.0)
-            summed = max(now + ash, max(now - lead, shard_core[s]) + n * ash)
-            shard_core[s] = summed + n * ash  # the n answers
+            summed = max(now + ash, on_cores(max(now - lead, shard_core[s]), n * ash, n * ash))
+            shard_core[s] = on_cores(summed, n * ash, n * ash)  # the n answers
             shard_out[s] = max(summed + ash, shard_out[s]) + n * nbytes / shard_rate
             ingress = max(shard_core[s], ingress) + nbytes / rate
             crossed = cross(summed + ash, s, nbytes, inward=False)
             push(max(shard_out[s], ingress, crossed), "pulled", g, j)
         elif kind == "pulled":
             g, j = data
-            thread = max(now, thread) + aw
+            thread = worker_message(max(now, thread))
             ends[g] = max(ends[g], thread)
             push(thread, "back", g, groups[g].parts[j].shard)
         else:  # a part is back: its shard's stream carries the next part

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 import socket
 import time
 import warnings
@@ -94,8 +95,15 @@ class RuntimePlan:
     def describe(self) -> str:
         return (
             f"plan {self.plan.summary()}; {self.cost.describe()}; "
-            f"backward {self.profile.backward_s.sum() * 1e3:.1f} ms (measured)"
+            f"backward {self.profile.backward_s.sum() * 1e3:.1f} ms (measured{self._crowding()})"
         )
+
+    def _crowding(self) -> str:
+        cores, n = self.cluster.shared_cores, self.cluster.workers
+        if cores is None:
+            return ""
+        scaled = f", × {n / cores:.3g}" if n > cores else ""
+        return f"{scaled}; {n} workers and {self.cluster.shards} shards on {cores} shared cores"
 
     def predicted_step_s(self) -> float | None:
         """The PS model's time per step of this plan on the measured cluster: its forward, then
@@ -201,7 +209,9 @@ def judge_calibration(
     return CostModel(DEFAULT_COST, "default", reason)
 
 
-def cluster_from_fit(fit: AlphaBeta, workers: int, shards: int, remote: int = 0) -> ClusterSpec:
+def cluster_from_fit(
+    fit: AlphaBeta, workers: int, shards: int, remote: int = 0, shared_cores: int | None = None
+) -> ClusterSpec:
     """The cluster a measured single-shard round trip implies.
 
     Calibration sends one message of M bytes from every worker to shard 0 and back; ``remote``
@@ -217,11 +227,17 @@ def cluster_from_fit(fit: AlphaBeta, workers: int, shards: int, remote: int = 0)
     The fixed costs do run in series: the worker's thread sends and receives (2 α_worker), the
     shard's core takes the n pushes and sends the n answers (2n α_shard); a worker and a shard
     are taken to spend the same time per message, α_worker = α_shard = α/(2(n+1)).
+
+    With every node on one host of ``shared_cores`` cores, the n workers' sends share those
+    cores: each of a worker's two messages takes max(1, n/cores) times its own CPU time, so
+    α = a·(2·max(1, n/cores) + 2n) for the per-message time a (``costs.ps_group_ends`` plays
+    the same pool).
     """
     n = workers
     if not 0 <= remote <= n:
         raise ValueError(f"{remote} of {n} workers cannot be remote from the calibrated shard")
-    per_message = fit.alpha / (2 * (n + 1))
+    crowding = 1.0 if shared_cores is None else max(1.0, n / shared_cores)
+    per_message = fit.alpha / (2 * crowding + 2 * n)
     port = n / fit.beta
     return ClusterSpec(
         workers=n,
@@ -232,7 +248,27 @@ def cluster_from_fit(fit: AlphaBeta, workers: int, shards: int, remote: int = 0)
         nic_bw=port * max(n, shards) if remote == 0 else remote / fit.beta,
         alpha_worker=per_message,
         alpha_shard=per_message,
+        shared_cores=shared_cores,
     )
+
+
+def shared_host_cores() -> int | None:
+    """The cores every worker shares when all run on one host (same kernel boot id: network
+    namespaces share it), else None. The shards are taken to be where the workers are, as
+    the local launcher and the testbed place them. Every worker asks for itself."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as source:
+            mine = (source.read().strip(), len(os.sched_getaffinity(0)))
+    except (OSError, AttributeError):
+        mine = (None, 0)
+    everyone = [mine]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    hosts = {host for host, _ in everyone}
+    if len(hosts) != 1 or None in hosts:
+        return None
+    return min(cores for _, cores in everyone)
 
 
 def remote_workers(aggregator) -> int:
@@ -350,19 +386,26 @@ def agree_on_plan(
     elements = sum(p.numel() for p in model.parameters() if p.requires_grad)
     cost = _cost_model(scheduler, fit, aggregator, codec, elements)
     remote = remote_workers(aggregator) if cost.fit is not None else 0
+    cores = shared_host_cores() if cost.fit is not None else None
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     shards = getattr(aggregator, "num_shards", world)
     chosen: list = [None]
     if rank == 0:
         profile = measure_profile(copy.deepcopy(model), batch, model_name=model_name)
+        if cores is not None and world > cores:  # measured alone, run n to the cores' c
+            profile = profile.scaled(world / cores)
         # A cost-free planner reads only the cluster's worker and shard counts.
         cluster = (
             ClusterSpec(workers=world, shards=shards)
             if cost.fit is None
-            else cluster_from_fit(cost.fit, world, shards, remote)
+            else cluster_from_fit(cost.fit, world, shards, remote, cores)
         )
-        cluster = dataclasses.replace(cluster, alpha_worker=cluster.alpha_worker + message_delay)
+        cluster = dataclasses.replace(
+            cluster,
+            alpha_worker=cluster.alpha_worker + message_delay,
+            worker_wait=cluster.worker_wait + message_delay,
+        )
         plan = planner(profile, cluster)
         order = send_order(plan, profile, _transfer_seconds(cost, cluster, scheduler))
         chosen = [(plan, order, profile, cluster)]
