@@ -75,6 +75,10 @@ def _one_rank(rank, world, side_stream, channels_last):
     from gradsum.sync.allreduce import AllReduceAggregator
     from gradsum.sync.gradient_sync import GradientSync
 
+    # cuDNN's default convolution backward sums with atomics, so two backward passes differ
+    # in the last bits: the reference below must be the same computation as the synced one.
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
     torch.manual_seed(0)
     if channels_last:
         model = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3), torch.nn.Conv2d(64, 8, 3))
@@ -102,12 +106,15 @@ def _one_rank(rank, world, side_stream, channels_last):
     torch.manual_seed(1)
     model.zero_grad()
     _forward_backward(model, make_input)  # no sync: the gradients themselves (one worker)
-    return all(torch.equal(a, p.grad) for a, p in zip(got, model.parameters(), strict=True))
+    # the largest difference (0.0 where every gradient is equal), so a failure shows its size
+    return max(
+        (a - p.grad).abs().max().item() for a, p in zip(got, model.parameters(), strict=True)
+    )
 
 
 @pytest.mark.parametrize(("side_stream", "channels_last"), [(True, False), (False, True)])
 def test_gradient_sync_reads_gradients_only_after_backward_wrote_them(side_stream, channels_last):
-    assert run_distributed(_one_rank, 1, side_stream, channels_last, timeout=300) == [True]
+    assert run_distributed(_one_rank, 1, side_stream, channels_last, timeout=300) == [0.0]
 
 
 def _ddp_and_sync(rank, world):

@@ -63,7 +63,8 @@ def fake_collectives(monkeypatch):
     for name, fn in [("all_reduce", all_reduce), ("all_gather", all_gather),
                      ("all_to_all_single", all_to_all_single),
                      ("all_gather_single", all_gather_single)]:  # fmt: skip
-        monkeypatch.setattr(dist, name, fn)
+        # raising=False: a torch without all_gather_single gets the fake all the same
+        monkeypatch.setattr(dist, name, fn, raising=False)
     return seen
 
 
@@ -85,6 +86,23 @@ def test_every_codec_round_runs_on_the_device_through_allreduce(fake_collectives
 
 def test_fp32_in_worker_order_runs_on_the_device(fake_collectives):
     run_steps(make_codec("none", workers=2), allreduce(2, deterministic=True))
+
+
+def test_fp32_in_worker_order_gathers_under_the_older_name_where_torch_lacks_the_new(
+    fake_collectives, monkeypatch
+):
+    """torch builds without ``all_gather_single`` (2.11, as on the GPU machines) gather the
+    shares with ``all_gather_into_tensor``."""
+    gathered = []
+
+    def all_gather_into_tensor(output, tensor, group=None):
+        gathered.append(tensor.numel())
+        output.view(-1, tensor.numel()).copy_(tensor.expand(output.numel() // tensor.numel(), -1))
+
+    monkeypatch.delattr(dist, "all_gather_single")
+    monkeypatch.setattr(dist, "all_gather_into_tensor", all_gather_into_tensor)
+    run_steps(make_codec("none", workers=2), allreduce(2, deterministic=True))
+    assert gathered and all(n > 0 for n in gathered)
 
 
 @pytest.fixture

@@ -31,4 +31,10 @@ def test_cpu_training_keeps_gloo_and_the_cpu():
     config = TrainConfig(device="cpu")
     assert backend_for(config) == "gloo"
     assert device_of(config) == torch.device("cpu")
-    assert backend_for(TrainConfig(device="cuda")) == "cuda:nccl,cpu:gloo"
+
+
+def test_workers_sharing_a_gpu_use_gloo_which_takes_two_ranks_on_one_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    config = TrainConfig(device="cuda")
+    assert backend_for(config) == backend_for(config, local_workers=2) == "cuda:nccl,cpu:gloo"
+    assert backend_for(config, local_workers=3) == "gloo"  # NCCL: "Duplicate GPU detected"

@@ -37,7 +37,8 @@ def run_tests(root: Path) -> int:
     for paths in ([GPU_TESTS], list(CPU_PARTS)):
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
         print("$", " ".join(command[2:]), flush=True)
-        status = status or subprocess.run(command, cwd=root, check=False).returncode
+        # every part runs whatever an earlier one returned: a failure must not hide the rest
+        status = subprocess.run(command, cwd=root, check=False).returncode or status
     return status
 
 
@@ -97,6 +98,47 @@ def benchmark(log_sizes: range, repeats: int, out: Path | None) -> None:
     os.environ.pop("GRADSUM_TRITON", None)
 
 
+def profile(log_sizes: range, rows: int) -> None:
+    """Where one THC round's time goes (fused kernels): torch.profiler over a warmed-up round
+    of each size, the ops by their own device time and by their own host time, and the
+    kernels' total against the round's wall time (a round far longer than its kernels is
+    bound by launches and Python, not by the GPU)."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from ..codecs import make_codec
+    from ..codecs.round import run_round
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: the profile is skipped", flush=True)
+        return
+    os.environ["GRADSUM_TRITON"] = "1"
+    codec = make_codec("thc", workers=1, error_feedback=False)
+    for log in log_sizes:
+        x = torch.randn(1 << log, device="cuda")
+        for step in range(3):
+            run_round(codec, [x], step=step)
+        torch.cuda.synchronize()
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with torch_profile(activities=activities) as prof:
+            start = time.perf_counter()
+            run_round(codec, [x], step=3)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+        events = prof.key_averages()
+        device_us = sum(e.self_device_time_total for e in events)
+        launches = sum(e.count for e in events if e.key.startswith(("cudaLaunch", "cuLaunch")))
+        print(f"\nthc+triton 2^{log}: round {wall * 1e3:.3f} ms wall, kernels "
+              f"{device_us / 1e3:.3f} ms, {launches} launches", flush=True)  # fmt: skip
+        for key in ("self_device_time_total", "self_cpu_time_total"):
+            print(events.table(sort_by=key, row_limit=rows, max_name_column_width=60))
+        del x
+    os.environ.pop("GRADSUM_TRITON", None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m gradsum.bench.gpu_check",
@@ -108,9 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per row (median)")
     parser.add_argument("--largest", type=int, default=26, help="log2 of the largest size")
     parser.add_argument("--no-tests", action="store_true", help="only the benchmark")
+    parser.add_argument(
+        "--profile", type=int, metavar="ROWS", default=0,
+        help="then profile a THC round at 2^20 and 2^22 and print its top ROWS ops",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     status = 0 if args.no_tests else run_tests(args.root)
     benchmark(range(20, args.largest + 1), args.repeats, args.json_lines)
+    if args.profile:
+        profile(range(20, 23, 2), args.profile)
     return status
 
 

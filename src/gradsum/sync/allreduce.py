@@ -33,6 +33,13 @@ from ..codecs.round import SumPhase
 from .aggregator import Aggregator
 
 
+def _all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
+    """Every rank's ``tensor`` into ``output``: torch's ``all_gather_single`` where it has it,
+    else the older name of the same collective (``pyproject`` admits torch >= 2.1; the
+    GPU machines' images ship torch builds without the new name)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
 class AllReduceAggregator(Aggregator):
     name = "allreduce"
 
@@ -106,7 +113,7 @@ class AllReduceAggregator(Aggregator):
         for w in range(1, world):
             total += parts[w]
         gathered = torch.empty_like(padded)
-        dist.all_gather_single(gathered, total, group=self.group)
+        _all_gather_single(gathered, total, group=self.group)
         return gathered[:count]
 
     def _gather_and_aggregate(self, phase: SumPhase) -> None:

@@ -27,10 +27,16 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def backend_for(config: TrainConfig) -> str:
+def backend_for(config: TrainConfig, local_workers: int = 1) -> str:
     """Gloo on the CPU; on GPUs NCCL for device tensors and Gloo for the host values of the
-    control plane (sizes, digests, plans), in one default group."""
-    return "cuda:nccl,cpu:gloo" if config.device == "cuda" else "gloo"
+    control plane (sizes, digests, plans), in one default group. Where this host's workers
+    outnumber its GPUs, some share one, which NCCL refuses ("Duplicate GPU detected"): Gloo
+    then carries the device tensors too (its all-reduce and broadcast take CUDA tensors)."""
+    if config.device != "cuda":
+        return "gloo"
+    if local_workers > torch.cuda.device_count():
+        return "gloo"
+    return "cuda:nccl,cpu:gloo"
 
 
 def use_local_gpu(config: TrainConfig, local_rank: int) -> None:
@@ -77,8 +83,9 @@ def _init_torchrun_group(config: TrainConfig) -> None:
     store, rank, world = next(dist.rendezvous("env://", timeout=wait))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"gradsum/attempt{attempt}/", store)
-    dist.init_process_group(backend_for(config), store=store, rank=rank, world_size=world,
-                            timeout=wait)  # fmt: skip
+    local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    dist.init_process_group(backend_for(config, local_workers), store=store, rank=rank,
+                            world_size=world, timeout=wait)  # fmt: skip
 
 
 def resumed_after_restart(config: TrainConfig, rank: int) -> TrainConfig:
@@ -191,7 +198,7 @@ def _local_entry(config, addresses, rank, world, port, results) -> None:
     try:
         use_local_gpu(config, rank)
         dist.init_process_group(
-            backend_for(config), rank=rank, world_size=world,
+            backend_for(config, world), rank=rank, world_size=world,
             timeout=timedelta(seconds=config.timeout),
         )  # fmt: skip
         results[rank] = _train(local, rank, world)

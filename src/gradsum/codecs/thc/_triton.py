@@ -10,9 +10,9 @@ def _stages(x, SIZE: tl.constexpr, LOG: tl.constexpr):
     """Every butterfly stage of an FWHT of ``SIZE`` values along the last axis of a
     [ROWS, SIZE] tile, smallest stride first: (a, b) -> (a + b, a - b)."""
     rows: tl.constexpr = x.shape[0]
+    # A constexpr is bound once: the unrolled loop writes the stride out, not a name for it.
     for s in tl.static_range(LOG):
-        half: tl.constexpr = 1 << s
-        pairs = tl.reshape(x, (rows * SIZE // (2 * half), 2, half))
+        pairs = tl.reshape(x, (rows * SIZE // (2 << s), 2, 1 << s))
         a, b = tl.split(tl.permute(pairs, (0, 2, 1)))
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (rows, SIZE))
     return x
