@@ -81,10 +81,41 @@ def test_thc_decode_matches_the_torch_path_bit_for_bit(kernels, length):
     assert math.isfinite(float(got.abs().max()))
 
 
-@pytest.mark.slow  # ~30 s in the interpreter
-def test_thc_rounds_through_the_fused_kernels_are_the_torch_paths(kernels, monkeypatch):
+@pytest.mark.parametrize("width", [1, 3, 7, 8, 11, 16, 25])
+@pytest.mark.parametrize("length", [5, 1000])
+def test_packed_sums_decode_as_their_unpacked_lanes(kernels, width, length):
+    """The decode's kernel reads ``pack_bits``' lanes itself, the last lane's bytes included."""
+    rotation = Rotation(length, None, CodecContext().shared_seed(), "cpu")
+    generator = torch.Generator().manual_seed(width)
+    sums = torch.randint(0, 1 << width, (rotation.padded,), generator=generator)
+    sums[:2] = torch.tensor([0, (1 << width) - 1])  # both ends of the width
+    packed = pack_bits(sums, width)
+    a, c = torch.tensor(0.03125), torch.tensor(-1.5)
+    got = kernels.dequantize_inverse(packed, rotation.signs, rotation.block, a, c,
+                                     rotation.padded, width)  # fmt: skip
+    want = kernels.dequantize_inverse(sums.to(torch.int32), rotation.signs, rotation.block, a, c)
+    assert torch.equal(got, want)
+
+
+def test_packed_sums_of_an_impossible_width_or_size_are_refused(kernels):
+    signs = torch.ones(8)
+    with pytest.raises(ValueError, match=r"widths 1\.\.25"):
+        kernels.dequantize_inverse(torch.zeros(32, dtype=torch.uint8), signs, 8, 1.0, 0.0, 8, 26)
+    with pytest.raises(ValueError, match="8 lanes of 9 bits need 9 bytes"):
+        kernels.dequantize_inverse(torch.zeros(8, dtype=torch.uint8), signs, 8, 1.0, 0.0, 8, 9)
+
+
+@pytest.mark.slow  # ~10 s each in the interpreter
+@pytest.mark.parametrize(
+    ("name", "length", "partition"),
+    [("thc", 5000, 3000), ("thc-uniform", 5000, 3000), ("thc-uniform-unrotated", 6144, 4096)],
+)
+def test_thc_rounds_through_the_fused_kernels_are_the_torch_paths(
+    kernels, monkeypatch, name, length, partition
+):
     """The codec with the fused kernels (as on a GPU) against its torch path on butterflies:
-    every worker's round, error feedback and the all-reduce's unpacked sums included."""
+    every worker's round, error feedback (its rotation of x + e and its own values) and the
+    packed sums' decode included; unrotated, the fused rounding alone (whole tiles)."""
     from functools import partial
 
     from gradsum.codecs import make_codec, run_round
@@ -93,13 +124,24 @@ def test_thc_rounds_through_the_fused_kernels_are_the_torch_paths(kernels, monke
     monkeypatch.setenv("GRADSUM_NATIVE", "0")
     monkeypatch.setattr(hadamard, "fwht_", partial(fwht_, dense=False))  # a GPU's torch path
     generator = torch.Generator().manual_seed(3)
-    inputs = [torch.randn(5000, generator=generator) for _ in range(3)]
+    inputs = [torch.randn(length, generator=generator) for _ in range(3)]
+
+    quantize = kernels.quantize
 
     def rounds(fused: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(kernels, "use_for", lambda device: fused)
-        codec = make_codec("thc", workers=3)
-        return [run_round(codec, inputs, step=s, seed=4, partition_elements=3000).average
-                for s in range(2)]  # fmt: skip
+        launched = []
+
+        def counted(*args, **kwargs):
+            launched.append(1)
+            return quantize(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, "quantize", counted)
+        codec = make_codec(name, workers=3)
+        averages = [run_round(codec, inputs, step=s, seed=4, partition_elements=partition).average
+                    for s in range(2)]  # fmt: skip
+        assert bool(launched) == fused  # the fused rounding ran where, and only where, asked
+        return averages
 
     for fused, torch_path in zip(rounds(True), rounds(False), strict=True):
         assert torch.equal(fused, torch_path)

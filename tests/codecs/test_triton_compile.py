@@ -34,12 +34,16 @@ COMPILE_EVERY_KERNEL = textwrap.dedent(
     QUANTIZE_ARGS = {"y": "*fp32", "draws": "*fp32", "low_of_cell": "*fp32",
                      "inverse_width": "*fp32", "interval": "*i16", "packed": "*u8",
                      "a": "*fp32", "c": "*fp32"}
+    PACKED_ARGS = {**TILE_ARGS, "sums": "*u8"}
     cases = []
     for tile in (4, TILE):
         for load in (0, 1, 2):
             for last in (False, True):
                 cases.append((k._tile_kernel, TILE_ARGS, dict(
-                    T=tile, LOG_T=tile.bit_length() - 1, LOAD=load, LAST=last)))
+                    T=tile, LOG_T=tile.bit_length() - 1, LOAD=load, LAST=last, WIDTH=0)))
+        for width in (1, 7, 16, 25):  # the decode's packed sums
+            cases.append((k._tile_kernel, PACKED_ARGS, dict(
+                T=tile, LOG_T=tile.bit_length() - 1, LOAD=2, LAST=True, WIDTH=width)))
     for rows in (2, 1024):
         for signs in (False, True):
             cases.append((k._cross_kernel, CROSS_ARGS, dict(
@@ -71,4 +75,4 @@ def test_every_fused_kernel_compiles_for_hopper_and_ampere():
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "compiled 20 kernels for sm_90 and sm_80" in result.stdout
+    assert "compiled 28 kernels for sm_90 and sm_80" in result.stdout

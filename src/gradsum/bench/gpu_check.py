@@ -5,7 +5,8 @@
    the interpreter, `--device`).
 2. The benchmark: THC and bfp encode + decode of one worker's gradient of 2**20 .. 2**26
    coordinates against a device copy of the same gradient, timed with CUDA events, THC with
-   the fused Triton kernels and on the torch path. Each row is printed (and appended to
+   the fused Triton kernels (with its error feedback, as training runs it, and without) and
+   on the torch path. Each row is printed (and appended to
    ``--json-lines``) as soon as it is measured. Without CUDA it says so and skips it.
 
 Exit status: the tests' (0 when they pass or skip).
@@ -26,6 +27,7 @@ CPU_PARTS = (
     "tests/sync/test_device_paths.py",
     "tests/codecs/test_triton.py",
     "tests/train/test_device.py",
+    "tests/codecs/test_launches.py",
 )
 GPU_TESTS = "tests/gpu"
 
@@ -58,10 +60,12 @@ def benchmark(log_sizes: range, repeats: int, out: Path | None) -> None:
         return
     device = torch.device("cuda")
     print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
-    print(f"{'codec':<14}{'size':>6}{'copy ms':>10}{'encode ms':>11}{'decode ms':>11}"
+    print(f"{'codec':<24}{'size':>6}{'copy ms':>10}{'encode ms':>11}{'decode ms':>11}"
           f"{'(enc+dec)/copy':>16}", flush=True)  # fmt: skip
     clock = cuda_event_clock()
-    variants = [("thc", "1"), ("thc", "0"), ("bfp", "0")]
+    # THC with its error feedback is what training runs (the feedback adds the transform of
+    # x + e, the memory's bound and its update); without it, the codec alone.
+    variants = [("thc", "1", True), ("thc", "1", False), ("thc", "0", False), ("bfp", "0", False)]
     for log in log_sizes:
         x = torch.randn(1 << log, device=device)
         buffer = torch.empty_like(x)
@@ -71,9 +75,9 @@ def benchmark(log_sizes: range, repeats: int, out: Path | None) -> None:
             buffer.copy_(x)
             copies.append(clock() - start)
         copy_ms = _median_ms(copies[1:])
-        for name, triton in variants:
+        for name, triton, feedback in variants:
             os.environ["GRADSUM_TRITON"] = triton
-            codec = make_codec(name, workers=1, error_feedback=False)
+            codec = make_codec(name, workers=1, error_feedback=feedback)
             encode, decode = [], []
             for step in range(repeats + 1):
                 phases = PhaseClock(clock)
@@ -82,13 +86,14 @@ def benchmark(log_sizes: range, repeats: int, out: Path | None) -> None:
                     encode.append(phases.seconds["encode"])
                     decode.append(phases.seconds["decode"])
             label = f"{name}{'+triton' if name == 'thc' and triton == '1' else ''}"
+            label += "+feedback" if feedback else ""
             row = {
-                "codec": label, "size": 1 << log, "copy_ms": copy_ms,
+                "codec": label, "size": 1 << log, "copy_ms": copy_ms, "feedback": feedback,
                 "encode_ms": _median_ms(encode), "decode_ms": _median_ms(decode),
                 "device": torch.cuda.get_device_name(device), "clock": "cuda-events",
             }  # fmt: skip
             ratio = (row["encode_ms"] + row["decode_ms"]) / copy_ms
-            print(f"{label:<14}{'2^' + str(log):>6}{copy_ms:>10.3f}{row['encode_ms']:>11.3f}"
+            print(f"{label:<24}{'2^' + str(log):>6}{copy_ms:>10.3f}{row['encode_ms']:>11.3f}"
                   f"{row['decode_ms']:>11.3f}{ratio:>16.1f}", flush=True)  # fmt: skip
             if out is not None:
                 with out.open("a") as handle:
@@ -99,13 +104,15 @@ def benchmark(log_sizes: range, repeats: int, out: Path | None) -> None:
 
 
 def profile(log_sizes: range, rows: int) -> None:
-    """Where one THC round's time goes (fused kernels): torch.profiler over a warmed-up round
+    """Where one THC round's time goes (fused kernels, error feedback as training runs it):
+    torch.profiler over a warmed-up round
     of each size, the ops by their own device time and by their own host time, and the
     kernels' total against the round's wall time (a round far longer than its kernels is
     bound by launches and Python, not by the GPU)."""
     import time
 
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -116,7 +123,7 @@ def profile(log_sizes: range, rows: int) -> None:
         print("no CUDA device: the profile is skipped", flush=True)
         return
     os.environ["GRADSUM_TRITON"] = "1"
-    codec = make_codec("thc", workers=1, error_feedback=False)
+    codec = make_codec("thc", workers=1)
     for log in log_sizes:
         x = torch.randn(1 << log, device="cuda")
         for step in range(3):
@@ -129,9 +136,11 @@ def profile(log_sizes: range, rows: int) -> None:
             torch.cuda.synchronize()
             wall = time.perf_counter() - start
         events = prof.key_averages()
-        device_us = sum(e.self_device_time_total for e in events)
+        # the kernels' own rows (an op's row repeats the time of the kernels it launched)
+        device_us = sum(e.self_device_time_total for e in events
+                        if e.device_type != DeviceType.CPU)  # fmt: skip
         launches = sum(e.count for e in events if e.key.startswith(("cudaLaunch", "cuLaunch")))
-        print(f"\nthc+triton 2^{log}: round {wall * 1e3:.3f} ms wall, kernels "
+        print(f"\nthc+triton+feedback 2^{log}: round {wall * 1e3:.3f} ms wall, kernels "
               f"{device_us / 1e3:.3f} ms, {launches} launches", flush=True)  # fmt: skip
         for key in ("self_device_time_total", "self_cpu_time_total"):
             print(events.table(sort_by=key, row_limit=rows, max_name_column_width=60))

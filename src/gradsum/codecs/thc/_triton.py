@@ -19,15 +19,34 @@ def _stages(x, SIZE: tl.constexpr, LOG: tl.constexpr):
 
 
 @triton.jit
+def _packed_lanes(packed, offsets, nbytes, WIDTH: tl.constexpr):
+    """Lanes ``offsets`` of ``WIDTH``-bit integers packed as ``bits.pack_bits`` packs them (lane
+    j at bits [j*W, (j+1)*W) of a little-endian bit stream), as int32. A lane spans at most four
+    bytes for W <= 25, and after the shift its W bits sit below the sign bit."""
+    bit = offsets.to(tl.int64) * WIDTH
+    byte = bit >> 3
+    word = tl.zeros(offsets.shape, dtype=tl.int32)
+    for k in tl.static_range(4):
+        value = tl.load(packed + byte + k, mask=byte + k < nbytes, other=0)
+        word = word | (value.to(tl.int32) << (8 * k))
+    return (word >> (bit & 7).to(tl.int32)) & ((1 << WIDTH) - 1)
+
+
+@triton.jit
 def _tile_kernel(src, dst, signs, sums, length, scale, a, c,
                  T: tl.constexpr, LOG_T: tl.constexpr, LOAD: tl.constexpr,
-                 LAST: tl.constexpr):  # fmt: skip
+                 LAST: tl.constexpr, WIDTH: tl.constexpr):  # fmt: skip
     """In-tile stages of one tile. LOAD 0: x as it is; 1: x * signs, zero past ``length``
-    (the encode's rotation input); 2: float(sums) * a + c (the decode's dequantization).
+    (the encode's rotation input); 2: float(sums) * a + c (the decode's dequantization), the
+    sums one int32 per lane (WIDTH 0) or WIDTH-bit lanes packed in ``length`` bytes.
     LAST: the transform ends here (block == T): scale, and the decode's signs."""
     offsets = tl.program_id(0) * T + tl.arange(0, T)
     if LOAD == 2:
-        x = tl.load(sums + offsets).to(tl.float32) * tl.load(a) + tl.load(c)
+        if WIDTH == 0:
+            lanes = tl.load(sums + offsets)
+        else:
+            lanes = _packed_lanes(sums, offsets, length, WIDTH)
+        x = lanes.to(tl.float32) * tl.load(a) + tl.load(c)
     else:
         x = tl.load(src + offsets, mask=offsets < length, other=0.0)
         if LOAD == 1:

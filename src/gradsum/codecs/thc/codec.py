@@ -25,9 +25,9 @@ from ..base import (
     NonFiniteGradientError,
     Payload,
     WidthOverflowError,
-    aggregator_context,
     check_finite,
     check_same_length,
+    finite,
     require,
     require_finite,
 )
@@ -198,9 +198,13 @@ class GridCodec(Codec):
         if packed is None:
             require_finite(x)
             a, c = _float32(a), _float32(c)
-            if rotation is not None and self._fused(rotation):
-                # 3 launches instead of ~55, on the torch path's draws
-                y = triton_kernels.rotate(x, rotation.signs, rotation.padded, rotation.block)
+            if self._fused(rotation) if rotation is not None else self._fused_quantize(x):
+                # 3 launches (1 unrotated) instead of ~55, on the torch path's draws
+                y = (
+                    x.contiguous()
+                    if rotation is None
+                    else triton_kernels.rotate(x, rotation.signs, rotation.padded, rotation.block)
+                )
                 draws = self._workspace(y.numel(), y.device)[3]
                 self._draw(ctx, y.numel(), y.device, draws)
                 packed = triton_kernels.quantize(y, draws, lookups, a, c, g, self.bits)
@@ -235,11 +239,19 @@ class GridCodec(Codec):
             if (rotation is not None and DOWNSTREAM in payload.fields and not per_lane
                     and self._fused(rotation)):  # fmt: skip
                 sums = payload.fields[DOWNSTREAM]
-                if not payload.unpacked:
-                    sums = unpack_bits(sums, self.sum_bits, count)
-                y = triton_kernels.dequantize_inverse(
-                    sums.reshape(-1)[:count], rotation.signs, rotation.block, a, c
-                )
+                if payload.unpacked:
+                    y = triton_kernels.dequantize_inverse(
+                        sums.reshape(-1)[:count], rotation.signs, rotation.block, a, c
+                    )
+                elif self.sum_bits <= triton_kernels.MAX_PACKED_WIDTH:  # unpacked as loaded
+                    y = triton_kernels.dequantize_inverse(
+                        sums, rotation.signs, rotation.block, a, c, count, self.sum_bits
+                    )
+                else:
+                    y = triton_kernels.dequantize_inverse(
+                        unpack_bits(sums, self.sum_bits, count), rotation.signs,
+                        rotation.block, a, c,
+                    )  # fmt: skip
                 return y[: payload.length]
             y = self._grid_values(payload, count).to(torch.float32).mul_(a).add_(c)
             if rotation is not None:
@@ -262,6 +274,10 @@ class GridCodec(Codec):
         return triton_kernels.use_for(rotation.device) and triton_kernels.fits(
             rotation.padded, rotation.block, self.bits
         )
+
+    def _fused_quantize(self, y: torch.Tensor) -> bool:
+        """The fused rounding takes an unrotated (or already rotated) ``y`` here."""
+        return triton_kernels.use_for(y.device) and triton_kernels.quantizes(y.numel(), self.bits)
 
     def _round_to_table(self, u: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         """Unbiased stochastic rounding of grid positions u in [0, g] to table indices (uint8).
@@ -381,8 +397,8 @@ class THC(GridCodec):
         if not _reads_scalars(flat):  # checked on the device, read after the round
             # Finite coordinates whose squares overflow float32 take the float64 norm.
             wide = torch.linalg.vector_norm(flat, dtype=torch.float64).to(torch.float32)
-            norm = torch.where(torch.isfinite(norm), norm, wide)
-            require(torch.isfinite(norm), lambda: self._norm_overflow(flat))
+            norm = torch.where(finite(norm), norm, wide)
+            require(finite(norm), lambda: self._norm_overflow(flat))
             return self._placed(norm.reshape(1), ctx)
         if not bool(torch.isfinite(norm)):
             check_finite(flat)  # a NaN/Inf coordinate: the error names it
@@ -432,7 +448,7 @@ class THC(GridCodec):
         def fail() -> None:
             raise ValueError(f"{self.name}: invalid norms {norms.tolist()}")
 
-        require(torch.isfinite(norms).all() & (norms >= 0).all(), fail)
+        require(finite(norms).all() & (norms >= 0).all(), fail)
         largest = norms.amax()
         present = norms > 0
         relative = torch.where(present, norms / largest.clamp(min=1e-300), 0.0)
@@ -494,7 +510,12 @@ class THC(GridCodec):
         rotated = native.rotate(flat, rotation, add, empty=self._recycler.empty)
         if rotated is None:
             require_finite(flat)
-            rotated = rotation.forward(flat)
+            if self._fused(rotation):  # 2 launches instead of ~40, bit for bit
+                rotated = triton_kernels.rotate(
+                    flat, rotation.signs, rotation.padded, rotation.block
+                )
+            else:
+                rotated = rotation.forward(flat)
             if add is not None:
                 rotated.add_(add)
         return rotated
@@ -513,9 +534,11 @@ class THC(GridCodec):
         if packed is not None:
             return Payload({UPSTREAM: packed}, length), error
         payload = self._encode_grid(w, a, c, ctx, rotation=None, length=length)
-        own = self.aggregate([payload], aggregator_context(ctx))
         step = self._step(max_norm, w.numel(), clamp)
-        return payload, w - self._decode_grid(own, step, -step * c, None, trim=False)
+        # What this payload alone decodes to, a*T[index] + c lane by lane (the decode of its own
+        # one-contributor sum, without packing that sum and unpacking it again).
+        own = self._grid_values(payload, w.numel()).to(torch.float32)
+        return payload, w - own.mul_(_float32(step)).add_(_float32(-step * c))
 
     def _grid_scale(self, max_norm: Scalar, padded: int, clamp: Scalar) -> Scalar:
         """a in u = a*y + g/2: (clamp(s*y, -t, t) + t) * g / 2t = clamp(a*y + g/2, 0, g) with
@@ -683,7 +706,7 @@ def _shared_scalar(shared: torch.Tensor | None, codec: str, what: str) -> Scalar
         def fail() -> None:
             raise ValueError(f"{codec}: invalid {what} {float(value)}")
 
-        require(torch.isfinite(value) & (value >= 0), fail)
+        require(finite(value) & (value >= 0), fail)
         return value
     value = float(shared.reshape(-1)[0])
     if not math.isfinite(value) or value < 0:

@@ -37,11 +37,18 @@ def available(device: torch.device | str) -> bool:
     return kind == "cuda" or (kind == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def quantizes(count: int, bits: int) -> bool:
+    """Whether ``quantize`` takes ``count`` coordinates in lanes of ``bits`` bits: whole
+    programs of ``min(TILE, count)`` coordinates, each a whole number of bytes."""
+    n = min(TILE, count)
+    return bits in (1, 2, 4, 8) and count > 0 and count % n == 0 and n % (8 // bits) == 0
+
+
 def fits(padded: int, block: int, bits: int) -> bool:
     """Whether the fused kernels take a rotation of this shape and lane width."""
-    if bits not in (1, 2, 4, 8) or block & (block - 1) or block > MAX_BLOCK:
+    if not quantizes(padded, bits) or block & (block - 1) or block > MAX_BLOCK:
         return False
-    return padded % min(TILE, padded) == 0 and (block <= TILE or block % TILE == 0)
+    return block <= TILE or block % TILE == 0
 
 
 def use_for(device: torch.device) -> bool:
@@ -77,8 +84,10 @@ def _check_block(block: int) -> None:
 
 
 def _transform(out: torch.Tensor, block: int, scale: float, load: int, src=None, signs=None,
-               sums=None, length: int = 0, a=None, c=None) -> torch.Tensor:  # fmt: skip
-    """The FWHT of every block of ``out`` (whose first kernel loads per ``load``), in place."""
+               sums=None, length: int = 0, a=None, c=None,
+               width: int = 0) -> torch.Tensor:  # fmt: skip
+    """The FWHT of every block of ``out`` (whose first kernel loads per ``load``), in place.
+    ``length``: of the input (encode), or the packed sums' bytes (decode, ``width`` > 0)."""
     _check_block(block)
     tile = min(block, TILE)
     dummy = out
@@ -88,7 +97,8 @@ def _transform(out: torch.Tensor, block: int, scale: float, load: int, src=None,
         dummy if src is None else src, out, dummy if signs is None else signs,
         dummy if sums is None else sums, length or out.numel(), scale,
         dummy if a is None else a, dummy if c is None else c,
-        T=tile, LOG_T=tile.bit_length() - 1, LOAD=load, LAST=block == tile, **options,
+        T=tile, LOG_T=tile.bit_length() - 1, LOAD=load, LAST=block == tile, WIDTH=width,
+        **options,
     )  # fmt: skip
     if block > tile:
         rows = block // tile
@@ -117,9 +127,9 @@ def quantize(y: torch.Tensor, draws: torch.Tensor, lookups, a, c, granularity: i
              bits: int) -> torch.Tensor:  # fmt: skip
     """Packed table indices of clamp(y * a + c, 0, g), rounded with ``draws`` (float32 a and c,
     Python floats or 0-d tensors; one value each)."""
-    per = 8 // bits
+    per = 8 // bits if bits in (1, 2, 4, 8) else 1
     n = min(TILE, y.numel())
-    if bits not in (1, 2, 4, 8) or y.numel() % n or n % per:
+    if not quantizes(y.numel(), bits):
         raise ValueError(f"quantize takes {bits}-bit lanes of a power-of-two length")
     packed = torch.empty(y.numel() // per, dtype=torch.uint8, device=y.device)
     _kernels()._quantize_kernel[(y.numel() // n,)](
@@ -130,8 +140,22 @@ def quantize(y: torch.Tensor, draws: torch.Tensor, lookups, a, c, granularity: i
     return packed
 
 
-def dequantize_inverse(sums: torch.Tensor, signs: torch.Tensor, block: int, a, c) -> torch.Tensor:
-    """``Rotation.inverse(sums * a + c)`` over the padded length (one integer per lane)."""
-    out = torch.empty(sums.numel(), dtype=torch.float32, device=sums.device)
+MAX_PACKED_WIDTH = 25  # a lane then spans at most four bytes (``_triton._packed_lanes``)
+
+
+def dequantize_inverse(sums: torch.Tensor, signs: torch.Tensor, block: int, a, c,
+                       count: int | None = None, width: int = 0) -> torch.Tensor:  # fmt: skip
+    """``Rotation.inverse(sums * a + c)`` over the padded length: ``sums`` one integer per lane
+    (``width`` 0), or ``count`` lanes of ``width`` bits packed as ``bits.pack_bits`` packs them,
+    unpacked as the first kernel loads them (the ~20 launches of ``unpack_bits`` saved)."""
+    if width:
+        if not 1 <= width <= MAX_PACKED_WIDTH or count is None:
+            raise ValueError(f"packed sums take widths 1..{MAX_PACKED_WIDTH} and a count")
+        if sums.dtype != torch.uint8 or sums.numel() * 8 < count * width:
+            raise ValueError(f"{count} lanes of {width} bits need {count * width / 8:g} bytes")
+    else:
+        count = sums.numel()
+    out = torch.empty(count, dtype=torch.float32, device=sums.device)
     return _transform(out, block, 1.0 / math.sqrt(block), 2, signs=signs, sums=sums.contiguous(),
-                      a=_scalar(a, sums.device), c=_scalar(c, sums.device))  # fmt: skip
+                      length=sums.numel() if width else 0, a=_scalar(a, sums.device),
+                      c=_scalar(c, sums.device), width=width)  # fmt: skip
