@@ -25,6 +25,7 @@ def test_local_job_trains_digits_and_writes_a_summary(tmp_path):
     )
     summary = run_local(config)
     assert summary["test_accuracy"] >= 0.9
+    assert summary["transport"] == {}  # all-reduce: torch.distributed carries the gradients
     records = _lines(log)
     assert [r["event"] for r in records] == ["config", "plan", "epoch", "epoch", "epoch", "summary"]
     assert records[-1]["test_accuracy"] == summary["test_accuracy"]
@@ -43,6 +44,10 @@ def test_local_job_through_gradsum_services_reaches_accuracy(aggregator, codec, 
     summary = run_local(config)
     assert summary["test_accuracy"] >= 0.9
     assert summary["aggregator"] == aggregator
+    # worker 0's datagram counters: every one of the 4 epochs' 44 steps sent some
+    transport = summary["transport"]
+    assert transport["packets_sent"] >= 4 * 44
+    assert {"retransmissions", "timeouts", "results"} <= transport.keys()
 
 
 @pytest.mark.slow

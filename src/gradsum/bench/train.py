@@ -17,7 +17,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..failures import Failure, report
@@ -58,6 +58,8 @@ class TrainRow:
     parameter_digest: str = ""
     # the PS model's time per step for the plan the run made (None where it has none)
     predicted_step_s: float | None = None
+    # worker 0's datagram counters (``Aggregator.transport_stats``): what loss recovery cost
+    transport: dict = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
@@ -213,6 +215,7 @@ def _row(args, name: str, config, outcome: dict | Failure) -> TrainRow:
         final_loss=summary.get("final_loss"),
         parameter_digest=summary.get("parameter_digest", ""),
         predicted_step_s=summary.get("predicted_step_s"),
+        transport=summary.get("transport") or {},
     )
 
 

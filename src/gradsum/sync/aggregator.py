@@ -63,5 +63,11 @@ class Aggregator:
         the training loop's uncompressed retries use it."""
         return "none" if self.sums_floats else "bfp"
 
+    def transport_stats(self) -> dict[str, int]:
+        """This worker's datagram counters over all its jobs (``dataplane.stream.StreamStats``
+        summed: packets sent, retransmissions, timeouts, ...); empty where no gradsum transport
+        carries the gradients (all-reduce)."""
+        return {}
+
     def close(self) -> None:
         """Release transport resources (sockets, threads)."""

@@ -9,6 +9,7 @@ slots, lost packets retransmitted).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import random
 import socket
@@ -188,6 +189,13 @@ class ServiceAggregator(Aggregator):
                     self.recovery.recover(client, position, lost)
         checks.raise_if_failed()
         return result
+
+    def transport_stats(self) -> dict[str, int]:
+        total: collections.Counter = collections.Counter()
+        for client in self._clients.values():
+            for counters in client.stats().values():
+                total.update(counters)
+        return dict(total)
 
     def close(self) -> None:
         """Tear the jobs down: worker 0 after training, every worker when closing on an

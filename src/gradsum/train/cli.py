@@ -246,17 +246,29 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"done: validation loss {summary['val_loss']:.4f} ({summary['bits_per_byte']:.3f} "
             f"bits per byte) after {summary['steps']} steps, {summary['train_seconds']:.1f} s "
-            f"training, {summary['fallbacks']} uncompressed retries"
+            f"training, {summary['fallbacks']} uncompressed retries{_resends(summary)}"
         )
     elif summary.get("test_accuracy") is not None and int(os.environ.get("RANK", "0")) == 0:
         print(
             f"done: test accuracy {summary['test_accuracy']:.4f}, "
             f"{summary['samples_per_s']:,.0f} samples/s over {summary['epochs']} epochs "
-            f"({summary['train_seconds']:.1f} s training)"
+            f"({summary['train_seconds']:.1f} s training{_resends(summary)})"
         )
     if torchrun:
         _leave_without_teardown(0)
     return 0
+
+
+def _resends(summary: dict) -> str:
+    """Worker 0's loss recovery, where gradsum's transport carried the gradients: datagrams
+    resent of those sent, and how many of the resends waited out a timeout."""
+    counters = summary.get("transport") or {}
+    if not counters.get("packets_sent"):
+        return ""
+    return (
+        f"; worker 0 resent {counters.get('retransmissions', 0):,} of "
+        f"{counters['packets_sent']:,} datagrams ({counters.get('timeouts', 0):,} after a timeout)"
+    )
 
 
 def _device(asked: str | None) -> str:

@@ -127,9 +127,11 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
                 if config.checkpoint:
                     _save(config, rank, epoch, model, optimizer, codec, sync)
         digest = check_replicas(model)
+        transport = {} if aggregator is None else aggregator.transport_stats()
     finally:
         sync.close()
     summary = _summary(config, world, history, digest, describe)
+    summary["transport"] = transport  # rank 0's datagrams: what loss recovery cost it
     summary["predicted_step_s"] = predicted
     summary.update(method=method_name(config), fallbacks=guard.fallbacks, steps=step.count)
     if stepped:
