@@ -1,6 +1,9 @@
 """Start-up's α–β calibration: fitted, measured again, or the stated default; never a failure."""
 
 import os
+import threading
+import time
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -207,6 +210,58 @@ def test_calibrate_measures_again_through_the_aggregator_until_a_fit_is_usable(m
     assert len(canned.rounds) == 1  # two rounds measured, the third not needed
     steps = [step for _, step in aggregator.keys]
     assert steps == list(range(len(steps))) and len(steps) == 6  # one new step per transfer
+
+
+class _CountedForward(torch.nn.Module):
+    """A model whose forward passes, by any copy of it, are counted with their thread (the
+    list is the class's: a deep copy shares it)."""
+
+    passes: ClassVar[list[tuple[int, str]]] = []
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(20, 4)
+
+    def forward(self, x):
+        _CountedForward.passes.append((id(self), threading.current_thread().name))
+        return self.layer(x)
+
+
+def test_the_step_load_runs_a_copy_beside_the_block_and_stops_after_it():
+    model = _CountedForward()
+    _CountedForward.passes.clear()
+    with scheduling.step_load(model, torch.randn(8, 20)):
+        deadline = time.monotonic() + 10.0
+        while len(_CountedForward.passes) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    ran = list(_CountedForward.passes)
+    assert len(ran) >= 3  # forward and backward, again and again, while the block ran
+    assert all(who != id(model) and thread == "gradsum-calibration-load" for who, thread in ran)
+    time.sleep(0.05)
+    assert len(_CountedForward.passes) == len(ran)  # stopped with the block
+    assert model.layer.weight.grad is None  # the user's model is left alone
+
+
+def test_the_step_load_ran_while_calibration_measured(monkeypatch):
+    seen = []
+
+    def timed(send, sizes):
+        seen.append(any(t.name == "gradsum-calibration-load" for t in threading.enumerate()))
+        return _round()
+
+    monkeypatch.setattr(scheduling, "time_transfers", timed)
+    model = tiny_model()
+    cost = calibrate(_Recorder(), make_codec("none", workers=1),
+                     load=lambda: scheduling.step_load(model, torch.randn(8, 20)))  # fmt: skip
+    assert cost.source == "fitted" and seen == [True]
+    assert not any(t.name == "gradsum-calibration-load" for t in threading.enumerate())
+
+
+def test_a_step_load_that_fails_names_its_error():
+    broken = torch.nn.Linear(3, 3)  # the batch below has 20 features: the forward raises
+    failed = pytest.raises(RuntimeError, match="the calibration's step load failed: RuntimeError")
+    with failed, scheduling.step_load(broken, torch.randn(8, 20)):
+        pass  # the load's one pass at least runs, and fails
 
 
 def test_calibrate_warns_when_it_falls_back(monkeypatch):

@@ -19,14 +19,16 @@ Every worker runs :func:`agree_on_plan` together:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
 import os
 import socket
+import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -309,12 +311,51 @@ def calibration_sizes(elements: int, sizes: Sequence[int] = CALIBRATION_SIZES) -
     return tuple(capped)
 
 
+@contextlib.contextmanager
+def step_load(model: torch.nn.Module, batch: torch.Tensor) -> Iterator[None]:
+    """A copy of ``model`` running forward and backward on ``batch`` in a thread of its own
+    until the block ends: the load a training step puts beside its messages.
+
+    Calibrating under it measures what a message costs while the workers compute. Where the
+    workers and servers share a host's few cores (the testbed: 9 processes on 2 cores), every
+    hop of a message then waits for its process to be scheduled, a cost a quiet round trip
+    never meets: the quiet fit gave 0.5–1.4 ms where an added message cost a step 1–7 ms
+    (docs/scheduling.md, "Shared cores in the PS model")."""
+    replica = copy.deepcopy(model)
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            while True:  # at least one pass: a model that cannot run fails here, not silently
+                replica.zero_grad(set_to_none=True)
+                replica(batch).float().square().mean().backward()
+                if stop.is_set():
+                    return
+        except Exception as error:  # raised in the caller's thread, below
+            failures.append(error)
+
+    worker = threading.Thread(target=run, name="gradsum-calibration-load", daemon=True)
+    worker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        worker.join()
+    if failures:
+        raise RuntimeError(
+            f"the calibration's step load failed: {type(failures[0]).__name__}: {failures[0]}"
+        ) from failures[0]
+
+
 def calibrate(
-    aggregator, codec, sizes=CALIBRATION_SIZES, attempts: int = CALIBRATION_ATTEMPTS
-) -> CostModel:
+    aggregator, codec, sizes=CALIBRATION_SIZES, attempts: int = CALIBRATION_ATTEMPTS,
+    load: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> CostModel:  # fmt: skip
     """The per-message cost through the aggregator, the same on every worker (all call this
-    together). Worker 0's timings decide; measuring again is a decision every worker follows,
-    since every transfer needs all of them."""
+    together), timed under ``load()`` where given (``step_load``: as the step runs). Worker
+    0's timings decide; measuring again is a decision every worker follows, since every
+    transfer needs all of them."""
     if attempts < 1:
         raise ValueError(f"calibration needs at least 1 attempt, got {attempts}")
     step = iter(range(1 << 30))
@@ -333,7 +374,8 @@ def calibrate(
     measurements: list[Samples] = []
     decision: list[CostModel | None] = [None]
     while decision[0] is None:  # judge_calibration decides by round ``attempts`` at the latest
-        measurements.append(time_transfers(send, sizes))
+        with load() if load is not None else contextlib.nullcontext():
+            measurements.append(time_transfers(send, sizes))
         if rank == 0:
             decision = [judge_calibration(measurements, attempts)]
         if dist.is_initialized():
@@ -351,7 +393,7 @@ def calibrate(
 
 
 def _cost_model(
-    scheduler: str, fit: AlphaBeta | None, aggregator, codec, elements: int
+    scheduler: str, fit: AlphaBeta | None, aggregator, codec, elements: int, load=None
 ) -> CostModel:
     if fit is not None:
         if not (fit.alpha >= 0 and fit.beta > 0):
@@ -361,7 +403,7 @@ def _cost_model(
         return CostModel(fit, "given")
     if scheduler in COST_FREE:
         return CostModel(None, "not needed", f"{scheduler} plans from element counts alone")
-    return calibrate(aggregator, codec, calibration_sizes(elements))
+    return calibrate(aggregator, codec, calibration_sizes(elements), load=load)
 
 
 def agree_on_plan(
@@ -384,7 +426,8 @@ def agree_on_plan(
     planner = make_planner(scheduler, **(options or {}))  # bad options fail on every worker
     started = time.perf_counter()
     elements = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    cost = _cost_model(scheduler, fit, aggregator, codec, elements)
+    cost = _cost_model(scheduler, fit, aggregator, codec, elements,
+                       load=lambda: step_load(model, batch))  # fmt: skip
     remote = remote_workers(aggregator) if cost.fit is not None else 0
     cores = shared_host_cores() if cost.fit is not None else None
     rank = dist.get_rank() if dist.is_initialized() else 0
