@@ -47,3 +47,25 @@ def test_ddp_hook_warm_up_steps_are_uncompressed_on_every_aggregator(kind):
     for per_step in errors:
         assert all(e < 1e-6 for e in per_step[:start]), per_step  # fp32 or bfp: exact enough
         assert all(e > 1e-3 for e in per_step[start:]), per_step  # THC's 4 bits: not exact
+
+
+def test_transport_stats_sum_every_clients_jobs():
+    """A worker's counters over its clients (one per codec's jobs) and their jobs (one per
+    switch pipeline or PS shard)."""
+    from gradsum.sync.aggregator import Aggregator
+    from gradsum.sync.service import ServiceAggregator
+
+    class Client:
+        def __init__(self, *per_job):
+            self.per_job = per_job
+
+        def stats(self):
+            return {f"10.0.0.{i}:7000/1": counters for i, counters in enumerate(self.per_job)}
+
+    aggregator = ServiceAggregator.__new__(ServiceAggregator)  # no jobs needed
+    aggregator._clients = {
+        1: Client({"packets_sent": 10, "retransmissions": 1}, {"packets_sent": 5, "timeouts": 2}),
+        2: Client({"packets_sent": 7, "retransmissions": 0}),
+    }
+    assert aggregator.transport_stats() == {"packets_sent": 22, "retransmissions": 1, "timeouts": 2}
+    assert Aggregator(0, 1).transport_stats() == {}  # no gradsum transport: nothing to count
