@@ -62,13 +62,17 @@ class _Peer:
             phase.deliver(i, summed)
 
 
-def _kill_when_busy(daemon, restart, after=0.5, timeout=60.0):
-    """``after`` seconds after a job is registered on the switch, kill -9 it and call
-    ``restart`` at once."""
+def _kill_when_busy(daemon, restart, datagrams=20, timeout=60.0):
+    """Once the switch has taken ``datagrams`` of the workers' datagrams (its own stats
+    requests not counted: about the second of a run's rounds), kill -9 it and call
+    ``restart`` at once. Counting progress, not seconds, keeps the kill inside the run on a
+    machine of any speed (after 0.5 s, a fast one had finished all 12 rounds)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not aggregator_stats(daemon.address)["jobs"]:
-        time.sleep(0.05)
-    time.sleep(after)
+    while time.monotonic() < deadline:
+        counters = aggregator_stats(daemon.address)["aggregator"]
+        if counters.get("datagrams", 0) - counters.get("control_stats_request", 0) >= datagrams:
+            break
+        time.sleep(0.005)
     daemon.kill()
     restart()
 
