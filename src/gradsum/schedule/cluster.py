@@ -21,6 +21,12 @@ import math
 from dataclasses import dataclass, replace
 
 
+def crowding(workers: int, shared_cores: int | None) -> float:
+    """How many times its own CPU time a worker's message takes when all ``workers`` send at
+    once on ``shared_cores`` cores (1 where every node has its own)."""
+    return 1.0 if shared_cores is None else max(1.0, workers / shared_cores)
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     workers: int
@@ -61,9 +67,7 @@ class ClusterSpec:
     def worker_message_time(self) -> float:
         """How long one message holds a worker's thread when all n workers send at once: on
         shared cores the n workers' CPU takes n/cores of the time it would alone."""
-        if self.shared_cores is None:
-            return self.alpha_worker
-        return self.worker_wait + self.worker_cpu * max(1.0, self.workers / self.shared_cores)
+        return self.worker_wait + self.worker_cpu * crowding(self.workers, self.shared_cores)
 
     def with_workers(self, workers: int, shards_per_worker: float | None = None) -> ClusterSpec:
         """The same hardware with another worker count (and shards scaled 1:1 if asked)."""

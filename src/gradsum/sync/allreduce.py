@@ -40,6 +40,7 @@ def _all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group) -> Non
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(output, tensor, group=group)
 
+
 class AllReduceAggregator(Aggregator):
     name = "allreduce"
 

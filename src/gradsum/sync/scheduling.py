@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import AlphaBeta, ClusterSpec, ModelProfile, Plan, make_planner
+from ..schedule.cluster import crowding
 from ..schedule.costs import least_squares, ps_step_end
 from ..schedule.ordering import send_order
 from ..schedule.profiling import measure_profile
@@ -238,8 +239,7 @@ def cluster_from_fit(
     n = workers
     if not 0 <= remote <= n:
         raise ValueError(f"{remote} of {n} workers cannot be remote from the calibrated shard")
-    crowding = 1.0 if shared_cores is None else max(1.0, n / shared_cores)
-    per_message = fit.alpha / (2 * crowding + 2 * n)
+    per_message = fit.alpha / (2 * crowding(n, shared_cores) + 2 * n)
     port = n / fit.beta
     return ClusterSpec(
         workers=n,

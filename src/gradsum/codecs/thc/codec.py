@@ -238,20 +238,16 @@ class GridCodec(Codec):
             per_lane = isinstance(a, torch.Tensor) and a.dim() > 0  # a quorum's counts
             if (rotation is not None and DOWNSTREAM in payload.fields and not per_lane
                     and self._fused(rotation)):  # fmt: skip
-                sums = payload.fields[DOWNSTREAM]
+                sums, width = payload.fields[DOWNSTREAM], 0
                 if payload.unpacked:
-                    y = triton_kernels.dequantize_inverse(
-                        sums.reshape(-1)[:count], rotation.signs, rotation.block, a, c
-                    )
+                    sums = sums.reshape(-1)[:count]
                 elif self.sum_bits <= triton_kernels.MAX_PACKED_WIDTH:  # unpacked as loaded
-                    y = triton_kernels.dequantize_inverse(
-                        sums, rotation.signs, rotation.block, a, c, count, self.sum_bits
-                    )
+                    width = self.sum_bits
                 else:
-                    y = triton_kernels.dequantize_inverse(
-                        unpack_bits(sums, self.sum_bits, count), rotation.signs,
-                        rotation.block, a, c,
-                    )  # fmt: skip
+                    sums = unpack_bits(sums, self.sum_bits, count)
+                y = triton_kernels.dequantize_inverse(
+                    sums, rotation.signs, rotation.block, a, c, count, width
+                )
                 return y[: payload.length]
             y = self._grid_values(payload, count).to(torch.float32).mul_(a).add_(c)
             if rotation is not None:

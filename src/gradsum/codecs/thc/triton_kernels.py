@@ -127,10 +127,9 @@ def quantize(y: torch.Tensor, draws: torch.Tensor, lookups, a, c, granularity: i
              bits: int) -> torch.Tensor:  # fmt: skip
     """Packed table indices of clamp(y * a + c, 0, g), rounded with ``draws`` (float32 a and c,
     Python floats or 0-d tensors; one value each)."""
-    per = 8 // bits if bits in (1, 2, 4, 8) else 1
-    n = min(TILE, y.numel())
     if not quantizes(y.numel(), bits):
         raise ValueError(f"quantize takes {bits}-bit lanes of a power-of-two length")
+    per, n = 8 // bits, min(TILE, y.numel())
     packed = torch.empty(y.numel() // per, dtype=torch.uint8, device=y.device)
     _kernels()._quantize_kernel[(y.numel() // n,)](
         y, draws, lookups.low_of_cell, lookups.inverse_width_of_cell, lookups.interval_of_cell,
