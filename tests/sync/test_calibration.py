@@ -242,6 +242,17 @@ def test_the_step_load_runs_a_copy_beside_the_block_and_stops_after_it():
     assert model.layer.weight.grad is None  # the user's model is left alone
 
 
+def test_the_step_load_runs_the_4m_parameter_model_and_leaves_it_untouched():
+    from gradsum.train.models import build_model
+
+    model = build_model("digits-wide")  # 4,349,962 parameters, as the testbed map trains
+    before = [p.detach().clone() for p in model.parameters()]
+    with scheduling.step_load(model, torch.randn(16, 64)):
+        time.sleep(0.2)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
 def test_the_step_load_ran_while_calibration_measured(monkeypatch):
     seen = []
 
