@@ -30,3 +30,19 @@ def test_the_report_says_when_schedules_summed_differently(tmp_path, capsys):
     (tmp_path / "m_1gbit_0ms_ps.json").write_text(json.dumps(rows))
     robustness.main(["report", "--out", str(tmp_path)])
     assert "same parameters: False" in capsys.readouterr().out
+
+
+def test_priority_at_any_credit_is_a_tuned_baseline_and_ablations_are_not(tmp_path, capsys):
+    rows = [row("wfbp", 30.0), row("priority(credit_elements=1000000)", 38.0),
+            row("imerge(interleave=true)", 60.0), row("imerge", 40.0)]  # fmt: skip
+    (tmp_path / "m_1gbit_0ms_ps.json").write_text(json.dumps(rows))
+    robustness.main(["report", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "imerge / best tuned PS baseline (priority(credit_elements=1000000)): 1.05" in out
+
+
+def test_the_schedules_of_a_map_keep_their_options():
+    assert robustness._schedules("wfbp,imerge(interleave=true,window=group)") == [
+        "wfbp",
+        "imerge(interleave=true,window=group)",
+    ]

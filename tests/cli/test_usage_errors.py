@@ -14,3 +14,23 @@ def test_python_dash_m_reports_a_usage_error_without_a_traceback():
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("gradsum bench: error: --methods switch:none: codec 'none' cannot run")
+
+
+def _usage_error(*argv: str) -> str:
+    """The last line of stderr of a gradsum command that must stop at a usage error."""
+    result = subprocess.run([sys.executable, "-m", "gradsum.cli", *argv],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    return result.stderr.strip().splitlines()[-1]
+
+
+def test_a_scheduler_option_the_policy_lacks_is_named():
+    last = _usage_error("train", "--scheduler", "imerge(interleaved=true)")
+    assert "argument --scheduler: policy 'imerge' takes options" in last
+    assert "got ['interleaved']" in last
+
+
+def test_bench_train_checks_each_scheduler_with_its_options():
+    last = _usage_error("bench", "train", "--schedulers", "wfbp,imerge(window=group,nosuch=1)")
+    assert "--schedulers 'imerge(window=group,nosuch=1)'" in last and "got ['nosuch']" in last

@@ -12,8 +12,10 @@ from gradsum.schedule import (
     Plan,
     PSCost,
     make_planner,
+    parse_scheduler,
     uniform_profile,
 )
+from gradsum.schedule.costs import ps_step_end
 from gradsum.schedule.grouping import (
     mgwfbp_groups,
     search_groups,
@@ -25,6 +27,7 @@ from gradsum.schedule.placement import (
     place_spread,
     place_whole,
 )
+from gradsum.sync.scheduling import cluster_from_fit
 
 
 def linear(alpha, beta):
@@ -186,11 +189,11 @@ def test_all_reduce_model_merges_everything_where_the_ps_model_does_not():
     assert len(make_planner("mgwfbp")(small_profile, small_cluster).groups) > 1
 
 
-def test_imerge_spreads_groups_and_rotates_each_workers_first_shard():
+def test_imerge_spreads_groups_and_rotates_each_workers_first_shard_when_asked():
     # Where bytes, not messages, cost (1 µs per message), spreading a group's incast pays.
     profile, cluster = comm_bound_setup(8)
     cluster = dataclasses.replace(cluster, alpha_worker=1e-6, alpha_shard=1e-7)
-    plan = make_planner("imerge")(profile, cluster)
+    plan = make_planner("imerge", interleave=True)(profile, cluster)
     assert plan.interleave
     big = max(plan.groups, key=lambda g: len(g.parts))
     span = len(big.parts)
@@ -202,6 +205,75 @@ def test_imerge_spreads_groups_and_rotates_each_workers_first_shard():
     assert {merge.part_order(merge.groups[0], w)[0].shard for w in range(8)} == {
         merge.groups[0].parts[0].shard
     }
+
+
+def _imerge_clusters():
+    """Clusters where rotating ties the in-order play, and ones where it loses."""
+    profile, cluster = comm_bound_setup(8)
+    yield profile, dataclasses.replace(cluster, alpha_worker=1e-6, alpha_shard=1e-7)
+    yield profile, cluster
+    # digits-wide on the testbed: 4 workers, 2 shards, 9 processes on 2 cores, 2 ms injected
+    wide = uniform_profile(
+        [20_490, 4_196_352, 133_120], [0.5e-3, 30e-3, 3e-3], [3e-3, 30e-3, 0.5e-3]
+    )
+    testbed = cluster_from_fit(AlphaBeta(5e-3, 1 / 30e6), 4, 2, remote=3, shared_cores=2)
+    yield wide, dataclasses.replace(testbed, alpha_worker=testbed.alpha_worker + 2e-3,
+                                    worker_wait=2e-3)  # fmt: skip
+
+
+@pytest.mark.parametrize("setup", range(3))
+def test_imerge_rotates_only_where_its_play_shows_a_gain(setup):
+    profile, cluster = list(_imerge_clusters())[setup]
+    ready = profile.ready_times()
+    chosen = make_planner("imerge")(profile, cluster)
+    rotated = make_planner("imerge", interleave=True)(profile, cluster)
+    in_order = make_planner("imerge", interleave=False)(profile, cluster)
+    plans = {"chosen": chosen, "rotated": rotated, "in order": in_order}
+    ends = {name: ps_step_end(plan, cluster, ready) for name, plan in plans.items()}
+    assert ends["chosen"] <= min(ends["rotated"], ends["in order"]) * (1 + 1e-9)
+    assert any(len(g.parts) > 1 for g in chosen.groups)  # it still spreads groups over shards
+    # a tie keeps the order every worker sends in: the rotation is asked for, not assumed
+    assert not chosen.interleave and not in_order.interleave and rotated.interleave
+    assert "interleaved" in rotated.summary() and "interleaved" not in chosen.summary()
+
+
+def test_imerge_without_fusion_keeps_one_group_per_layer_and_searches_spans():
+    profile, cluster = comm_bound_setup(8)
+    plan = make_planner("imerge", fuse=False, interleave=True)(profile, cluster)
+    assert len(plan.groups) == len(profile.layers) and plan.interleave
+    assert max(len(g.parts) for g in plan.groups) > 1
+    fused = make_planner("imerge", interleave=True)(profile, cluster)
+    assert len(fused.groups) < len(profile.layers)
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("imerge", ("imerge", {})),
+        (
+            " imerge(interleave=true,window=group) ",
+            ("imerge", {"interleave": True, "window": "group"}),
+        ),
+        ("priority(credit_elements=1000000)", ("priority", {"credit_elements": 1_000_000})),
+        ("priority(credit_elements=none)", ("priority", {"credit_elements": None})),
+    ],
+)
+def test_a_scheduler_spec_gives_its_policy_and_options(spec, expected):
+    assert parse_scheduler(spec) == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("imerge(bogus=1)", r"policy 'imerge' takes options .*got \['bogus'\]"),
+        ("nosuch", "unknown scheduling policy 'nosuch'"),
+        ("imerge(window=group", "options go as NAME"),
+        ("imerge(window)", "scheduler option 'window' is not of the form name=value"),
+    ],
+)
+def test_a_bad_scheduler_spec_says_what_is_wrong(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_scheduler(spec)
 
 
 def test_priority_slices_front_layers_first_with_a_credit():

@@ -51,6 +51,18 @@ def test_local_job_through_gradsum_services_reaches_accuracy(aggregator, codec, 
 
 
 @pytest.mark.slow
+def test_a_scheduler_spec_reaches_the_planner():
+    """``--scheduler 'fusion(threshold=1)'``: the option overrides --fusion-elements (500,000,
+    which would fuse the MLP's layers into one group) and the plan keeps each layer alone."""
+    config = TrainConfig(aggregator="ps", codec="none", workers=2, epochs=2, progress=False,
+                         scheduler="fusion(threshold=1)")  # fmt: skip
+    summary = run_local(config)
+    assert summary["plan"].startswith("plan fusion: 2 groups")
+    assert summary["scheduler"] == "fusion(threshold=1)"
+    assert summary["test_accuracy"] >= 0.85
+
+
+@pytest.mark.slow
 def test_checkpoint_and_resume_continue_the_same_run(tmp_path):
     checkpoint = tmp_path / "ckpt.pt"
     common = {"aggregator": "allreduce", "codec": "topk", "workers": 2, "progress": False}
@@ -99,6 +111,7 @@ def test_resume_continues_bit_identically_to_an_uninterrupted_run(tmp_path, aggr
         (["--model", "resnet9"], "invalid choice: 'resnet9'"),
         (["--workers", "0"], "must be at least 1"),
         (["--mtu", "100"], "--mtu 100: must be between 576 and 65535"),
+        (["--scheduler", "imerge(bogus=1)"], "policy 'imerge' takes options"),
         (["--aggregator", "switch", "--switch", "127.0.0.1:9"], "no gradsum aggregator answers"),
         (["--aggregator", "ps", "--servers", "127.0.0.1:9"], "no gradsum aggregator answers"),
     ],

@@ -83,8 +83,8 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--schedulers",
         default="wfbp",
-        help="comma-separated communication schedules, each run with every method "
-        "(e.g. default,wfbp,imerge; see docs/scheduling.md)",
+        help="comma-separated communication schedules, each run with every method, options "
+        "in parentheses (e.g. default,wfbp,imerge,imerge(interleave=true); docs/scheduling.md)",
     )
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--model", default="digits-mlp")
@@ -116,14 +116,21 @@ def register(benches: argparse._SubParsersAction) -> None:
 
 
 def parse_schedulers(text: str) -> list[str]:
+    """``--schedulers``: policies, each with its options in parentheses if any
+    (``wfbp,imerge(interleave=true)``), checked as ``gradsum train --scheduler`` checks one."""
     from ..cli import UsageError
-    from ..schedule import PLANNER_NAMES
+    from ..schedule import PLANNER_NAMES, parse_scheduler
+    from ..train.methods import split_methods
 
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in PLANNER_NAMES]
-    if unknown or not names:
-        raise UsageError(f"--schedulers {text!r}: choose from {', '.join(PLANNER_NAMES)}")
-    return names
+    specs = split_methods(text, "--schedulers")
+    for spec in specs:
+        try:
+            parse_scheduler(spec)
+        except ValueError as error:
+            raise UsageError(
+                f"--schedulers {spec!r}: {error} (policies: {', '.join(PLANNER_NAMES)})"
+            ) from None
+    return specs
 
 
 def run(args: argparse.Namespace) -> int:

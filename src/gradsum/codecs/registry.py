@@ -82,13 +82,14 @@ def codec_options(name: str) -> dict[str, object]:
     return {**options, **feedback}
 
 
-def parse_options(text: str) -> dict[str, object]:
-    """Parse ``"bits=4,granularity=30,p=0.03125"`` into typed values."""
+def parse_options(text: str, what: str = "codec option") -> dict[str, object]:
+    """Parse ``"bits=4,granularity=30,p=0.03125"`` into typed values (``what``: the option's
+    kind, for the error)."""
     options: dict[str, object] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"codec option {item!r} is not of the form name=value")
+            raise ValueError(f"{what} {item!r} is not of the form name=value")
         options[key.strip()] = _parse_value(value.strip())
     return options
 

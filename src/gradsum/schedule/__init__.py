@@ -8,7 +8,7 @@ a runtime firing sends from autograd hooks both execute.
 from .cluster import ClusterSpec
 from .costs import AllReduceCost, AlphaBeta, PSCost, fit_alpha_beta
 from .plan import Group, Part, Plan
-from .planners import PLANNER_NAMES, make_planner
+from .planners import PLANNER_NAMES, make_planner, parse_scheduler
 from .profile import LayerProfile, ModelProfile, uniform_profile
 
 __all__ = [
@@ -24,5 +24,6 @@ __all__ = [
     "Plan",
     "fit_alpha_beta",
     "make_planner",
+    "parse_scheduler",
     "uniform_profile",
 ]

@@ -79,6 +79,7 @@ def search_groups(
     spans: Sequence[int] = (),
     span_of: Callable[[int, int], int] = lambda first, stop: 1,
     max_evaluations: int = 2000,
+    regroup: bool = True,
 ) -> Candidate:
     """The grouping (and, with ``spans``, each group's span) that ends the step earliest by
     ``evaluate``, a model of the whole step that returns (the step's end, a tie-break): the
@@ -88,7 +89,8 @@ def search_groups(
     ``span_of(first, stop)``. Only a strictly earlier end is taken, or an equal end (within
     1e-9) with a strictly smaller tie-break; the first of equals wins, so ``starts[0]`` (WFBP's
     one group per layer) stands wherever nothing beats it. ``max_evaluations`` bounds the
-    search (each evaluation plays a whole step).
+    search (each evaluation plays a whole step). ``regroup=False`` keeps the starts' groups and
+    moves spans only.
     """
     if count < 1:
         raise ValueError("nothing to group")
@@ -112,7 +114,7 @@ def search_groups(
     improved = True
     while improved and len(memo) < max_evaluations:
         improved = False
-        for move in _moves(best, spans, span_of):
+        for move in _moves(best, spans, span_of, regroup):
             if len(memo) >= max_evaluations:
                 break
             if better(move, best):
@@ -121,12 +123,24 @@ def search_groups(
     return best
 
 
-def _moves(candidate: Candidate, spans: Sequence[int], span_of) -> Iterable[Candidate]:
+def _moves(
+    candidate: Candidate, spans: Sequence[int], span_of, regroup: bool = True
+) -> Iterable[Candidate]:
     groups = candidate
 
     def swap(i: int, count: int, *new) -> Candidate:  # groups[i : i + count] → new
         return (*groups[:i], *new, *groups[i + count :])
 
+    if regroup:
+        yield from _regroupings(groups, swap, span_of)
+    for i, (a, b, s) in enumerate(groups):  # a wider or narrower span
+        below, above = [x for x in spans if x < s], [x for x in spans if x > s]
+        for other in [*below[-1:], *above[:1]]:
+            yield swap(i, 1, (a, b, other))
+
+
+def _regroupings(groups: Candidate, swap, span_of) -> Iterable[Candidate]:
+    """The grouping moves: merge two neighbours, move a boundary by one layer, split in two."""
     for i in range(len(groups) - 1):  # merge neighbours
         first, stop = groups[i][0], groups[i + 1][1]
         yield swap(i, 2, (first, stop, span_of(first, stop)))
@@ -139,7 +153,3 @@ def _moves(candidate: Candidate, spans: Sequence[int], span_of) -> Iterable[Cand
         if b - a > 1:
             cut = (a + b) // 2
             yield swap(i, 1, (a, cut, span_of(a, cut)), (cut, b, span_of(cut, b)))
-    for i, (a, b, s) in enumerate(groups):  # a wider or narrower span
-        below, above = [x for x in spans if x < s], [x for x in spans if x > s]
-        for other in [*below[-1:], *above[:1]]:
-            yield swap(i, 1, (a, b, other))

@@ -162,6 +162,8 @@ class Plan:
         sizes = [g.numel for g in self.groups]
         parts = sum(len(g.parts) for g in self.groups)
         into = f" in {parts} parts" if parts > len(self.groups) else ""  # a PS plan's messages
+        if into and self.interleave:
+            into += ", interleaved"
         return (
             f"{self.policy}: {len(self.groups)} groups{into}, largest {max(sizes):,} elements, "
             f"smallest {min(sizes):,}"

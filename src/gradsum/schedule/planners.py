@@ -249,6 +249,8 @@ def plan_imerge(
     cluster: ClusterSpec,
     *,
     window: str = "all",
+    interleave: bool | None = None,
+    fuse: bool = True,
     max_evaluations: int = 2000,
 ) -> Plan:
     """Groups *and* their spans chosen by playing candidate plans out on the PS's resources
@@ -258,12 +260,21 @@ def plan_imerge(
     α_worker per part on the worker's one thread, which every later group waits behind, so the
     search weighs each span against the step's end. It starts from merge's starts, each group
     over as many shards as BytePS would cut it into pieces. ``window`` as the baselines'
-    (``_window``)."""
+    (``_window``).
+
+    ``interleave``: ``None`` plays every candidate both ways and rotates only where the play
+    shows a gain. Sent in order, a part's answers start while the next part is pushed; rotated,
+    every part is complete only near the end of the group's push phase. Neither the play nor
+    the fluid simulator models the incast collapse rotation avoids in a TCP cluster, and on
+    the testbed the rotated order trailed the same cut sent in order
+    (docs/scheduling.md, "Ablations"), so ``True`` (the seed's always-rotate) is asked for, not
+    assumed. ``fuse=False`` keeps one group per layer and searches spans only (the ablation
+    "interleaving only")."""
     ready = profile.ready_times()
     credit = _window(profile, cluster, window)
     span_candidates = PSCost(cluster).span_candidates()
 
-    def build(candidate) -> Plan:
+    def build_as(candidate, interleaved: bool) -> Plan:
         ranges = _element_ranges(profile, [(a, b) for a, b, _ in candidate])
         spans = [s for _, _, s in candidate]
         parts = place_spread(ranges, spans, cluster.shards)
@@ -271,11 +282,24 @@ def plan_imerge(
         return Plan(
             "imerge",
             groups,
-            interleave=True,
+            interleave=interleaved,
             credit_bytes=credit,
             **plan_skeleton(profile),
             options={"spans": [len(p) for p in parts]},
         )
+
+    def played(candidate) -> list[tuple[tuple[float, float], Plan]]:
+        ways = (False, True) if interleave is None else (interleave,)
+        plans = [build_as(candidate, way) for way in ways]
+        return [(_step_and_mean_end(plan, cluster, ready), plan) for plan in plans]
+
+    def build(candidate) -> Plan:
+        # the sent-in-order plan first: interleaving is kept only where the play shows a gain
+        (best_cost, best), *others = played(candidate)
+        for cost, plan in others:
+            if cost[0] < best_cost[0] * (1 - 1e-9):
+                best_cost, best = cost, plan
+        return best
 
     def evaluate(candidate) -> tuple[float, float]:
         return _step_and_mean_end(build(candidate), cluster, ready)
@@ -283,7 +307,8 @@ def plan_imerge(
     def span_of(first: int, stop: int) -> int:
         return _pieces(profile, cluster, first, stop)
 
-    starts = [tuple((a, b, span_of(a, b)) for a, b in ranges) for ranges in _search_starts(profile)]
+    groupings = _search_starts(profile) if fuse else _search_starts(profile)[:1]
+    starts = [tuple((a, b, span_of(a, b)) for a, b in ranges) for ranges in groupings]
     best = search_groups(
         len(profile.layers),
         starts,
@@ -291,6 +316,7 @@ def plan_imerge(
         spans=span_candidates,
         span_of=span_of,
         max_evaluations=max_evaluations,
+        regroup=fuse,
     )
     return build(best)
 
@@ -345,6 +371,19 @@ _PLANNERS: dict[str, Callable[..., Plan]] = {
 PLANNER_NAMES: tuple[str, ...] = tuple(_PLANNERS)
 
 
+def parse_scheduler(spec: str) -> tuple[str, dict]:
+    """A policy with its options, ``imerge(interleave=true,window=group)``: its name and its
+    options, checked against the planner's signature (ValueError naming what is wrong)."""
+    from ..codecs.registry import parse_options
+
+    name, bracket, rest = spec.strip().partition("(")
+    if bracket and not rest.endswith(")"):
+        raise ValueError(f"scheduler {spec!r}: options go as NAME(option=value,...)")
+    options = parse_options(rest.removesuffix(")"), what="scheduler option")
+    make_planner(name.strip(), **options)  # an unknown name or option fails here
+    return name.strip(), options
+
+
 def make_planner(name: str, **options) -> Planner:
     """The planner ``name`` with its keyword options bound: ``planner(profile, cluster) → Plan``."""
     if name not in _PLANNERS:
@@ -356,8 +395,9 @@ def make_planner(name: str, **options) -> Planner:
         inspect.signature(function).bind(None, None, **options)
     except TypeError:
         allowed = [p for p in inspect.signature(function).parameters][2:]
+        unknown = sorted(set(options) - set(allowed))
         raise ValueError(
-            f"policy {name!r} takes options {allowed}, got {sorted(options)}"
+            f"policy {name!r} takes options {allowed}, got {unknown or sorted(options)}"
         ) from None
 
     def planner(profile: ModelProfile, cluster: ClusterSpec) -> Plan:

@@ -35,10 +35,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     parser.add_argument(
         "--scheduler",
-        choices=PLANNER_NAMES,
+        type=scheduler_spec,
         default=defaults.scheduler,
-        help="communication plan, made at start-up from a measured profile and α-β "
-        "(docs/scheduling.md); fusion uses --fusion-elements",
+        metavar="POLICY[(OPTION=VALUE,...)]",
+        help=f"communication plan, made at start-up from a measured profile and α-β "
+        f"(docs/scheduling.md): {', '.join(PLANNER_NAMES)}, with the planner's options in "
+        f"parentheses, e.g. 'imerge(interleave=true,window=group)' or "
+        f"'priority(credit_elements=1000000)'; fusion's threshold defaults to --fusion-elements",
     )
     parser.add_argument("--fusion-elements", type=positive_int, default=defaults.fusion_elements)
     parser.add_argument(
@@ -169,6 +172,17 @@ _WORKLOAD_FIELDS = (
     "time_budget",
     "target_loss", "divergence_factor", "fallback",
 )  # fmt: skip
+
+
+def scheduler_spec(text: str) -> str:
+    """``--scheduler``'s value, checked (``schedule.parse_scheduler``) and kept as given."""
+    from ..schedule import parse_scheduler
+
+    try:
+        parse_scheduler(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text.strip()
 
 
 def workload_fields(args: argparse.Namespace) -> dict:

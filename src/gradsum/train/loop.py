@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs import make_codec, parse_options
-from ..schedule import AlphaBeta
+from ..schedule import AlphaBeta, parse_scheduler
 from ..sync.gradient_sync import GradientSync
 from ..sync.scheduling import agree_on_plan
 from .aggregators import make_aggregator
@@ -78,10 +78,12 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
         net, describe, order = sync.net, f"torch DDP, hook {config.ddp_hook}", []
         predicted = None
     else:
-        options = {"threshold": config.fusion_elements} if config.scheduler == "fusion" else {}
+        scheduler, options = parse_scheduler(config.scheduler)
+        if scheduler == "fusion":
+            options = {"threshold": config.fusion_elements, **options}
         batch = dataset.train.inputs[: config.batch_size].to(device_of(config))
         chosen = agree_on_plan(
-            config.scheduler,
+            scheduler,
             model,
             batch,
             aggregator,

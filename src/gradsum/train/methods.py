@@ -27,24 +27,25 @@ def parse_methods(text: str) -> list[tuple[str, dict]]:
     return [(name, method_fields(name)) for name in split_methods(text)]
 
 
-def split_methods(text: str) -> list[str]:
-    """``--methods`` split at commas outside parentheses, so a codec's options may hold commas
-    of their own: ``ddp,switch:thc(correlated=true,bits=4)``."""
+def split_methods(text: str, flag: str = "--methods") -> list[str]:
+    """``--methods`` (or another ``flag``'s list) split at commas outside parentheses, so a
+    codec's or a scheduler's options may hold commas of their own:
+    ``ddp,switch:thc(correlated=true,bits=4)``."""
     from ..cli import UsageError
 
     names, depth, start = [], 0, 0
     for i, char in enumerate(text + ","):
         depth += {"(": 1, ")": -1}.get(char, 0)
         if depth < 0:
-            raise UsageError(f"--methods {text!r}: a ')' without its '('")
+            raise UsageError(f"{flag} {text!r}: a ')' without its '('")
         if char == "," and depth == 0:
             names.append(text[start:i].strip())
             start = i + 1
     if depth:
-        raise UsageError(f"--methods {text!r}: a '(' without its ')'")
+        raise UsageError(f"{flag} {text!r}: a '(' without its ')'")
     names = [name for name in names if name]
     if not names:
-        raise UsageError("--methods is empty")
+        raise UsageError(f"{flag} is empty")
     return names
 
 
