@@ -46,3 +46,36 @@ def test_the_schedules_of_a_map_keep_their_options():
         "wfbp",
         "imerge(interleave=true,window=group)",
     ]
+
+
+def test_repeats_compare_medians_as_well_as_each_repeats_fastest_baseline(tmp_path, capsys):
+    # wfbp, fusion and imerge alike (40, 38 and 40 in the median), each baseline the fastest
+    # of its repeat by noise in one of them
+    speeds = [(44.0, 36.0, 40.0), (36.0, 44.0, 40.0), (40.0, 38.0, 38.8)]
+    for k, (wfbp, fusion, imerge) in enumerate(speeds):
+        out = tmp_path / f"r{k}"
+        out.mkdir()
+        (out / "m_1gbit_0ms_ps.json").write_text(json.dumps([row("wfbp", wfbp),
+                                                             row("imerge", imerge)]))  # fmt: skip
+        (out / "m_1gbit_0ms_fusion10000.json").write_text(json.dumps([row("fusion", fusion)]))
+    robustness.main(["report", "--out", *(str(tmp_path / f"r{k}") for k in range(3))])
+    out = capsys.readouterr().out
+    assert "same repeat: median 0.91 (0.91-0.97" in out  # each repeat's fastest: biased
+    assert "imerge's median / the best baseline's median (wfbp): 1.00" in out
+
+
+def test_the_median_step_is_a_second_speed_that_ignores_a_runs_stalls(tmp_path, capsys):
+    # imerge's run stalled once (samples/s 30 against wfbp's 40) at the same median step
+    for k in range(2):
+        out = tmp_path / f"r{k}"
+        out.mkdir()
+        rows = [row("wfbp", 40.0) | {"median_step_s": 1.6},
+                row("imerge", 30.0) | {"median_step_s": 1.6}]  # fmt: skip
+        (out / "m_1gbit_0ms_ps.json").write_text(json.dumps(rows))
+    robustness.main(["report", "--out", str(tmp_path / "r0"), str(tmp_path / "r1")])
+    out = capsys.readouterr().out
+    assert "step 2.133 s, median 1.600 s" in out  # 4 workers x 16 / 30 samples/s
+    whole, median = out.split("at the median step")
+    assert "imerge's median / the best baseline's median (wfbp): 0.75" in whole
+    assert "imerge's median / the best baseline's median (wfbp): 1.00" in median
+    assert robustness.speed({"workers": 4, "median_step_s": None}, "step") is None

@@ -131,11 +131,16 @@ def small_setup():
         # one group's round trip at a time (imerge-seed-fit's window)
         ("merge", {"window": "group"}),
         ("imerge", {"window": "group"}),
+        # rotated by worker, which imerge asks for only where its play shows a gain
+        ("imerge", {"interleave": True}),
+        ("imerge", {"interleave": True, "window": "group"}),
     ],
 )
 def test_simulator_and_runtime_senders_play_a_plan_identically(policy, options):
     profile, cluster = small_setup()
     plan = make_planner(policy, **options)(profile, cluster)
+    if options.get("interleave"):  # the case has rotation to compare
+        assert plan.interleave and max(len(g.parts) for g in plan.groups) > 1
     trace = []
     Simulation(profile, plan, cluster, trace=trace).run()
     for worker in (0, 3):  # interleaved plans rotate by worker

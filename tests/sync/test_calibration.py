@@ -265,6 +265,7 @@ def test_the_step_load_ran_while_calibration_measured(monkeypatch):
     cost = calibrate(_Recorder(), make_codec("none", workers=1),
                      load=lambda: scheduling.step_load(model, torch.randn(8, 20)))  # fmt: skip
     assert cost.source == "fitted" and seen == [True]
+    assert "(fitted under the step's load)" in cost.describe()
     assert not any(t.name == "gradsum-calibration-load" for t in threading.enumerate())
 
 

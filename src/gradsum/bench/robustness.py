@@ -14,6 +14,11 @@ time against the measured one (``--plot``).
     python -m gradsum.bench.robustness run --out map/ --rates 1gbit --delays 0,0.005
     python -m gradsum.bench.robustness report --out map/ --plot predicted.png
     python -m gradsum.bench.robustness report --out r1/ r2/ r3/   # repeats: median, range
+
+Over repeats it gives imerge against the best baseline two ways: the median of each repeat's
+ratio to that repeat's fastest baseline, and imerge's median over the median of the baseline
+that is fastest in the median (``median_ratio``; the first is biased low by noise); each for
+the whole run's samples/s and, where the rows carry it, for the median step (``speed``).
 """
 
 from __future__ import annotations
@@ -79,10 +84,21 @@ def load(out: Path) -> dict[str, list[dict]]:
     return points
 
 
-def step_seconds(row: dict) -> float | None:
-    if not row.get("samples_per_s"):
-        return None
-    return row["workers"] * BATCH / row["samples_per_s"]
+SPEEDS = ("samples", "step")
+
+
+def speed(row: dict, by: str = "samples") -> float | None:
+    """A run's samples/s: over the whole run (``samples``, every stall included), or at its
+    median step (``step``, rows that carry ``median_step_s``); None where the run has none."""
+    if by == "step":
+        median = row.get("median_step_s")
+        return row["workers"] * BATCH / median if median else None
+    return row.get("samples_per_s") or None
+
+
+def step_seconds(row: dict, by: str = "samples") -> float | None:
+    fast = speed(row, by)
+    return row["workers"] * BATCH / fast if fast else None
 
 
 def _schedules(text: str) -> list[str]:
@@ -97,21 +113,21 @@ def policy(schedule: str) -> str:
     return schedule.partition("(")[0]
 
 
-def best_baseline(rows: list[dict]) -> dict | None:
+def best_baseline(rows: list[dict], by: str = "samples") -> dict | None:
     """The fastest of default, WFBP, priority (at any credit run) and static fusion at its best
     threshold."""
-    fast = [r for r in rows if r["samples_per_s"]]
+    fast = [r for r in rows if speed(r, by)]
     fusions = [r for r in fast if r["schedule"].startswith("fusion")]
     baselines = [r for r in fast if policy(r["schedule"]) in BASELINES]
-    baselines += [max(fusions, key=lambda r: r["samples_per_s"])] if fusions else []
-    return max(baselines, key=lambda r: r["samples_per_s"], default=None)
+    baselines += [max(fusions, key=lambda r: speed(r, by))] if fusions else []
+    return max(baselines, key=lambda r: speed(r, by), default=None)
 
 
-def imerge_ratio(rows: list[dict]) -> float | None:
-    """imerge's samples/s over the best tuned PS baseline's at one point."""
-    best = best_baseline(rows)
-    imerge = next((r for r in rows if r["schedule"] == "imerge" and r["samples_per_s"]), None)
-    return imerge["samples_per_s"] / best["samples_per_s"] if best and imerge else None
+def imerge_ratio(rows: list[dict], by: str = "samples") -> float | None:
+    """imerge's speed over the best tuned PS baseline's at one point."""
+    best = best_baseline(rows, by)
+    imerge = next((r for r in rows if r["schedule"] == "imerge" and speed(r, by)), None)
+    return speed(imerge, by) / speed(best, by) if best and imerge else None
 
 
 def report(args: argparse.Namespace) -> None:
@@ -121,36 +137,63 @@ def report(args: argparse.Namespace) -> None:
         for name, rows in points.items():
             report_point(name, rows)
     if len(measured) > 1:
-        report_repeats(measured)
+        for by in SPEEDS:
+            report_repeats(measured, by)
     if args.plot:  # one colour per point, its repeats together
         together: dict[str, list[dict]] = {}
         for points in measured:
             for name, rows in points.items():
                 together.setdefault(name, []).extend(rows)
-        plot(together, args.plot)
+        plot(together, args.plot, args.by)
 
 
-def report_repeats(measured: list[dict[str, list[dict]]]) -> None:
-    """Per point measured in several folders: each schedule's median samples/s and range, and
-    imerge against the best baseline of the same repeat (median, range)."""
+def report_repeats(measured: list[dict[str, list[dict]]], by: str = "samples") -> None:
+    """Per point measured in several folders: each schedule's median speed (``speed``) and
+    range, and imerge against the best baseline (each repeat's, and by medians)."""
     names = sorted({name for points in measured for name in points})
+    what = "samples/s" if by == "samples" else "samples/s at the median step"
     for name in names:
         repeats = [points[name] for points in measured if name in points]
-        if len(repeats) < 2:
+        if len(repeats) < 2 or not any(speed(r, by) for rows in repeats for r in rows):
             continue
-        print(f"\n{name}: {len(repeats)} repeats, median (min-max) samples/s")
+        print(f"\n{name}: {len(repeats)} repeats, median (min-max) {what}")
         schedules = dict.fromkeys(r["schedule"] for rows in repeats for r in rows)
         for schedule in schedules:
-            speeds = [r["samples_per_s"] for rows in repeats for r in rows
-                      if r["schedule"] == schedule and r["samples_per_s"]]  # fmt: skip
+            speeds = [speed(r, by) for rows in repeats for r in rows
+                      if r["schedule"] == schedule and speed(r, by)]  # fmt: skip
             if speeds:
                 print(f"  {schedule:<18}{statistics.median(speeds):8.1f} "
                       f"({min(speeds):.1f}-{max(speeds):.1f}, {len(speeds)} runs)")  # fmt: skip
-        ratios = [x for x in (imerge_ratio(rows) for rows in repeats) if x is not None]
+        ratios = [x for x in (imerge_ratio(rows, by) for rows in repeats) if x is not None]
         if ratios:
             print(f"  imerge / best tuned PS baseline, same repeat: median "
                   f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}; "
                   + ", ".join(f"{x:.2f}" for x in ratios) + ")")  # fmt: skip
+        medians = median_ratio(repeats, by)
+        if medians is not None:
+            ratio, best = medians
+            print(f"  imerge's median / the best baseline's median ({best}): {ratio:.2f}")
+
+
+def median_ratio(repeats: list[list[dict]], by: str = "samples") -> tuple[float, str] | None:
+    """imerge's median speed over the best tuned baseline's median, and that baseline.
+
+    The per-repeat ratio divides by the fastest of several baselines in each repeat, and the
+    fastest of several noisy runs is biased upwards even where every plan runs alike (on this
+    host identical plans differ by up to 20 % between runs); choosing the baseline by its
+    median over the repeats first is not."""
+    speeds: dict[str, list[float]] = {}
+    for rows in repeats:
+        for r in rows:
+            if speed(r, by):
+                speeds.setdefault(r["schedule"], []).append(speed(r, by))
+    medians = {schedule: statistics.median(values) for schedule, values in speeds.items()}
+    baselines = {s: m for s, m in medians.items()
+                 if policy(s) in BASELINES or s.startswith("fusion")}  # fmt: skip
+    if "imerge" not in medians or not baselines:
+        return None
+    best = max(baselines, key=baselines.get)
+    return medians["imerge"] / baselines[best], best
 
 
 def report_point(name: str, rows: list[dict]) -> None:
@@ -159,8 +202,9 @@ def report_point(name: str, rows: list[dict]) -> None:
     for schedule, row in by.items():
         speed = row["samples_per_s"]
         cell = f"{speed:8.1f} samples/s" if speed else "  failed"
-        predicted = row.get("predicted_step_s")
+        predicted, median = row.get("predicted_step_s"), row.get("median_step_s")
         extra = f"  step {step_seconds(row):.3f} s" if speed else ""
+        extra += f", median {median:.3f} s" if median else ""
         extra += f", predicted {predicted:.3f} s" if predicted else ""
         print(f"  {schedule:<18}{cell}{extra}  digest {row.get('parameter_digest', '')[:8]}")
         if row.get("plan"):
@@ -177,7 +221,7 @@ def report_point(name: str, rows: list[dict]) -> None:
     print(f"  PS schedules ended with the same parameters: {same}")
 
 
-def plot(points: dict[str, list[dict]], path: Path) -> None:
+def plot(points: dict[str, list[dict]], path: Path, by: str = "samples") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -186,8 +230,8 @@ def plot(points: dict[str, list[dict]], path: Path) -> None:
     figure, axis = plt.subplots(figsize=(4.8, 4.2))
     top = 0.0
     for name, rows in points.items():
-        pairs = [(r["predicted_step_s"], step_seconds(r), r["schedule"]) for r in rows
-                 if r.get("predicted_step_s") and step_seconds(r)]  # fmt: skip
+        pairs = [(r["predicted_step_s"], step_seconds(r, by), r["schedule"]) for r in rows
+                 if r.get("predicted_step_s") and step_seconds(r, by)]  # fmt: skip
         if pairs:
             axis.scatter([p for p, _, _ in pairs], [m for _, m, _ in pairs], label=name)
             for p, m, schedule in pairs:
@@ -196,7 +240,7 @@ def plot(points: dict[str, list[dict]], path: Path) -> None:
     diagonal = [0, top * 1.1]
     axis.plot(diagonal, diagonal, color="grey", linestyle=":", label="measured = predicted")
     axis.set_xlabel("PS model's step time (s)")
-    axis.set_ylabel("measured step time (s)")
+    axis.set_ylabel("measured step time (s)" + (", median" if by == "step" else ""))
     axis.legend(fontsize="x-small")
     axis.grid(alpha=0.3)
     figure.tight_layout()
@@ -239,6 +283,10 @@ def main(argv: list[str] | None = None) -> None:
         help="one folder, or several: repeats of the same points",
     )
     summary.add_argument("--plot", type=Path)
+    summary.add_argument(
+        "--by", choices=SPEEDS, default="samples",
+        help="the plot's measured step: the whole run's mean, or its median step",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     run(args) if args.command == "run" else report(args)
 

@@ -58,6 +58,7 @@ class TrainRow:
     parameter_digest: str = ""
     # the PS model's time per step for the plan the run made (None where it has none)
     predicted_step_s: float | None = None
+    median_step_s: float | None = None  # the training's median step (train/loop.py)
     # worker 0's datagram counters (``Aggregator.transport_stats``): what loss recovery cost
     transport: dict = field(default_factory=dict)
 
@@ -222,6 +223,7 @@ def _row(args, name: str, config, outcome: dict | Failure) -> TrainRow:
         final_loss=summary.get("final_loss"),
         parameter_digest=summary.get("parameter_digest", ""),
         predicted_step_s=summary.get("predicted_step_s"),
+        median_step_s=summary.get("median_step_s"),
         transport=summary.get("transport") or {},
     )
 

@@ -75,14 +75,17 @@ class CostModel:
     fit: AlphaBeta | None
     source: str
     reason: str = ""
+    loaded: bool = False  # the transfers were timed under the step's load (``step_load``)
 
     def describe(self) -> str:
         if self.fit is None:
             return f"no α–β calibration ({self.reason})"
+        measured = self.loaded and self.source in ("fitted", "refitted")
+        how = f"{self.source} under the step's load" if measured else self.source
         why = f": {self.reason}" if self.reason else ""
         return (
             f"α {self.fit.alpha * 1e6:.0f} µs, β {1e-6 / self.fit.beta:.0f} MB/s per message "
-            f"({self.source}{why})"
+            f"({how}{why})"
         )
 
 
@@ -380,7 +383,7 @@ def calibrate(
             decision = [judge_calibration(measurements, attempts)]
         if dist.is_initialized():
             dist.broadcast_object_list(decision, src=0)
-    cost = decision[0]
+    cost = dataclasses.replace(decision[0], loaded=load is not None)
     if cost.source == "default" and rank == 0:
         warnings.warn(
             f"α–β calibration found no usable cost model, planning with the default "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +38,9 @@ class EpochMetrics:
     test_accuracy: float
     samples_per_s: float
     seconds: float
+    # the epoch's median step (seconds): samples/s counts every stall of a shared host, which
+    # moves runs of one plan by up to 20 %; the median step is what the schedule itself costs
+    median_step_s: float = 0.0
 
 
 def train_worker(config: TrainConfig, rank: int, world: int) -> dict:
@@ -326,14 +330,17 @@ def _train_epoch(config, rank, world, epoch, step, model, dataset, augment) -> E
     total_loss = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
     seen, samples = 0, 0
+    durations = []  # each step's seconds, host clock: a step ends reading its averaged loss
     start = time.perf_counter()
     try:
         for index, (inputs, labels) in enumerate(batches):
+            began = time.perf_counter()
             if dataset.augment:
                 inputs = augment_images(inputs, augment)
             inputs = inputs.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
             loss, outputs = step(inputs, labels)
+            durations.append(time.perf_counter() - began)
             total_loss += loss.detach().to(torch.float64) * labels.numel()
             correct += (outputs.argmax(dim=-1) == labels).sum()
             seen += labels.numel()
@@ -354,6 +361,7 @@ def _train_epoch(config, rank, world, epoch, step, model, dataset, augment) -> E
         test_accuracy=evaluate(model, dataset.test),
         samples_per_s=world * samples / seconds if seconds > 0 else 0.0,
         seconds=seconds,
+        median_step_s=statistics.median(durations),
     )
 
 
@@ -430,6 +438,8 @@ def _summary(
         "test_accuracy": last.test_accuracy if last else None,
         "final_loss": last.loss if last else None,
         "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+        # the median over epochs of each epoch's median step (epochs of one run are alike)
+        "median_step_s": statistics.median(m.median_step_s for m in history) if history else None,
         "train_seconds": seconds,
         "parameter_digest": digest,
         "plan": plan,
