@@ -136,10 +136,11 @@ FITTED = {
 }
 FIT_RECORD = (
     "alpha_worker 0.3 ms, alpha_shard 0.15 ms, pieces of at most 8,000,000 elements, a message "
-    "per tensor, batch 128, shard 5 GB/s, window group: loss 1.812 (15 of 20 within 1.5x), the "
-    "order on all 16 steps (objective 1.812); the lowest objective searched, 1.510 at alpha_worker "
-    "0.2 ms, alpha_shard 0.1 ms, misses AlexNet's fusion > wfbp step (+2.2%). Searched 2026-12-02 "
-    "(window group, batch 128, 5 GB/s, pieces; docs/scheduling.md has the grid)"
+    "per tensor, batch 128, shard 5 GB/s, window group: loss 1.835 (15 of 20 within 1.5x), the "
+    "order on all 16 steps (objective 1.835). Searched 2026-12-02, the grid rescored 2026-12-04 "
+    "with imerge rotating only where its play gains: 0.25 / 0.15 ms now scores 1.754 (15 of 20, "
+    "the order held) and is not adopted yet; at alpha_shard 0.1 ms 19 of 20 lie within 1.5x but "
+    "one step misses (window group, batch 128, 5 GB/s, pieces; docs/scheduling.md has the grid)"
 )
 PRESETS["imerge-seed-fit"] = replace(
     PRESETS["imerge-seed"],
