@@ -101,6 +101,11 @@ def step_seconds(row: dict, by: str = "samples") -> float | None:
     return row["workers"] * BATCH / fast if fast else None
 
 
+def is_baseline(schedule: str) -> bool:
+    """A tuned PS baseline: default, WFBP, priority at any credit, or static fusion."""
+    return policy(schedule) in BASELINES or schedule.startswith("fusion")
+
+
 def _schedules(text: str) -> list[str]:
     """``--schedulers``, each checked as ``bench train`` checks it (options in parentheses)."""
     from .train import parse_schedulers
@@ -185,11 +190,10 @@ def median_ratio(repeats: list[list[dict]], by: str = "samples") -> tuple[float,
     speeds: dict[str, list[float]] = {}
     for rows in repeats:
         for r in rows:
-            if speed(r, by):
-                speeds.setdefault(r["schedule"], []).append(speed(r, by))
+            if fast := speed(r, by):
+                speeds.setdefault(r["schedule"], []).append(fast)
     medians = {schedule: statistics.median(values) for schedule, values in speeds.items()}
-    baselines = {s: m for s, m in medians.items()
-                 if policy(s) in BASELINES or s.startswith("fusion")}  # fmt: skip
+    baselines = {s: m for s, m in medians.items() if is_baseline(s)}
     if "imerge" not in medians or not baselines:
         return None
     best = max(baselines, key=baselines.get)
@@ -200,10 +204,10 @@ def report_point(name: str, rows: list[dict]) -> None:
     print(f"\n{name}")
     by = {r["schedule"]: r for r in rows}
     for schedule, row in by.items():
-        speed = row["samples_per_s"]
-        cell = f"{speed:8.1f} samples/s" if speed else "  failed"
+        fast = row["samples_per_s"]
+        cell = f"{fast:8.1f} samples/s" if fast else "  failed"
         predicted, median = row.get("predicted_step_s"), row.get("median_step_s")
-        extra = f"  step {step_seconds(row):.3f} s" if speed else ""
+        extra = f"  step {step_seconds(row):.3f} s" if fast else ""
         extra += f", median {median:.3f} s" if median else ""
         extra += f", predicted {predicted:.3f} s" if predicted else ""
         print(f"  {schedule:<18}{cell}{extra}  digest {row.get('parameter_digest', '')[:8]}")

@@ -82,6 +82,15 @@ def codec_options(name: str) -> dict[str, object]:
     return {**options, **feedback}
 
 
+def split_spec(spec: str) -> tuple[str, str]:
+    """``NAME(option=value,...)`` → its name and its options' text (empty without options);
+    a codec's in ``--methods``, a scheduler's in ``--scheduler``."""
+    name, bracket, options = spec.partition("(")
+    if bracket and not options.endswith(")"):
+        raise ValueError(f"{spec!r}: options go as NAME(option=value,...)")
+    return name.strip(), options.removesuffix(")").strip()
+
+
 def parse_options(text: str, what: str = "codec option") -> dict[str, object]:
     """Parse ``"bits=4,granularity=30,p=0.03125"`` into typed values (``what``: the option's
     kind, for the error)."""

@@ -288,21 +288,23 @@ def plan_imerge(
             options={"spans": [len(p) for p in parts]},
         )
 
-    def played(candidate) -> list[tuple[tuple[float, float], Plan]]:
+    def chosen(candidate) -> tuple[tuple[float, float], Plan]:
+        """The candidate's plan and its play: sent in order first, so rotation is kept only
+        where the play shows a gain."""
         ways = (False, True) if interleave is None else (interleave,)
-        plans = [build_as(candidate, way) for way in ways]
-        return [(_step_and_mean_end(plan, cluster, ready), plan) for plan in plans]
-
-    def build(candidate) -> Plan:
-        # the sent-in-order plan first: interleaving is kept only where the play shows a gain
-        (best_cost, best), *others = played(candidate)
-        for cost, plan in others:
-            if cost[0] < best_cost[0] * (1 - 1e-9):
-                best_cost, best = cost, plan
+        best = None
+        for way in ways:
+            plan = build_as(candidate, way)
+            cost = _step_and_mean_end(plan, cluster, ready)
+            if best is None or cost[0] < best[0][0] * (1 - 1e-9):
+                best = (cost, plan)
         return best
 
+    def build(candidate) -> Plan:
+        return chosen(candidate)[1]
+
     def evaluate(candidate) -> tuple[float, float]:
-        return _step_and_mean_end(build(candidate), cluster, ready)
+        return chosen(candidate)[0]
 
     def span_of(first: int, stop: int) -> int:
         return _pieces(profile, cluster, first, stop)
@@ -374,14 +376,12 @@ PLANNER_NAMES: tuple[str, ...] = tuple(_PLANNERS)
 def parse_scheduler(spec: str) -> tuple[str, dict]:
     """A policy with its options, ``imerge(interleave=true,window=group)``: its name and its
     options, checked against the planner's signature (ValueError naming what is wrong)."""
-    from ..codecs.registry import parse_options
+    from ..codecs.registry import parse_options, split_spec
 
-    name, bracket, rest = spec.strip().partition("(")
-    if bracket and not rest.endswith(")"):
-        raise ValueError(f"scheduler {spec!r}: options go as NAME(option=value,...)")
-    options = parse_options(rest.removesuffix(")"), what="scheduler option")
-    make_planner(name.strip(), **options)  # an unknown name or option fails here
-    return name.strip(), options
+    name, text = split_spec(spec.strip())
+    options = parse_options(text, what="scheduler option")
+    make_planner(name, **options)  # an unknown name or option fails here
+    return name, options
 
 
 def make_planner(name: str, **options) -> Planner:

@@ -53,11 +53,12 @@ def codec_spec(text: str) -> tuple[str, str]:
     """A codec with its options, ``thc(correlated=true,bits=4)``: its name and its options'
     text (``--codec-options``'s form, empty when it has none)."""
     from ..cli import UsageError
+    from ..codecs.registry import split_spec
 
-    name, bracket, options = text.partition("(")
-    if bracket and not options.endswith(")"):
-        raise UsageError(f"--methods {text}: options go as CODEC(name=value,...)")
-    return name.strip(), options.removesuffix(")").strip()
+    try:
+        return split_spec(text)
+    except ValueError:
+        raise UsageError(f"--methods {text}: options go as CODEC(name=value,...)") from None
 
 
 def method_fields(name: str) -> dict:
