@@ -176,3 +176,34 @@ def test_a_torchrun_restart_after_a_killed_worker_resumes_from_the_checkpoint(tm
     assert re.match(r"Terminated|RuntimeError: .*Connection (reset|closed) by peer",
                     survivor.group(1)), survivor.group(1)
     assert jobs == {}, "the stale job and the last one were torn down"
+
+
+def test_a_torchrun_worker_stopped_while_it_reports_its_own_failure_still_reports_it(
+    monkeypatch,
+):
+    """The race behind a lost "worker 0 failed" line: the survivor's collective fails as its
+    peer dies, and the agent's SIGTERM lands while it is describing that failure. The stop
+    must not replace the report."""
+    from gradsum.failures import Failure
+    from gradsum.train import launch
+
+    def peer_gone(config):
+        raise ConnectionResetError("Connection reset by peer")
+
+    describe = Failure.of
+
+    def stopped_while_describing(error, rank):
+        os.kill(os.getpid(), signal.SIGTERM)  # Python runs the handler before the next line
+        return describe(error, rank)
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(launch, "_init_torchrun_group", peer_gone)
+    monkeypatch.setattr(launch.Failure, "of", staticmethod(stopped_while_describing))
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(WorkerFailed) as raised:
+            launch.run_torchrun_worker(TrainConfig(**COMMON))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert raised.value.failure.type == "ConnectionResetError"
+    assert raised.value.failure.rank == 0

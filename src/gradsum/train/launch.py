@@ -58,6 +58,12 @@ def _raise_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, terminated)
 
 
+def _already_failing() -> None:
+    """A worker that is describing its own failure ignores the stop the launcher sends once one
+    worker fails: raising Terminated there would replace the report it is writing."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def run_torchrun_worker(config: TrainConfig) -> dict:
     """This process's worker, rendezvousing through torchrun's environment; its error is
     raised as ``WorkerFailed`` with this worker's rank."""
@@ -71,6 +77,7 @@ def run_torchrun_worker(config: TrainConfig) -> dict:
         finally:
             dist.destroy_process_group()
     except Exception as error:
+        _already_failing()
         raise WorkerFailed(Failure.of(error, int(os.environ["RANK"]))) from error
 
 
@@ -205,6 +212,7 @@ def _local_entry(config, addresses, rank, world, port, results) -> None:
     except KeyboardInterrupt:
         pass
     except BaseException as error:
+        _already_failing()
         results[rank] = Failure.of(error, rank)
         raise SystemExit(1) from None
     finally:
