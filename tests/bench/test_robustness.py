@@ -1,3 +1,4 @@
+import itertools
 import json
 
 from gradsum.bench import robustness
@@ -79,3 +80,32 @@ def test_the_median_step_is_a_second_speed_that_ignores_a_runs_stalls(tmp_path, 
     assert "imerge's median / the best baseline's median (wfbp): 0.75" in whole
     assert "imerge's median / the best baseline's median (wfbp): 1.00" in median
     assert robustness.speed({"workers": 4, "median_step_s": None}, "step") is None
+
+
+def test_a_map_plays_static_fusion_in_the_same_rounds_as_the_other_schedules(tmp_path, monkeypatch):
+    commands = []
+    monkeypatch.setattr(robustness.subprocess, "run", lambda c, check: commands.append(c))
+    robustness.main(["run", "--out", str(tmp_path), "--models", "m", "--delays", "0.005",
+                     "--schedulers", "wfbp,imerge", "--thresholds", "10000,50000",
+                     "--rounds", "4", "--no-ddp"])  # fmt: skip
+    [command] = commands
+    flags = {flag: value for flag, value in itertools.pairwise(command)
+             if flag.startswith("--")}  # fmt: skip
+    assert flags["--schedulers"] == "wfbp,imerge,fusion(threshold=10000),fusion(threshold=50000)"
+    assert flags["--rounds"] == "4"
+    assert flags["--json"] == str(tmp_path / "m_1gbit_5ms_ps.json")
+
+
+def test_rounds_of_one_folder_are_its_repeats(tmp_path, capsys):
+    # drift: round 0 runs wfbp first on a fast host, round 1 runs it last on a slow one
+    rows = [row("wfbp", 44.0) | {"round": 0}, row("imerge", 40.0) | {"round": 0},
+            row("fusion(threshold=10000)", 36.0) | {"round": 0},
+            row("fusion(threshold=10000)", 44.0) | {"round": 1},
+            row("imerge", 40.0) | {"round": 1}, row("wfbp", 36.0) | {"round": 1}]  # fmt: skip
+    (tmp_path / "m_1gbit_0ms_ps.json").write_text(json.dumps(rows))
+    robustness.main(["report", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert f"### {tmp_path}, round 2" in out
+    assert "imerge / best tuned PS baseline (fusion 10,000): 0.91" in out  # round 2's
+    assert "m_1gbit_0ms: 2 repeats" in out
+    assert "imerge's median / the best baseline's median (wfbp): 1.00" in out

@@ -169,3 +169,29 @@ def test_a_testbed_job_of_a_ddp_method_gets_its_hook(monkeypatch):
     flags = " ".join(seen["flags"])
     assert seen["aggregator"] == "ddp"
     assert "--ddp-hook powersgd" in flags and "--powersgd-rank 4" in flags
+
+
+def test_rounds_play_the_schedulers_again_in_reversed_order_and_rows_carry_their_round(
+    tmp_path, monkeypatch, capsys
+):
+    assert bench_train.played_order(["a", "b", "c"], 3) == [
+        (0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"), (2, "a"), (2, "b"), (2, "c"),
+    ]  # fmt: skip
+    played = []
+
+    def run_one(config):
+        played.append(config.scheduler)
+        return {"samples_per_s": 10.0 * len(played), "test_accuracy": 0.9, "train_seconds": 1.0}
+
+    monkeypatch.setattr(launch, "run_local", run_one)
+    path = tmp_path / "rows.json"
+    argv = ["bench", "train", "--methods", "ps:none", "--schedulers", "wfbp,fusion(threshold=9)"]
+    assert main([*argv, "--rounds", "2", "--json", str(path)]) == 0
+    assert played == ["wfbp", "fusion(threshold=9)", "fusion(threshold=9)", "wfbp"]
+    rows = json.loads(path.read_text())
+    assert [(r["scheduler"], r["round"], r["samples_per_s"]) for r in rows] == [
+        ("wfbp", 0, 10.0), ("fusion(threshold=9)", 0, 20.0),
+        ("fusion(threshold=9)", 1, 30.0), ("wfbp", 1, 40.0),
+    ]  # fmt: skip
+    table = capsys.readouterr().out
+    assert "ps:none/wfbp #2" in table and "ps:none/fusion(threshold=9) #1" in table

@@ -2,9 +2,11 @@
 
 For each point (link rate × injected per-message delay × model) every schedule trains the same
 model from the same seed in the testbed, 4 workers and ``--shards`` PS shards, through
-``gradsum bench train`` (one call per row group, each writing its JSON rows as it goes):
-default, WFBP, merge, imerge and priority (its default credit); static fusion at every
-threshold of ``--thresholds`` (the best is the tuned baseline); and torch DDP all-reduce (Gloo).
+``gradsum bench train`` (one call for the PS schedules and one for DDP, each writing its JSON
+rows as it goes): default, WFBP, merge, imerge and priority (its default credit); static fusion
+at every threshold of ``--thresholds`` (the best is the tuned baseline); and torch DDP
+all-reduce (Gloo). With ``--rounds N`` the PS schedules are played N times, the order reversed
+every other round (``bench train --rounds``); each round counts as a repeat.
 
 ``run`` measures (timing-sensitive: run it with nothing else on the host), ``report`` prints
 the table — samples/s per schedule, imerge against the best tuned baseline, whether every
@@ -14,6 +16,8 @@ time against the measured one (``--plot``).
     python -m gradsum.bench.robustness run --out map/ --rates 1gbit --delays 0,0.005
     python -m gradsum.bench.robustness report --out map/ --plot predicted.png
     python -m gradsum.bench.robustness report --out r1/ r2/ r3/   # repeats: median, range
+    python -m gradsum.bench.robustness run --out duel/ --rounds 6 --schedulers imerge,priority \
+        --thresholds '' --no-ddp   # two schedules alternated: A B, B A, ...
 
 Over repeats it gives imerge against the best baseline two ways: the median of each repeat's
 ratio to that repeat's fastest baseline, and imerge's median over the median of the baseline
@@ -50,12 +54,12 @@ def run(args: argparse.Namespace) -> None:
                   "--epochs", str(args.epochs), "--batch-size", str(BATCH), "--lr", str(args.lr),
                   "--link-rate", rate,
                   "--message-delay", str(delay)]  # fmt: skip
+        # static fusion at each threshold is one more schedule of the same call, so that rounds
+        # alternate it with the others
+        fusions = [f"fusion(threshold={threshold})" for threshold in args.thresholds]
         calls = [("ps", ["--methods", "ps:none", "--shards", str(args.shards),
-                         "--schedulers", ",".join(args.schedulers)])]  # fmt: skip
-        for threshold in args.thresholds:
-            calls.append((f"fusion{threshold}", ["--methods", "ps:none", "--shards",
-                          str(args.shards), "--schedulers", "fusion",
-                          "--fusion-elements", str(threshold)]))  # fmt: skip
+                         "--schedulers", ",".join([*args.schedulers, *fusions]),
+                         "--rounds", str(args.rounds)])]  # fmt: skip
         if args.ddp:
             calls.append(("ddp", ["--methods", "ddp", "--schedulers", "wfbp"]))
         for label, flags in calls:
@@ -68,20 +72,26 @@ def run(args: argparse.Namespace) -> None:
             subprocess.run(command, check=False)
 
 
-def load(out: Path) -> dict[str, list[dict]]:
-    """Rows by point, each labelled with its schedule (fusion rows with their threshold)."""
-    points: dict[str, list[dict]] = {}
+def load(out: Path) -> list[dict[str, list[dict]]]:
+    """Rows by point, one such map per round (``--rounds``; a folder without rounds is one),
+    each row labelled with its schedule (static fusion's with its threshold)."""
+    from ..schedule import parse_scheduler
+
+    rounds: dict[int, dict[str, list[dict]]] = {}
     for path in sorted(out.glob("*.json")):
         name, _, label = path.stem.rpartition("_")
         for row in json.loads(path.read_text()):
+            policy_name, options = parse_scheduler(row["scheduler"])
             if row["aggregator"] == "ddp":
                 row["schedule"] = "ddp"
-            elif label.startswith("fusion"):
+            elif label.startswith("fusion"):  # a folder from before fusion shared the PS call
                 row["schedule"] = f"fusion {int(label[6:]):,}"
+            elif policy_name == "fusion" and "threshold" in options:
+                row["schedule"] = f"fusion {int(options['threshold']):,}"
             else:
                 row["schedule"] = row["scheduler"]
-            points.setdefault(name, []).append(row)
-    return points
+            rounds.setdefault(row.get("round", 0), {}).setdefault(name, []).append(row)
+    return [rounds[k] for k in sorted(rounds)]
 
 
 SPEEDS = ("samples", "step")
@@ -136,11 +146,14 @@ def imerge_ratio(rows: list[dict], by: str = "samples") -> float | None:
 
 
 def report(args: argparse.Namespace) -> None:
-    measured = [load(out) for out in args.out]
-    for out, points in zip(args.out, measured, strict=True):
-        print(f"\n### {out}")
-        for name, rows in points.items():
-            report_point(name, rows)
+    measured = []
+    for out in args.out:
+        rounds = load(out)
+        for k, points in enumerate(rounds):
+            print(f"\n### {out}" + (f", round {k + 1}" if len(rounds) > 1 else ""))
+            for name, rows in points.items():
+                report_point(name, rows)
+        measured += rounds
     if len(measured) > 1:
         for by in SPEEDS:
             report_repeats(measured, by)
@@ -261,8 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     measure.add_argument("--delays", type=lambda t: [float(x) for x in t.split(",")],
                          default=[0.0, 0.005])  # fmt: skip
     measure.add_argument("--models", type=lambda t: t.split(","), default=["digits-wide"])
-    measure.add_argument("--thresholds", type=lambda t: [int(x) for x in t.split(",")],
-                         default=[4_300_000, 5_000_000])  # fmt: skip
+    measure.add_argument("--thresholds", type=lambda t: [int(x) for x in t.split(",") if x],
+                         default=[4_300_000, 5_000_000],
+                         help="static fusion's thresholds ('' for none)")  # fmt: skip
     measure.add_argument("--schedulers", type=_schedules, default=list(PS_SCHEDULES),
                          help="the PS schedules, options in parentheses (repeats of a point: "
                          "the contenders; ablations: 'imerge(interleave=true,window=group)'; "
@@ -272,6 +286,9 @@ def main(argv: list[str] | None = None) -> None:
     measure.add_argument("--shards", type=int, default=2)
     measure.add_argument("--epochs", type=int, default=1)
     measure.add_argument("--lr", type=float, default=0.02)
+    measure.add_argument("--rounds", type=int, default=1,
+                         help="play the PS schedules this many times, the order reversed every "
+                         "other round; each round is a repeat in the report")  # fmt: skip
     measure.add_argument(
         "--no-ddp",
         dest="ddp",

@@ -4,6 +4,11 @@ Every combination trains the same model with the same seed on the same local wor
 the other; the table reports samples/s, the ratio to the first row (the baseline), and test
 accuracy, so speed never hides a loss of accuracy.
 
+With ``--rounds N`` the schedulers are played N times, the order reversed every other round
+(A B C, C B A, A B C, ...): this host's speed drifts by tens of percent over minutes, and a
+comparison of runs in the same round, with the drift falling on each schedule alike over two
+rounds, tells apart differences a fixed order would hide. Rows carry their round.
+
 Each row is printed as soon as its run ends (and, with --json, the file rewritten), so a crash
 later loses nothing. A run that fails becomes a failed row carrying its error (the failed
 worker's rank, its exception's type and message) and the next runs; the exit status is then 1.
@@ -17,7 +22,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..failures import Failure, report
@@ -61,6 +66,7 @@ class TrainRow:
     median_step_s: float | None = None  # the training's median step (train/loop.py)
     # worker 0's datagram counters (``Aggregator.transport_stats``): what loss recovery cost
     transport: dict = field(default_factory=dict)
+    round: int = 0  # which of --rounds played this run
 
     @property
     def failed(self) -> bool:
@@ -112,8 +118,22 @@ def register(benches: argparse._SubParsersAction) -> None:
         "--shards", type=positive_int,
         help="PS shards in the testbed, beside the first workers (default: one per worker)",
     )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=positive_int, default=1,
+        help="play the schedulers this many times, the order reversed every other round, so "
+        "the host's drift falls on each alike",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the rows as a JSON list here")
     parser.set_defaults(run=run)
+
+
+def played_order(schedulers: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, scheduler) in the order they run: the list, then reversed, and so on."""
+    return [
+        (k, scheduler)
+        for k in range(rounds)
+        for scheduler in (schedulers if k % 2 == 0 else schedulers[::-1])
+    ]
 
 
 def parse_schedulers(text: str) -> list[str]:
@@ -143,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.message_delay < 1:
         raise UsageError(f"--message-delay {args.message_delay}: seconds in [0, 1)")
     methods = parse_methods(args.methods)
-    schedulers = parse_schedulers(args.schedulers)
+    order = played_order(parse_schedulers(args.schedulers), args.rounds)
+    schedulers = [scheduler for _, scheduler in order]
     rows = _Rows(args.json)
     for name, fields in methods:
         outcomes = (
@@ -152,8 +173,9 @@ def run(args: argparse.Namespace) -> int:
             else _local_outcomes(args, fields, schedulers)
         )
         with contextlib.closing(outcomes):  # a testbed comes down now, also when a row fails
-            for scheduler, outcome in outcomes:
-                rows.add(_row(args, name, _config(args, fields, scheduler), outcome))
+            for (k, _), (scheduler, outcome) in zip(order, outcomes, strict=True):
+                row = _row(args, name, _config(args, fields, scheduler), outcome)
+                rows.add(replace(row, round=k))
     print(format_table(rows.rows))
     if args.json:
         print(f"wrote {len(rows.rows)} rows to {args.json}")
@@ -283,14 +305,15 @@ def format_table(rows: list[TrainRow]) -> str:
         f"{'method':<24} {'samples/s':>10} {'vs ' + (base.method if base else '-'):>28} "
         f"{'test acc':>9}",
     ]
+    rounds = any(row.round for row in rows)
     for row in rows:
+        label = f"{row.method} #{row.round + 1}" if rounds else row.method
         if row.failed:
-            lines.append(f"{row.method:<24} {'failed':>10} {'-':>28} {'-':>9}")
+            lines.append(f"{label:<24} {'failed':>10} {'-':>28} {'-':>9}")
             continue
         ratio = row.samples_per_s / (base.samples_per_s or 1.0)
         lines.append(
-            f"{row.method:<24} {row.samples_per_s:>10,.0f} {ratio:>27.2f}x "
-            f"{row.test_accuracy:>9.4f}"
+            f"{label:<24} {row.samples_per_s:>10,.0f} {ratio:>27.2f}x {row.test_accuracy:>9.4f}"
         )
     plans = [f"  {row.method}: {row.plan}" for row in rows if row.plan]
     if plans:
