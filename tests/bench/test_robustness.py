@@ -1,6 +1,8 @@
 import itertools
 import json
 
+import pytest
+
 from gradsum.bench import robustness
 
 
@@ -84,7 +86,7 @@ def test_the_median_step_is_a_second_speed_that_ignores_a_runs_stalls(tmp_path, 
 
 def test_a_map_plays_static_fusion_in_the_same_rounds_as_the_other_schedules(tmp_path, monkeypatch):
     commands = []
-    monkeypatch.setattr(robustness.subprocess, "run", lambda c, check: commands.append(c))
+    monkeypatch.setattr(robustness, "_run_to_the_end", lambda c: commands.append(c) or 0)
     robustness.main(["run", "--out", str(tmp_path), "--models", "m", "--delays", "0.005",
                      "--schedulers", "wfbp,imerge", "--thresholds", "10000,50000",
                      "--rounds", "4", "--no-ddp"])  # fmt: skip
@@ -93,6 +95,8 @@ def test_a_map_plays_static_fusion_in_the_same_rounds_as_the_other_schedules(tmp
              if flag.startswith("--")}  # fmt: skip
     assert flags["--schedulers"] == "wfbp,imerge,fusion(threshold=10000),fusion(threshold=50000)"
     assert flags["--rounds"] == "4"
+    # 4 workers' windows fit the 1 Gbit/s link's queue: 20 ms of its rate and 64 KiB
+    assert flags["--window-bytes"] == str((125_000_000 // 50 + 65536) // 4)
     assert flags["--json"] == str(tmp_path / "m_1gbit_5ms_ps.json")
 
 
@@ -109,3 +113,17 @@ def test_rounds_of_one_folder_are_its_repeats(tmp_path, capsys):
     assert "imerge / best tuned PS baseline (fusion 10,000): 0.91" in out  # round 2's
     assert "m_1gbit_0ms: 2 repeats" in out
     assert "imerge's median / the best baseline's median (wfbp): 1.00" in out
+
+
+def test_a_map_stops_when_its_bench_was_stopped(tmp_path, monkeypatch):
+    commands = []
+
+    def interrupted(command):
+        commands.append(command)
+        return 130  # Ctrl-C
+
+    monkeypatch.setattr(robustness, "_run_to_the_end", interrupted)
+    with pytest.raises(SystemExit, match=r"m_1gbit_0ms_ps\.json is not complete"):
+        robustness.main(["run", "--out", str(tmp_path), "--models", "m", "--delays", "0,0.005",
+                         "--no-ddp"])  # fmt: skip
+    assert len(commands) == 1  # not the next point's

@@ -117,7 +117,8 @@ def test_a_testbed_that_fails_fails_every_job_it_had_left(monkeypatch):
     monkeypatch.setattr(train_testbed, "train_in_testbed", jobs)
     args = argparse.Namespace(model="digits-mlp", dataset="digits", epochs=1, batch_size=16,
                               lr=0.1, seed=0, link_rate="100mbit", workers=2,
-                              message_delay=0.0, fusion_elements=500_000, shards=None)  # fmt: skip
+                              message_delay=0.0, fusion_elements=500_000, shards=None,
+                              window_bytes=None)  # fmt: skip
     fields = method_fields("switch:thc")
     outcomes = list(bench_train._testbed_outcomes(args, fields, ["a", "b", "c"]))
     assert [scheduler for scheduler, _ in outcomes] == ["a", "b", "c"]
@@ -163,7 +164,8 @@ def test_a_testbed_job_of_a_ddp_method_gets_its_hook(monkeypatch):
     monkeypatch.setattr(train_testbed, "train_in_testbed", jobs)
     args = argparse.Namespace(model="gpt", dataset="stdlib", epochs=1, batch_size=1,
                               lr=1e-3, seed=0, link_rate="100mbit", workers=4,
-                              message_delay=0.0, fusion_elements=500_000, shards=None)  # fmt: skip
+                              message_delay=0.0, fusion_elements=500_000, shards=None,
+                              window_bytes=None)  # fmt: skip
     fields = parse_methods("ddp:powersgd4")[0][1]
     list(bench_train._testbed_outcomes(args, fields, ["fusion"]))
     flags = " ".join(seen["flags"])
@@ -195,3 +197,17 @@ def test_rounds_play_the_schedulers_again_in_reversed_order_and_rows_carry_their
     ]  # fmt: skip
     table = capsys.readouterr().out
     assert "ps:none/wfbp #2" in table and "ps:none/fusion(threshold=9) #1" in table
+
+
+def test_a_stopped_bench_says_how_many_runs_it_kept(tmp_path, monkeypatch, capsys):
+    def run_one(config):
+        if config.scheduler == "imerge":
+            raise KeyboardInterrupt
+        return {"samples_per_s": 10.0, "test_accuracy": 0.9, "train_seconds": 1.0}
+
+    monkeypatch.setattr(launch, "run_local", run_one)
+    path = tmp_path / "rows.json"
+    argv = ["bench", "train", "--methods", "ps:none", "--schedulers", "wfbp,imerge,merge"]
+    assert main([*argv, "--json", str(path)]) == 130
+    assert f"stopped with 1 of 3 runs done, kept in {path}" in capsys.readouterr().err
+    assert [r["scheduler"] for r in json.loads(path.read_text())] == ["wfbp"]

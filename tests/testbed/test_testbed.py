@@ -194,6 +194,34 @@ def test_up_over_a_crashed_testbed_cleans_it_first(make_testbed):
     assert_gone(tb.id)
 
 
+KILLED = """
+import subprocess, sys, time
+from gradsum.testbed import Testbed
+with Testbed(2, switch=True, rate="100mbit", id=sys.argv[1]) as tb:
+    tb.popen("w0", ["sleep", "600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    print("up", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_sigterm_while_the_testbed_is_up_removes_it(make_testbed):
+    testbed_id = make_testbed().id
+    process = subprocess.Popen([sys.executable, "-c", KILLED, testbed_id], text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        assert process.stdout.readline().strip() == "up", process.stderr.read()
+        pids = sleepers_in(testbed_id)
+        assert pids
+        process.terminate()
+        assert process.wait(timeout=60) == 128 + 15, process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert_gone(testbed_id)
+    assert not any(shell._alive(pid) for pid in pids)
+
+
 def cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """``gradsum testbed ARGV`` in a fresh process."""
     return subprocess.run([sys.executable, "-m", "gradsum.cli", "testbed", *argv],

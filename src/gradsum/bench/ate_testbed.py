@@ -13,13 +13,11 @@ the configured rate. Pure parts (wire model, rows, table, plot data) are separat
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..dataplane.packet import HEADER_SIZE
@@ -387,20 +385,6 @@ def injected_drops(daemon_stderr: str) -> int:
     return total
 
 
-@contextlib.contextmanager
-def sigterm_as_exit() -> Iterator[None]:
-    """SIGTERM raises SystemExit here, so ``with Testbed`` blocks still remove their testbed."""
-
-    def handler(signum, frame):
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def run(args) -> int:
     """The CLI: measure at every ``--link-rate`` (or only plot ``--from-json`` rows)."""
     from ..cli import UsageError
@@ -417,13 +401,12 @@ def run(args) -> int:
                   args.unicast_results, args.fragmented, args.drop_rate)  # fmt: skip
     rows: list[dict] = []
     profiles: dict = {}
-    with sigterm_as_exit():
-        for rate in rates:
-            print(f"testbed at {format_rate(rate)}: {setup.workers} workers, "
-                  f"{', '.join(setup.methods)}; window {setup.slots_at(rate)} slots "
-                  f"({setup.slots_at(rate, 'server+thc')} through a server's one NIC)"
-                  f"{loss_note(setup.drop_rate)}", flush=True)  # fmt: skip
-            rows += measure_rate(setup, rate, profiles, progress=_progress)
+    for rate in rates:
+        print(f"testbed at {format_rate(rate)}: {setup.workers} workers, "
+              f"{', '.join(setup.methods)}; window {setup.slots_at(rate)} slots "
+              f"({setup.slots_at(rate, 'server+thc')} through a server's one NIC)"
+              f"{loss_note(setup.drop_rate)}", flush=True)  # fmt: skip
+        rows += measure_rate(setup, rate, profiles, progress=_progress)
     print(format_table(rows))
     _write(rows, args)
     return 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -52,8 +53,8 @@ def run(args: argparse.Namespace) -> None:
         name = point_name(rate, delay, model)
         common = ["--model", model, "--dataset", args.dataset, "--workers", str(args.workers),
                   "--epochs", str(args.epochs), "--batch-size", str(BATCH), "--lr", str(args.lr),
-                  "--link-rate", rate,
-                  "--message-delay", str(delay)]  # fmt: skip
+                  "--link-rate", rate, "--message-delay", str(delay), "--window-bytes",
+                  str(args.window_bytes or incast_window(rate, args.workers))]  # fmt: skip
         # static fusion at each threshold is one more schedule of the same call, so that rounds
         # alternate it with the others
         fusions = [f"fusion(threshold={threshold})" for threshold in args.thresholds]
@@ -69,7 +70,39 @@ def run(args: argparse.Namespace) -> None:
             command = [sys.executable, "-m", "gradsum.cli", "bench", "train", *common, *flags,
                        "--json", str(path)]  # fmt: skip
             print(" ".join(command), flush=True)
-            subprocess.run(command, check=False)
+            if _run_to_the_end(command) in INTERRUPTED:
+                raise SystemExit(f"stopped: {path.name} is not complete")
+
+
+# how a `bench train` that was stopped ends: Ctrl-C (130), SIGTERM as SystemExit (143), a signal
+INTERRUPTED = {130, 143, -signal.SIGINT, -signal.SIGTERM, -signal.SIGKILL}
+
+
+def _run_to_the_end(command: list[str]) -> int:
+    """Run ``command``; on Ctrl-C (which reaches it too, in the same process group) wait for it
+    to take its testbed down, where ``subprocess.run`` would SIGKILL it after 0.25 s."""
+    child = subprocess.Popen(command)
+    try:
+        return child.wait()
+    except KeyboardInterrupt:
+        try:
+            child.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            child.terminate()  # a testbed that is up comes down on SIGTERM too
+            child.wait()
+        raise
+
+
+def incast_window(rate: str, workers: int) -> int:
+    """Each worker's window, in bytes: the testbed link's queue over the workers. Every worker
+    streams a part to the same PS host at once, so their windows meet in the queue of that
+    host's link; larger ones overflow it every round, and a plan of a few large parts, whose
+    streams fill the whole window, then pays in retransmissions what a plan of small slices,
+    which never fill it, does not (docs/scheduling.md)."""
+    from ..testbed.plan import queue_bytes
+    from ..testbed.units import parse_rate
+
+    return queue_bytes(parse_rate(rate)) // workers
 
 
 def load(out: Path) -> list[dict[str, list[dict]]]:
@@ -286,6 +319,13 @@ def main(argv: list[str] | None = None) -> None:
     measure.add_argument("--shards", type=int, default=2)
     measure.add_argument("--epochs", type=int, default=1)
     measure.add_argument("--lr", type=float, default=0.02)
+    measure.add_argument(
+        "--window-bytes",
+        type=int,
+        default=None,
+        help="each worker's window per PS stream (default: the testbed "
+        "link's queue over the workers, so that their windows fit it)",
+    )
     measure.add_argument("--rounds", type=int, default=1,
                          help="play the PS schedules this many times, the order reversed every "
                          "other round; each round is a repeat in the report")  # fmt: skip

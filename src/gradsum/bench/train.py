@@ -115,6 +115,11 @@ def register(benches: argparse._SubParsersAction) -> None:
         help="static fusion's threshold (gradsum train --fusion-elements)",
     )  # fmt: skip
     parser.add_argument(
+        "--window-bytes", type=positive_int, default=None, metavar="BYTES",
+        help="bytes each worker keeps in flight per switch/server stream "
+        "(gradsum train --window-bytes; default: 32 chunks)",
+    )  # fmt: skip
+    parser.add_argument(
         "--shards", type=positive_int,
         help="PS shards in the testbed, beside the first workers (default: one per worker)",
     )  # fmt: skip
@@ -166,16 +171,26 @@ def run(args: argparse.Namespace) -> int:
     order = played_order(parse_schedulers(args.schedulers), args.rounds)
     schedulers = [scheduler for _, scheduler in order]
     rows = _Rows(args.json)
-    for name, fields in methods:
-        outcomes = (
-            _testbed_outcomes(args, fields, schedulers)
-            if args.link_rate
-            else _local_outcomes(args, fields, schedulers)
+    try:
+        for name, fields in methods:
+            outcomes = (
+                _testbed_outcomes(args, fields, schedulers)
+                if args.link_rate
+                else _local_outcomes(args, fields, schedulers)
+            )
+            with contextlib.closing(outcomes):  # a testbed comes down now, also on a failure
+                for (k, _), (scheduler, outcome) in zip(order, outcomes, strict=True):
+                    row = _row(args, name, _config(args, fields, scheduler), outcome)
+                    rows.add(replace(row, round=k))
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM while a testbed is up
+        kept = f", kept in {args.json}" if args.json else ""
+        print(
+            f"gradsum bench train: stopped with {len(rows.rows)} of "
+            f"{len(methods) * len(schedulers)} runs done{kept}",
+            file=sys.stderr,
+            flush=True,
         )
-        with contextlib.closing(outcomes):  # a testbed comes down now, also when a row fails
-            for (k, _), (scheduler, outcome) in zip(order, outcomes, strict=True):
-                row = _row(args, name, _config(args, fields, scheduler), outcome)
-                rows.add(replace(row, round=k))
+        raise
     print(format_table(rows.rows))
     if args.json:
         print(f"wrote {len(rows.rows)} rows to {args.json}")
@@ -219,7 +234,7 @@ def _config(args, fields: dict, scheduler: str):
         scheduler=scheduler, model=args.model, dataset=args.dataset, workers=args.workers,
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
         message_delay=args.message_delay, fusion_elements=args.fusion_elements,
-        progress=False, **fields,
+        window_bytes=args.window_bytes, progress=False, **fields,
     )  # fmt: skip
 
 

@@ -324,7 +324,13 @@ def _queue(spec: TestbedSpec) -> tuple[str, ...]:
         packets = math.ceil(rate_bytes * (spec.queue + spec.delay) / _FRAME_BYTES)
         limit = max(_NETEM_MIN_LIMIT, packets)
         return ("netem", "delay", format_duration(spec.delay), "limit", str(limit))
-    return ("bfifo", "limit", str(math.ceil(rate_bytes * spec.queue) + _MIN_BURST_BYTES))
+    return ("bfifo", "limit", str(queue_bytes(spec.rate, spec.queue)))
+
+
+def queue_bytes(rate: int | None, queue: float = TestbedSpec.queue) -> int:
+    """What a link's queue holds before it drops (no delay): ``queue`` seconds of its rate,
+    and one GSO super-packet more."""
+    return math.ceil((rate or UNSHAPED_RATE) / 8 * queue) + _MIN_BURST_BYTES
 
 
 def htb_burst(rate: int) -> int:

@@ -6,17 +6,23 @@
         result = tb.call("w1", some_module.function, args=(1, 2))
 
 Leaving the ``with`` block (also by an exception) stops the processes it started and removes
-the testbed. Every process started on a host gets ``GRADSUM_TESTBED_*`` variables that tell it
-the testbed id, its host name and address, and every host's address.
+the testbed. While it is up, a SIGTERM to a main thread that has no handler of its own raises
+SystemExit there, so ``kill`` removes the testbed too (only SIGKILL leaves it behind; then
+``gradsum testbed down --id ID`` removes it).
+
+Every process started on a host gets ``GRADSUM_TESTBED_*`` variables that tell it the testbed
+id, its host name and address, and every host's address.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +33,22 @@ from .units import parse_duration, parse_loss, parse_rate
 
 DEFAULT_TIMEOUT_S = 60.0
 STOP_GRACE_S = 3.0
+
+
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _exit_on_sigterm():
+    """Make SIGTERM raise SystemExit, so ``with Testbed`` blocks unwind and remove their
+    testbed; return the handler to restore, or None where this process's SIGTERM is not the
+    default (someone else handles it) or this is not the main thread (Python only lets the main
+    thread set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+    return signal.signal(signal.SIGTERM, _raise_system_exit)
 
 
 class RemoteError(TestbedError):
@@ -68,6 +90,7 @@ class Testbed:
         self.plan: TestbedPlan = plan(self.spec)
         self._processes: list[subprocess.Popen] = []
         self._claim = None  # the lock that marks this testbed as in use (shell.claim)
+        self._sigterm = None  # the SIGTERM handler to restore when the testbed is down
 
     @classmethod
     def attach(cls, testbed_id: str) -> Testbed:
@@ -84,6 +107,7 @@ class Testbed:
     def up(self) -> Testbed:
         self._claim = shell.claim(self.spec.id)
         try:
+            self._sigterm = _exit_on_sigterm()
             shell.apply(self.plan)
         except BaseException:
             self._release()
@@ -101,6 +125,9 @@ class Testbed:
         if self._claim is not None:
             self._claim.close()
             self._claim = None
+        if self._sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._sigterm)
+            self._sigterm = None
 
     def __enter__(self) -> Testbed:
         return self.up()
