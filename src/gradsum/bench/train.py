@@ -117,7 +117,9 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--window-bytes", type=positive_int, default=None, metavar="BYTES",
         help="bytes each worker keeps in flight per switch/server stream "
-        "(gradsum train --window-bytes; default: 32 chunks)",
+        "(gradsum train --window-bytes; default: 32 chunks). Through PS shards in the testbed "
+        "every worker's window meets in the queue of a shard host's link: give them a share "
+        "of it, as the robustness map does",
     )  # fmt: skip
     parser.add_argument(
         "--shards", type=positive_int,
