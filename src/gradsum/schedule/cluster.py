@@ -13,6 +13,12 @@ one-machine run with more processes than cores) has one more resource: every nod
 per-message CPU queues on those cores, so parts spread over shards no longer run their fixed
 costs in parallel. Only the closed-form play (``costs.ps_group_ends``) prices it; the
 simulator's presets are clusters of real machines and leave it unset.
+
+A cluster fitted from measurements (``sync.scheduling.cluster_from_fit``) also carries the
+``resolution`` of its play: the relative difference in a step's end below which two plans
+count as equal. A planner that picks among plays within it keeps the plan with fewer messages
+(``planners.plan_imerge``), since an extra message costs for sure what a gain smaller than the
+model's error only might pay. The presets are exact, and their resolution is 0.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class ClusterSpec:
     # thread, not a core).
     shared_cores: int | None = None
     worker_wait: float = 0.0
+    resolution: float = 0.0  # relative step-time difference the play cannot tell apart
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.shards < 1 or self.machines < 1:
@@ -53,6 +60,8 @@ class ClusterSpec:
             raise ValueError("per-message costs must be >= 0 and bytes_per_element >= 1")
         if self.shared_cores is not None and self.shared_cores < 1:
             raise ValueError(f"shared_cores must be at least 1, got {self.shared_cores}")
+        if not 0 <= self.resolution < 1:
+            raise ValueError(f"resolution must lie in [0, 1), got {self.resolution}")
         if not 0 <= self.worker_wait <= self.alpha_worker:
             raise ValueError(
                 f"worker_wait ({self.worker_wait}) must lie between 0 and alpha_worker "

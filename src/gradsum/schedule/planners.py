@@ -263,13 +263,19 @@ def plan_imerge(
     (``_window``).
 
     ``interleave``: ``None`` plays every candidate both ways and rotates only where the play
-    shows a gain. Sent in order, a part's answers start while the next part is pushed; rotated,
+    shows a gain beyond the cluster's ``resolution``. Sent in order, a part's answers start while the next part is pushed; rotated,
     every part is complete only near the end of the group's push phase. Neither the play nor
     the fluid simulator models the incast collapse rotation avoids in a TCP cluster, and on
     the testbed the rotated order trailed the same cut sent in order
     (docs/scheduling.md, "Ablations"), so ``True`` (the seed's always-rotate) is asked for, not
     assumed. ``fuse=False`` keeps one group per layer and searches spans only (the ablation
-    "interleaving only")."""
+    "interleaving only").
+
+    On a fitted cluster (``cluster.resolution`` > 0) the search's plan is then set against the
+    starts, fusion at every threshold: the one with the fewest messages whose play ends within
+    that resolution of the best is sent. On the testbed a noisy fit otherwise chose a second
+    group, or rotation, for a predicted gain of a few percent that the runs did not show
+    (docs/scheduling.md, "`digits-cnn` at 1 Gbit/s in rounds")."""
     ready = profile.ready_times()
     credit = _window(profile, cluster, window)
     span_candidates = PSCost(cluster).span_candidates()
@@ -296,7 +302,7 @@ def plan_imerge(
         for way in ways:
             plan = build_as(candidate, way)
             cost = _step_and_mean_end(plan, cluster, ready)
-            if best is None or cost[0] < best[0][0] * (1 - 1e-9):
+            if best is None or cost[0] < best[0][0] * (1 - max(cluster.resolution, 1e-9)):
                 best = (cost, plan)
         return best
 
@@ -320,7 +326,22 @@ def plan_imerge(
         max_evaluations=max_evaluations,
         regroup=fuse,
     )
+    if cluster.resolution > 0:
+        best = _fewest_messages_within(best, starts, chosen, cluster.resolution)
     return build(best)
+
+
+def _fewest_messages_within(best, alternatives, chosen, resolution: float):
+    """Of ``best`` and ``alternatives``, the candidate whose plan sends the fewest parts among
+    those whose play ends within ``resolution`` of ``best``'s (``chosen``: candidate → (play,
+    plan)); the earlier end among equals, and ``best`` where nothing else is that close."""
+    limit = chosen(best)[0][0] * (1 + resolution)
+    ranked = []
+    for candidate in (best, *alternatives):
+        (end, _), plan = chosen(candidate)
+        if end <= limit:
+            ranked.append((sum(len(g.parts) for g in plan.groups), end, candidate))
+    return min(ranked, key=lambda r: r[:2])[2]
 
 
 def plan_priority(

@@ -58,6 +58,11 @@ DEFAULT_COST = AlphaBeta(alpha=1e-3, beta=1 / 30e6)
 # more than a few percent between rounds.
 RESOLUTION = 0.1
 
+# Plans whose plays, on a fitted cluster, end within this fraction of each other count as equal
+# (``ClusterSpec.resolution``): the fit's timings resolve no finer (above), and on the testbed
+# the played step was 0.6-2.9x the measured one (docs/scheduling.md).
+FIT_RESOLUTION = RESOLUTION
+
 Samples = Sequence[tuple[float, float]]  # (bytes, seconds) per transfer size
 
 
@@ -254,6 +259,7 @@ def cluster_from_fit(
         alpha_worker=per_message,
         alpha_shard=per_message,
         shared_cores=shared_cores,
+        resolution=FIT_RESOLUTION,
     )
 
 
