@@ -263,8 +263,9 @@ def plan_imerge(
     (``_window``).
 
     ``interleave``: ``None`` plays every candidate both ways and rotates only where the play
-    shows a gain beyond the cluster's ``resolution``. Sent in order, a part's answers start while the next part is pushed; rotated,
-    every part is complete only near the end of the group's push phase. Neither the play nor
+    shows a gain beyond the cluster's ``resolution``. Sent in order, a part's answers start
+    while the next part is pushed; rotated, every part is complete only near the end of the
+    group's push phase. Neither the play nor
     the fluid simulator models the incast collapse rotation avoids in a TCP cluster, and on
     the testbed the rotated order trailed the same cut sent in order
     (docs/scheduling.md, "Ablations"), so ``True`` (the seed's always-rotate) is asked for, not
