@@ -395,3 +395,31 @@ def test_priority_slices_are_placed_as_bytescheduler_or_p3():
     assert len(set(shards["bytescheduler"][:4])) == 4  # a key per slice: the layer spreads
     assert shards["p3"] == [0, 1, 2, 3, 0]
     assert len(set(shards["layer"][:4])) == 1  # every slice on its layer's shard
+
+
+@pytest.mark.parametrize(("gain", "resolution", "rotates"),
+                         [(0.05, 0.0, True), (0.05, 0.1, False), (0.2, 0.1, True)])  # fmt: skip
+def test_imerge_rotates_only_for_a_gain_beyond_the_clusters_resolution(
+    monkeypatch, gain, resolution, rotates
+):
+    """No realistic cluster plays rotation faster (the test above), so the play is made to:
+    a rotated plan ends ``gain`` sooner. A fitted cluster's resolution keeps the plan it makes
+    without that gain, in order, for a gain within it."""
+    from gradsum.schedule import planners
+
+    profile, cluster = comm_bound_setup(8)
+    cluster = dataclasses.replace(cluster, resolution=resolution)
+    without = make_planner("imerge")(profile, cluster)
+    play = planners._step_and_mean_end
+
+    def rotation_pays(plan, cluster, ready):
+        end, mean = play(plan, cluster, ready)
+        return (end * (1 - gain), mean) if plan.interleave else (end, mean)
+
+    monkeypatch.setattr(planners, "_step_and_mean_end", rotation_pays)
+    plan = make_planner("imerge")(profile, cluster)
+    assert plan.interleave is rotates
+    if rotates:
+        assert any(len(g.parts) > 1 for g in plan.groups)  # spread, so the rotation means something
+    else:
+        assert plan == without and not without.interleave
