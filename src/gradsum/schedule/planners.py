@@ -18,6 +18,7 @@ is passed as ``cost=``; see :mod:`gradsum.schedule.costs`.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 
@@ -265,12 +266,11 @@ def plan_imerge(
     ``interleave``: ``None`` plays every candidate both ways and rotates only where the play
     shows a gain beyond the cluster's ``resolution``. Sent in order, a part's answers start
     while the next part is pushed; rotated, every part is complete only near the end of the
-    group's push phase. Neither the play nor
-    the fluid simulator models the incast collapse rotation avoids in a TCP cluster, and on
-    the testbed the rotated order trailed the same cut sent in order
-    (docs/scheduling.md, "Ablations"), so ``True`` (the seed's always-rotate) is asked for, not
-    assumed. ``fuse=False`` keeps one group per layer and searches spans only (the ablation
-    "interleaving only").
+    group's push phase. Neither the play nor the fluid simulator models the incast collapse
+    rotation avoids in a TCP cluster, and on the testbed the rotated order trailed the same cut
+    sent in order (docs/scheduling.md, "Ablations"), so ``True`` (the seed's always-rotate) is
+    asked for, not assumed. ``fuse=False`` keeps one group per layer and searches spans only
+    (the ablation "interleaving only").
 
     On a fitted cluster (``cluster.resolution`` > 0) the search's plan is then set against the
     starts, fusion at every threshold: the one with the fewest messages whose play ends within
@@ -295,6 +295,7 @@ def plan_imerge(
             options={"spans": [len(p) for p in parts]},
         )
 
+    @functools.cache  # the search, the resolution's check and the final build ask again
     def chosen(candidate) -> tuple[tuple[float, float], Plan]:
         """The candidate's plan and its play: sent in order first, so rotation is kept only
         where the play shows a gain."""
