@@ -60,7 +60,7 @@ RESOLUTION = 0.1
 
 # Plans whose plays, on a fitted cluster, end within this fraction of each other count as equal
 # (``ClusterSpec.resolution``): the fit's timings resolve no finer (above), and on the testbed
-# the played step was 0.6-2.9x the measured one (docs/scheduling.md).
+# the measured step was 0.6-2.9x the played one (docs/scheduling.md).
 FIT_RESOLUTION = RESOLUTION
 
 Samples = Sequence[tuple[float, float]]  # (bytes, seconds) per transfer size
