@@ -99,3 +99,22 @@ def test_an_injected_wait_holds_the_thread_not_the_cores():
 def test_a_cluster_with_impossible_core_settings_is_refused(options, message):
     with pytest.raises(ValueError, match=message):
         ClusterSpec(4, 2, alpha_worker=1e-3, **options)
+
+
+# digits-wide (4,349,962 parameters in three layers, backward order) as profiled on this host
+WIDE = uniform_profile([20_490, 4_196_352, 133_120], [0.5e-3, 30e-3, 3e-3], [3e-3, 30e-3, 0.5e-3])
+
+
+@pytest.mark.parametrize("fit", [AlphaBeta(7.0e-3, 1 / 39e6), AlphaBeta(4.9e-3, 1 / 34e6)])
+def test_imerge_sends_the_4m_parameter_model_as_one_message_per_shard_within_the_resolution(fit):
+    """Start-up fits of digits-wide at 1 Gbit/s, 0 ms (docs/scheduling.md, "The two 0 ms points
+    again"): the last layer's 20,490 elements alone first play under 1 % faster, and the
+    testbed measured fusion's one group over both shards 2-5 % ahead. imerge now sends that."""
+    imerge = make_planner("imerge")
+    fitted = cluster_from_fit(fit, 4, 2, remote=3, shared_cores=2)
+    exact = dataclasses.replace(fitted, resolution=0)
+    split, kept = imerge(WIDE, exact), imerge(WIDE, fitted)
+    assert [g.numel for g in split.groups] == [20_490, 4_329_472]
+    assert [(g.numel, len(g.parts)) for g in kept.groups] == [(4_349_962, 2)]
+    ready = WIDE.ready_times()
+    assert ps_step_end(kept, exact, ready) <= 1.01 * ps_step_end(split, exact, ready)
