@@ -31,18 +31,20 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from scipy.stats import theilslopes
 
 from ..schedule import AlphaBeta, ClusterSpec, ModelProfile, Plan, make_planner
 from ..schedule.cluster import crowding
 from ..schedule.costs import least_squares, ps_step_end
 from ..schedule.ordering import send_order
 from ..schedule.profiling import measure_profile
-from .sharded import time_transfers
 
 CALIBRATION_SIZES = (1 << 10, 1 << 15, 1 << 18)  # fp32 elements: 4 KiB, 128 KiB, 1 MiB
 CALIBRATION_ATTEMPTS = 3  # rounds of timed transfers before DEFAULT_COST stands
+CALIBRATION_REPEATS = 5  # timed transfers of each size per round
 
 # Policies whose plan and send order need no per-message cost: they count elements and shards
 # (and keep list order), so start-up neither measures for them nor can fail measuring.
@@ -53,17 +55,18 @@ COST_FREE = frozenset({"default", "wfbp", "fusion"})
 # (docs/scheduling.md, AlexNet runs: α 0.9–2.2 ms, β 29–33 MB/s). Stated, not measured here.
 DEFAULT_COST = AlphaBeta(alpha=1e-3, beta=1 / 30e6)
 
-# Timings of two sizes closer than this fraction of the slower one are not told apart: each is
-# the median of five transfers, and on the shared testbed host the medians of one size move by
-# more than a few percent between rounds.
+# Timings of two sizes closer than this fraction of the slower one are not told apart: on the
+# shared testbed host a size's median moves by more than a few percent between rounds.
 RESOLUTION = 0.1
+# How sure the fit must be that time grows with size (or falls) beyond RESOLUTION before it
+# takes the slope: the confidence of Theil–Sen's interval. Under the step's load on the testbed
+# one transfer of 24 KB took anywhere from 0.8 to 19 ms, so a slope between the medians of five
+# is mostly noise (docs/scheduling.md, "A slope told from noise").
+CONFIDENCE = 0.95
 
-# Plans whose plays, on a fitted cluster, end within this fraction of each other count as equal
-# (``ClusterSpec.resolution``): the fit's timings resolve no finer (above), and on the testbed
-# the measured step was 0.6-2.9x the played one (docs/scheduling.md).
 FIT_RESOLUTION = RESOLUTION
 
-Samples = Sequence[tuple[float, float]]  # (bytes, seconds) per transfer size
+Samples = Sequence[tuple[float, float]]  # (bytes, seconds) of every timed transfer of a round
 
 
 @dataclass(frozen=True)
@@ -131,63 +134,135 @@ class RuntimePlan:
         return float(self.profile.forward_s.sum()) + max(comm, backward)
 
 
+@dataclass(frozen=True)
+class _Timings:
+    """Transfers of at least two sizes, summed up: each size's median time, the slope the
+    sizes cannot resolve, and the Theil–Sen slope's interval (``CONFIDENCE``) that says
+    whether time grows (or falls) with size beyond it."""
+
+    count: int
+    sizes: np.ndarray
+    medians: np.ndarray
+    bound: float  # RESOLUTION of the largest size's time, over the span of sizes
+    fit: object  # scipy's TheilslopesResult
+
+    @classmethod
+    def of(cls, samples: Samples) -> _Timings:
+        nbytes, seconds = np.array(samples, dtype=float).reshape(-1, 2).T
+        sizes = np.unique(nbytes)
+        medians = np.array([np.median(seconds[nbytes == size]) for size in sizes])
+        bound = RESOLUTION * medians[-1] / (sizes[-1] - sizes[0])
+        fit = theilslopes(seconds, nbytes, alpha=CONFIDENCE, method="joint")
+        return cls(len(nbytes), sizes, medians, float(bound), fit)
+
+    @property
+    def grows(self) -> bool:
+        return self.fit.low_slope > self.bound
+
+    @property
+    def falls(self) -> bool:
+        return self.fit.high_slope < -self.bound
+
+    def line(self) -> AlphaBeta:
+        """Least squares through each size's median: the whole span of sizes sets the slope
+        (Theil–Sen's median pair slope would be the middle one of three sizes)."""
+        alpha, beta = least_squares(zip(self.sizes, self.medians, strict=True))
+        return AlphaBeta(max(alpha, 0.0), beta)
+
+    def describe(self) -> str:
+        pairs = zip(self.sizes, self.medians, strict=True)
+        medians = ", ".join(f"{b:,.0f} B {t * 1e3:.2f} ms" for b, t in pairs)
+        return f"medians of {self.count} transfers: {medians}"
+
+
+def _sizes(samples: Samples) -> int:
+    return len({b for b, _ in samples})
+
+
 def fit_measurements(
     measurements: Sequence[Samples], *, settled: bool = False
 ) -> tuple[AlphaBeta, str]:
-    """α, β from repeated rounds of (bytes, seconds) samples, and a note on how; ValueError when
-    the rounds are unusable.
+    """α, β from repeated rounds of (bytes, seconds) transfers, and a note on how; ValueError
+    when the rounds are unusable.
 
-    Per size the fastest round counts: load on a busy machine only ever adds time (a
-    descheduled peer, a retransmission), so the minimum is the least disturbed estimate, and
-    a round that was slow for one size does not tilt the slope.
+    The transfers of every usable round count. Whether time grows with size is judged on the
+    Theil–Sen slope, the median of the slopes between pairs of transfers of different sizes:
+    a transfer held up by load (a descheduled peer, a retransmission) moves it little, and its
+    interval (``CONFIDENCE``) says how well the transfers pin it down.
 
-    Time that does not grow with size, within ``RESOLUTION`` of the slowest time, is a
-    measurement, not a failure: at these sizes the per-message cost dominates (a small model
-    on a fast link: 4 KiB and 24 KB take the same 3.5 ms at 1 Gbit/s). Then β is the steepest
-    slope the sizes cannot resolve, RESOLUTION·t_max / (largest − smallest size), and α the
-    highest intercept that keeps the line at or under every fastest time: the data rules out
-    anything slower, and no plan of this model sends a message larger than the largest size
-    (``calibration_sizes``), so a faster true β only makes its messages cheaper than planned.
-    The note says so (the plan line shows it).
+    Where time grows with size beyond doubt and beyond ``RESOLUTION`` (the interval's low end
+    exceeds RESOLUTION·t / (largest − smallest size), t the largest size's median time), α and
+    β are the least-squares line through each size's median time. Otherwise the data cannot
+    tell the sizes apart, which is a measurement, not a failure: at these sizes the
+    per-message cost dominates (a small model on a fast link: 4 KiB and 24 KB take the same
+    few ms at 1 Gbit/s, give or take the load's jitter). Then β is that
+    bound, the steepest slope the resolution cannot see, and α the highest intercept that keeps
+    the line at or under every size's median time: no plan of this model sends a message
+    larger than the largest size (``calibration_sizes``), so a faster true β only makes its
+    messages cheaper than planned. The note says so (the plan line shows it).
 
-    Time that *falls* with size by more than ``RESOLUTION`` says the smaller transfers were
-    held up; a later round's fastest times may settle it, so it is unusable until ``settled``
-    (the last round): then the fall is systematic (on the testbed the first size measured was
-    slower in every round), and the same bound is taken, the line under every fastest time.
+    A round whose time *falls* with size beyond doubt and beyond ``RESOLUTION`` had its smaller
+    transfers held up: it is left out, and with no other round the fit is unusable until
+    ``settled`` (the last round). Then the fall is systematic, and the same bound is taken over
+    every round.
 
     A round with a size or time that is not a positive finite number is left out (and named
     when no other round is left); fewer than two sizes cannot separate α from β.
     """
-    fastest: dict[float, float] = {}
+    valid: list[Samples] = []
     invalid = ""
     for samples in measurements:
         bad = [(b, t) for b, t in samples if not (0 < b < math.inf and 0 < t < math.inf)]
         if bad:
             invalid = f"; a round with {bad[0][0]} bytes in {bad[0][1]} s was left out"
-            continue
-        for nbytes, seconds in samples:
-            fastest[nbytes] = min(seconds, fastest.get(nbytes, math.inf))
-    if len(fastest) < 2:
+        else:
+            valid.append(samples)
+    pooled = [sample for samples in valid for sample in samples]
+    if _sizes(pooled) < 2:
         raise ValueError(
-            f"need at least two transfer sizes to separate α from β, got {len(fastest)}{invalid}"
+            f"need at least two transfer sizes to separate α from β, got {_sizes(pooled)}"
+            f"{invalid}"
         )
-    sizes, times = zip(*sorted(fastest.items()), strict=True)
-    span = sizes[-1] - sizes[0]
-    noise = RESOLUTION * max(times)
-    alpha, beta = least_squares(list(zip(sizes, times, strict=True)))
-    if beta * span >= noise:
-        return AlphaBeta(max(alpha, 0.0), beta), invalid.removeprefix("; ")
-    seen = ", ".join(f"{b:,.0f} B {t * 1e3:.2f} ms" for b, t in zip(sizes, times, strict=True))
-    if beta * span >= -noise:
-        how = f"time flat within {RESOLUTION:.0%} over the sizes ({seen})"
+    steady = [s for s in valid if _sizes(s) < 2 or not _Timings.of(s).falls]
+    kept = [sample for samples in steady for sample in samples]
+    every_round_fell = _sizes(kept) < 2
+    timings = _Timings.of(pooled if every_round_fell else kept)
+    if timings.grows:
+        return timings.line(), invalid.removeprefix("; ")
+    if not (every_round_fell or timings.falls):
+        how = f"time flat within {RESOLUTION:.0%} and its noise over the sizes"
     elif settled:
-        how = f"time fell with size by more than {RESOLUTION:.0%} in every round ({seen})"
+        how = f"time fell with size by more than {RESOLUTION:.0%} over every round"
     else:
-        raise ValueError(f"transfer time falls with size by more than {RESOLUTION:.0%} ({seen})")
-    beta = noise / span
-    alpha = max(0.0, min(t - beta * b for b, t in zip(sizes, times, strict=True)))
-    note = f"{how}: per-message cost dominates, β is the slowest the sizes can resolve{invalid}"
-    return AlphaBeta(alpha, beta), note
+        raise ValueError(
+            f"transfer time falls with size by more than {RESOLUTION:.0%} ({timings.describe()})"
+        )
+    alpha = max(0.0, float(np.min(timings.medians - timings.bound * timings.sizes)))
+    note = (
+        f"{how} ({timings.describe()}): per-message cost dominates, β is the slowest the sizes "
+        f"can resolve{invalid}"
+    )
+    return AlphaBeta(alpha, timings.bound), note
+
+
+def time_transfers(
+    send: Callable[[torch.Tensor], None], sizes: Sequence[int], repeats: int = CALIBRATION_REPEATS
+) -> list[tuple[float, float]]:
+    """(bytes, seconds) of every timed ``send(tensor)``, ``repeats`` per fp32 size, after one
+    untimed warm-up of each size. The sizes take turns, in alternating order, so load that
+    drifts during the round (the step load warming up, a peer descheduled for a while) falls
+    on every size alike instead of tilting the slope. All workers must call this together with
+    the same sizes."""
+    tensors = [torch.zeros(size) for size in sizes]
+    for tensor in tensors:
+        send(tensor)
+    samples = []
+    for turn in range(repeats):
+        for tensor in tensors if turn % 2 == 0 else reversed(tensors):
+            start = time.perf_counter()
+            send(tensor)
+            samples.append((4.0 * tensor.numel(), time.perf_counter() - start))
+    return samples
 
 
 def judge_calibration(

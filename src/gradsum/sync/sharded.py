@@ -10,8 +10,6 @@ fixed send order guarantees). Each part is the usual codec round, through its sh
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -53,21 +51,3 @@ class ShardedServiceAggregator(ServiceAggregator):
             raise ValueError(f"shard {shard} does not exist: this job has {self.num_shards}")
         reducer = self.clients_for(codec)[shard].collective
         return self.run_round(flat, codec, reducer, key, step, seed, partition_elements)
-
-
-def time_transfers(send, sizes: Sequence[int], repeats: int = 5) -> list[tuple[float, float]]:
-    """(bytes, median seconds) of ``send(tensor)`` for fp32 tensors of each size; the first call
-    of each size is a warm-up. The median keeps one stalled transfer (a retransmission timer, a
-    descheduled peer) from tilting the α–β fit. All workers must call this together with the
-    same sizes."""
-    samples = []
-    for size in sizes:
-        tensor = torch.zeros(size)
-        send(tensor)
-        seconds = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            send(tensor)
-            seconds.append(time.perf_counter() - start)
-        samples.append((4.0 * size, statistics.median(seconds)))
-    return samples
