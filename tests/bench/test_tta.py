@@ -53,7 +53,7 @@ def test_a_testbed_job_gets_every_workload_flag_back():
                          fallback="none",
                          fusion_elements=12345, codec="thc",
                          codec_options="correlated=true,bits=4",
-                         window_bytes=262144)  # fmt: skip
+                         window_bytes=262144, fixed_cost=(1e-3, 3.3e-8))  # fmt: skip
     args = build_parser().parse_args(["train", "--aggregator", "ddp", *train_flags(config)])
     for name in (
         "model",
@@ -78,6 +78,7 @@ def test_a_testbed_job_gets_every_workload_flag_back():
         "codec",
         "codec_options",
         "window_bytes",
+        "fixed_cost",
     ):
         assert getattr(args, name) == getattr(config, name), name  # fmt: skip
 

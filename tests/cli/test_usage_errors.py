@@ -34,3 +34,11 @@ def test_a_scheduler_option_the_policy_lacks_is_named():
 def test_bench_train_checks_each_scheduler_with_its_options():
     last = _usage_error("bench", "train", "--schedulers", "wfbp,imerge(window=group,nosuch=1)")
     assert "--schedulers 'imerge(window=group,nosuch=1)'" in last and "got ['nosuch']" in last
+
+
+def test_a_fixed_cost_must_be_a_cost():
+    for command in (["train"], ["bench", "train"]):
+        last = _usage_error(*command, "--fixed-cost", "1e-3")
+        assert "argument --fixed-cost: '1e-3': want ALPHA,BETA" in last
+        last = _usage_error(*command, "--fixed-cost", "1e-3,0")
+        assert "α must be >= 0 s and β > 0 s per byte" in last

@@ -1,5 +1,6 @@
 """Start-up's α–β calibration: fitted, measured again, or the stated default; never a failure."""
 
+import argparse
 import os
 import threading
 import time
@@ -104,14 +105,12 @@ def test_time_flat_over_the_sizes_is_a_per_message_cost_not_a_failure():
     cost = judge_calibration([FLAT])
     assert cost.source == "fitted" and "per-message cost dominates" in cost.reason
     assert "per-message cost dominates" in cost.describe()
-    # α: the fastest time, less the most the bytes may have cost; β: the steepest slope the
-    # sizes cannot tell from flat (10% of the largest size's time over 20 KB)
+    # β: the steepest slope the sizes cannot tell from flat (10% of the largest size's time
+    # over 20 KB); α: the line through the middle of the transfers
     beta = scheduling.RESOLUTION * 3.47e-3 / (CNN_SIZES[1] - CNN_SIZES[0])
     assert cost.fit.beta == pytest.approx(beta)
-    assert cost.fit.alpha == pytest.approx(3.47e-3 - beta * CNN_SIZES[1])
+    assert cost.fit.alpha == pytest.approx(np.median([t - beta * b for b, t in FLAT]))
     assert cost.fit.alpha > 5 * beta * CNN_SIZES[1]  # α dominates the largest message
-    for b, t in FLAT:  # the model never claims a transfer was slower than it was measured
-        assert cost.fit.time(b) <= t * (1 + 1e-12)
     barely = [(b, 1e-3 + b * 1e-15) for b in SIZES]  # 1 PB/s: a slope no timing resolves
     assert "per-message cost dominates" in judge_calibration([barely]).reason
 
@@ -137,7 +136,9 @@ def test_a_slope_the_transfers_noise_cannot_pin_down_is_not_taken():
     assert "medians of 10 transfers: 4,096 B 4.11 ms, 24,360 B 6.96 ms" in cost.reason
     bound = scheduling.RESOLUTION * 6.96e-3 / (CNN_SIZES[1] - CNN_SIZES[0])
     assert cost.fit.beta == pytest.approx(bound)  # 29 MB/s, where the medians said 7
-    assert cost.fit.alpha == pytest.approx(4.11e-3 - bound * CNN_SIZES[0])
+    # α: the middle of the ten transfers, not the lower median (4.11 ms) or the lowest (0.73)
+    middle = np.median([t - bound * b for b, t in TESTBED_ROUND])
+    assert cost.fit.alpha == pytest.approx(middle) and 5e-3 < middle < 6e-3
     profile = uniform_profile([1_290, 4_640, 160], [0.4e-3, 0.8e-3, 0.3e-3])  # backward order
     cluster = cluster_from_fit(cost.fit, 4, 2, remote=3)
     assert len(make_planner("imerge")(profile, cluster).groups) == 1
@@ -167,6 +168,12 @@ def test_under_load_a_small_models_sizes_are_rarely_told_apart():
     costs = [_calibrated_under_load(rng, CNN_SIZES, 4 / LINK) for _ in range(200)]
     sloped = [c for c in costs if "per-message cost dominates" not in c.reason]
     assert len(sloped) <= 10  # at most 5%: what a 95% interval lets through
+    typical = 1e-3 + 3e-3 * np.log(2)  # a transfer's median time
+    assert np.median([c.fit.alpha for c in costs]) == pytest.approx(typical, rel=0.1)
+    profile = uniform_profile([1_290, 4_640, 160], [0.4e-3, 0.8e-3, 0.3e-3])  # backward order
+    clusters = [cluster_from_fit(c.fit, 4, 2, remote=3, shared_cores=2) for c in costs]
+    groups = [len(make_planner("imerge")(profile, cluster).groups) for cluster in clusters]
+    assert groups.count(1) >= 190  # fusion's one message, as measured fastest on the testbed
     by_medians = 0
     for _ in range(200):  # the rule before: a slope wherever the medians differ by 10%
         first = _round_under_load(rng, CNN_SIZES, 4 / LINK)
@@ -484,3 +491,12 @@ def test_calibration_sizes_stop_at_the_largest_message_a_plan_can_send():
     assert scheduling.calibration_sizes(500) == (62, 500)
     with pytest.raises(ValueError, match="at least 2 gradient elements"):
         scheduling.calibration_sizes(1)
+
+
+def test_a_fixed_cost_on_the_command_line_is_two_numbers_that_make_a_cost():
+    from gradsum.bench.cli import fixed_cost
+
+    assert fixed_cost("1e-3, 3.3e-8") == (1e-3, 3.3e-8)
+    for bad in ("1e-3", "1e-3,3e-8,1", "a,b", "-1e-3,3e-8", "1e-3,nan", "1e-3,inf"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"'{bad}'"):
+            fixed_cost(bad)

@@ -80,3 +80,19 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def fixed_cost(text: str) -> tuple[float, float]:
+    """``--fixed-cost``'s value: (α s per message, β s per byte), α >= 0 and β > 0."""
+    parts = text.split(",")
+    try:
+        alpha, beta = (float(part) for part in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: want ALPHA,BETA, seconds per message and seconds per byte"
+        ) from None
+    if not (0 <= alpha < float("inf") and 0 < beta < float("inf")):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: α must be >= 0 s and β > 0 s per byte, both finite"
+        )
+    return alpha, beta

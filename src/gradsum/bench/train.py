@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..failures import Failure, report
-from .cli import positive_int
+from .cli import fixed_cost, positive_int
 
 DEFAULT_METHODS = (
     "allreduce:none",
@@ -109,6 +109,11 @@ def register(benches: argparse._SubParsersAction) -> None:
         "--message-delay", type=float, default=0.0, metavar="SECONDS",
         help="seconds injected per message on each worker's communication thread "
         "(gradsum train --message-delay)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--fixed-cost", type=fixed_cost, default=None, metavar="ALPHA,BETA",
+        help="plan with this per-message cost instead of the start-up calibration "
+        "(gradsum train --fixed-cost)",
     )  # fmt: skip
     parser.add_argument(
         "--fusion-elements", type=positive_int, default=500_000,
@@ -236,7 +241,7 @@ def _config(args, fields: dict, scheduler: str):
         scheduler=scheduler, model=args.model, dataset=args.dataset, workers=args.workers,
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
         message_delay=args.message_delay, fusion_elements=args.fusion_elements,
-        window_bytes=args.window_bytes, progress=False, **fields,
+        fixed_cost=args.fixed_cost, window_bytes=args.window_bytes, progress=False, **fields,
     )  # fmt: skip
 
 

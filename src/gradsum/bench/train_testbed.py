@@ -203,6 +203,7 @@ def train_flags(config) -> list[str]:
         "--time-budget": config.time_budget, "--target-loss": config.target_loss,
         "--divergence-factor": config.divergence_factor, "--fallback": config.fallback,
         "--message-delay": config.message_delay or None,
+        "--fixed-cost": ",".join(map(repr, config.fixed_cost)) if config.fixed_cost else None,
         "--codec-options": config.codec_options or None,
         "--window-bytes": config.window_bytes,
     }  # fmt: skip

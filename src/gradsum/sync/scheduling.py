@@ -140,7 +140,8 @@ class _Timings:
     sizes cannot resolve, and the Theil–Sen slope's interval (``CONFIDENCE``) that says
     whether time grows (or falls) with size beyond it."""
 
-    count: int
+    nbytes: np.ndarray  # of every transfer
+    seconds: np.ndarray
     sizes: np.ndarray
     medians: np.ndarray
     bound: float  # RESOLUTION of the largest size's time, over the span of sizes
@@ -153,7 +154,7 @@ class _Timings:
         medians = np.array([np.median(seconds[nbytes == size]) for size in sizes])
         bound = RESOLUTION * medians[-1] / (sizes[-1] - sizes[0])
         fit = theilslopes(seconds, nbytes, alpha=CONFIDENCE, method="joint")
-        return cls(len(nbytes), sizes, medians, float(bound), fit)
+        return cls(nbytes, seconds, sizes, medians, float(bound), fit)
 
     @property
     def grows(self) -> bool:
@@ -172,7 +173,7 @@ class _Timings:
     def describe(self) -> str:
         pairs = zip(self.sizes, self.medians, strict=True)
         medians = ", ".join(f"{b:,.0f} B {t * 1e3:.2f} ms" for b, t in pairs)
-        return f"medians of {self.count} transfers: {medians}"
+        return f"medians of {len(self.nbytes)} transfers: {medians}"
 
 
 def _sizes(samples: Samples) -> int:
@@ -195,16 +196,19 @@ def fit_measurements(
     β are the least-squares line through each size's median time. Otherwise the data cannot
     tell the sizes apart, which is a measurement, not a failure: at these sizes the
     per-message cost dominates (a small model on a fast link: 4 KiB and 24 KB take the same
-    few ms at 1 Gbit/s, give or take the load's jitter). Then β is that
-    bound, the steepest slope the resolution cannot see, and α the highest intercept that keeps
-    the line at or under every size's median time: no plan of this model sends a message
-    larger than the largest size (``calibration_sizes``), so a faster true β only makes its
-    messages cheaper than planned. The note says so (the plan line shows it).
+    few ms at 1 Gbit/s, give or take the load's jitter). Then β is that bound, the steepest
+    slope the resolution cannot see: no plan of this model sends a message larger than the
+    largest size (``calibration_sizes``), so a faster true β only makes its messages cheaper
+    than planned. The transfers are then one population, whatever their size, and α puts the
+    line through its middle (the median of time − β·bytes): the medians of two sizes a few
+    transfers each may lie 9× apart (0.7 and 6.6 ms), and the lower one is luck, not the
+    per-message cost. The note says so (the plan line shows it).
 
     A round whose time *falls* with size beyond doubt and beyond ``RESOLUTION`` had its smaller
     transfers held up: it is left out, and with no other round the fit is unusable until
     ``settled`` (the last round). Then the fall is systematic, and the same bound is taken over
-    every round.
+    every round, with α the highest intercept that keeps the line under every size's median:
+    the least held-up size's.
 
     A round with a size or time that is not a positive finite number is left out (and named
     when no other round is left); fewer than two sizes cannot separate α from β.
@@ -237,12 +241,15 @@ def fit_measurements(
         raise ValueError(
             f"transfer time falls with size by more than {RESOLUTION:.0%} ({timings.describe()})"
         )
-    alpha = max(0.0, float(np.min(timings.medians - timings.bound * timings.sizes)))
+    if how.startswith("time flat"):  # one population: α through the middle of its transfers
+        alpha = float(np.median(timings.seconds - timings.bound * timings.nbytes))
+    else:  # the small transfers held up: the line under every size's median
+        alpha = float(np.min(timings.medians - timings.bound * timings.sizes))
     note = (
         f"{how} ({timings.describe()}): per-message cost dominates, β is the slowest the sizes "
         f"can resolve{invalid}"
     )
-    return AlphaBeta(alpha, timings.bound), note
+    return AlphaBeta(max(alpha, 0.0), timings.bound), note
 
 
 def time_transfers(

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import NoReturn
 
-from ..bench.cli import positive_float, positive_int
+from ..bench.cli import fixed_cost, positive_float, positive_int
 from ..devices import DEVICE_NAMES
 
 
@@ -52,6 +52,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="inject this many seconds per message on each worker's one communication thread "
         "(before a send, after its answer; serial across shards); the planners are told",
     )
+    parser.add_argument(
+        "--fixed-cost", type=fixed_cost, default=None, metavar="ALPHA,BETA",
+        help="plan with this per-message cost instead of measuring it at start-up: α seconds "
+        "per message and β seconds per byte (1e-3,3.3e-8 is 1 ms and 30 MB/s); the plan then "
+        "does not depend on how loaded the machine was",
+    )  # fmt: skip
     parser.add_argument("--model", choices=MODEL_NAMES, default=defaults.model)
     parser.add_argument("--dataset", choices=DATASET_NAMES, default=defaults.dataset)
     parser.add_argument("--data-dir", help="directory holding the dataset files (cifar10)")
@@ -203,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
         codec_options=args.codec_options,
         scheduler=args.scheduler,
         fusion_elements=args.fusion_elements,
+        fixed_cost=args.fixed_cost,
         message_delay=args.message_delay,
         model=args.model,
         dataset=args.dataset,
