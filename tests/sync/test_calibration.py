@@ -179,7 +179,7 @@ def test_under_load_a_small_models_sizes_are_rarely_told_apart():
         first = _round_under_load(rng, CNN_SIZES, 4 / LINK)
         small, large = (np.median([t for b, t in first if b == s]) for s in CNN_SIZES)
         by_medians += large - small > scheduling.RESOLUTION * large
-    assert by_medians > 60  # a third or more of the rounds took noise for a slope
+    assert by_medians > 90  # nearly half of the rounds (110 of 200) took noise for a slope
 
 
 def test_under_load_a_large_models_slope_is_still_fitted():
