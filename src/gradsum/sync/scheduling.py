@@ -166,9 +166,10 @@ class _Timings:
 
     def line(self) -> AlphaBeta:
         """Least squares through each size's median: the whole span of sizes sets the slope
-        (Theil–Sen's median pair slope would be the middle one of three sizes)."""
+        (Theil–Sen's median pair slope would be the middle one of three sizes), and no less
+        than the bound the interval cleared."""
         alpha, beta = least_squares(zip(self.sizes, self.medians, strict=True))
-        return AlphaBeta(max(alpha, 0.0), beta)
+        return AlphaBeta(max(float(alpha), 0.0), max(float(beta), self.bound))
 
     def describe(self) -> str:
         pairs = zip(self.sizes, self.medians, strict=True)
