@@ -127,3 +127,19 @@ def test_a_map_stops_when_its_bench_was_stopped(tmp_path, monkeypatch):
         robustness.main(["run", "--out", str(tmp_path), "--models", "m", "--delays", "0,0.005",
                          "--no-ddp"])  # fmt: skip
     assert len(commands) == 1  # not the next point's
+
+
+@pytest.mark.parametrize(("steps", "log"), [((0.008, 0.4), True), ((0.3, 0.4), False)])
+def test_the_plot_goes_logarithmic_when_steps_span_more_than_ten_times(
+    tmp_path, monkeypatch, steps, log
+):
+    import matplotlib.axes
+
+    scales = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_xscale", lambda _, s, **__: scales.append(s))
+    run = {"samples_per_s": 64.0, "workers": 4, "schedule": "imerge"}  # a step of 1 s
+    points = {f"p{k}": [{**run, "predicted_step_s": step, "samples_per_s": 64 / step}]
+              for k, step in enumerate(steps)}  # fmt: skip
+    robustness.plot(points, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert scales == (["log"] if log else [])

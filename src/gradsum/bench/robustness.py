@@ -278,7 +278,7 @@ def plot(points: dict[str, list[dict]], path: Path, by: str = "samples") -> None
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(4.8, 4.2))
-    top = 0.0
+    top, bottom = 0.0, float("inf")
     for name, rows in points.items():
         pairs = [(r["predicted_step_s"], step_seconds(r, by), r["schedule"]) for r in rows
                  if r.get("predicted_step_s") and step_seconds(r, by)]  # fmt: skip
@@ -287,8 +287,14 @@ def plot(points: dict[str, list[dict]], path: Path, by: str = "samples") -> None
             for p, m, schedule in pairs:
                 axis.annotate(schedule, (p, m), fontsize="x-small")
             top = max(top, *(max(p, m) for p, m, _ in pairs))
-    diagonal = [0, top * 1.1]
+            bottom = min(bottom, *(min(p, m) for p, m, _ in pairs))
+    # steps of 10 ms and of 0.4 s in one plot: on linear axes the short ones are one dot
+    spread = top > 10 * bottom
+    diagonal = [bottom / 1.5, top * 1.5] if spread else [0, top * 1.1]
     axis.plot(diagonal, diagonal, color="grey", linestyle=":", label="measured = predicted")
+    if spread:
+        axis.set_xscale("log")
+        axis.set_yscale("log")
     axis.set_xlabel("PS model's step time (s)")
     axis.set_ylabel("measured step time (s)" + (", median" if by == "step" else ""))
     axis.legend(fontsize="x-small")
