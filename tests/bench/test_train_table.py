@@ -118,7 +118,7 @@ def test_a_testbed_that_fails_fails_every_job_it_had_left(monkeypatch):
     args = argparse.Namespace(model="digits-mlp", dataset="digits", epochs=1, batch_size=16,
                               lr=0.1, seed=0, link_rate="100mbit", workers=2,
                               message_delay=0.0, fusion_elements=500_000, shards=None,
-                              window_bytes=None)  # fmt: skip
+                              window_bytes=None, fixed_cost=None)  # fmt: skip
     fields = method_fields("switch:thc")
     outcomes = list(bench_train._testbed_outcomes(args, fields, ["a", "b", "c"]))
     assert [scheduler for scheduler, _ in outcomes] == ["a", "b", "c"]
@@ -165,7 +165,7 @@ def test_a_testbed_job_of_a_ddp_method_gets_its_hook(monkeypatch):
     args = argparse.Namespace(model="gpt", dataset="stdlib", epochs=1, batch_size=1,
                               lr=1e-3, seed=0, link_rate="100mbit", workers=4,
                               message_delay=0.0, fusion_elements=500_000, shards=None,
-                              window_bytes=None)  # fmt: skip
+                              window_bytes=None, fixed_cost=None)  # fmt: skip
     fields = parse_methods("ddp:powersgd4")[0][1]
     list(bench_train._testbed_outcomes(args, fields, ["fusion"]))
     flags = " ".join(seen["flags"])
