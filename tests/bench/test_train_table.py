@@ -1,7 +1,6 @@
 """`gradsum bench train`'s table: ratios to the first row, and the plan each scheduler chose;
 rows written as they end, and a failed run recorded with its error while the rest run."""
 
-import argparse
 import json
 import signal
 import subprocess
@@ -12,7 +11,7 @@ import pytest
 from gradsum.bench import train as bench_train
 from gradsum.bench import train_testbed
 from gradsum.bench.train import TrainRow, format_table
-from gradsum.cli import main
+from gradsum.cli import build_parser, main
 from gradsum.failures import Failure, WorkerFailed
 from gradsum.testbed.shell import TestbedError
 from gradsum.train import launch
@@ -115,10 +114,9 @@ def test_a_testbed_that_fails_fails_every_job_it_had_left(monkeypatch):
         raise TestbedError(refused)
 
     monkeypatch.setattr(train_testbed, "train_in_testbed", jobs)
-    args = argparse.Namespace(model="digits-mlp", dataset="digits", epochs=1, batch_size=16,
-                              lr=0.1, seed=0, link_rate="100mbit", workers=2,
-                              message_delay=0.0, fusion_elements=500_000, shards=None,
-                              window_bytes=None, fixed_cost=None)  # fmt: skip
+    args = build_parser().parse_args(
+        ["bench", "train", "--model", "digits-mlp", "--link-rate", "100mbit", "--workers", "2"]
+    )
     fields = method_fields("switch:thc")
     outcomes = list(bench_train._testbed_outcomes(args, fields, ["a", "b", "c"]))
     assert [scheduler for scheduler, _ in outcomes] == ["a", "b", "c"]
@@ -162,15 +160,15 @@ def test_a_testbed_job_of_a_ddp_method_gets_its_hook(monkeypatch):
         yield schedulers[0], {"samples_per_s": 1.0}
 
     monkeypatch.setattr(train_testbed, "train_in_testbed", jobs)
-    args = argparse.Namespace(model="gpt", dataset="stdlib", epochs=1, batch_size=1,
-                              lr=1e-3, seed=0, link_rate="100mbit", workers=4,
-                              message_delay=0.0, fusion_elements=500_000, shards=None,
-                              window_bytes=None, fixed_cost=None)  # fmt: skip
+    args = build_parser().parse_args(["bench", "train", "--model", "gpt", "--dataset", "stdlib",
+                                      "--batch-size", "1", "--link-rate", "100mbit",
+                                      "--layers", "3", "--max-steps", "20"])  # fmt: skip
     fields = parse_methods("ddp:powersgd4")[0][1]
     list(bench_train._testbed_outcomes(args, fields, ["fusion"]))
     flags = " ".join(seen["flags"])
     assert seen["aggregator"] == "ddp"
     assert "--ddp-hook powersgd" in flags and "--powersgd-rank 4" in flags
+    assert "--layers 3" in flags and "--max-steps 20" in flags  # the workload's own flags
 
 
 def test_rounds_play_the_schedulers_again_in_reversed_order_and_rows_carry_their_round(

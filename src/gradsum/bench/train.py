@@ -74,6 +74,9 @@ class TrainRow:
 
 
 def register(benches: argparse._SubParsersAction) -> None:
+    from ..train.cli import add_workload_flags
+    from ..train.config import TrainConfig
+
     parser = benches.add_parser(
         "train",
         help="training samples/s and accuracy per aggregator x codec",
@@ -136,6 +139,8 @@ def register(benches: argparse._SubParsersAction) -> None:
         "the host's drift falls on each alike",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the rows as a JSON list here")
+    # the training job's other flags (gpt sizes, step-based runs, the guard), as gradsum train
+    add_workload_flags(parser, TrainConfig())
     parser.set_defaults(run=run)
 
 
@@ -235,13 +240,15 @@ def write_rows(path: Path, rows: list[dict]) -> None:
 
 
 def _config(args, fields: dict, scheduler: str):
+    from ..train.cli import workload_fields
     from ..train.config import TrainConfig
 
     return TrainConfig(
         scheduler=scheduler, model=args.model, dataset=args.dataset, workers=args.workers,
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
         message_delay=args.message_delay, fusion_elements=args.fusion_elements,
-        fixed_cost=args.fixed_cost, window_bytes=args.window_bytes, progress=False, **fields,
+        fixed_cost=args.fixed_cost, window_bytes=args.window_bytes, progress=False,
+        **{**workload_fields(args), **fields},
     )  # fmt: skip
 
 
