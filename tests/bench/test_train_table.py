@@ -1,6 +1,7 @@
 """`gradsum bench train`'s table: ratios to the first row, and the plan each scheduler chose;
 rows written as they end, and a failed run recorded with its error while the rest run."""
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -44,6 +45,16 @@ def test_rows_show_their_ratio_to_the_first_and_the_plan_each_ran():
         "  ps:none/default: plan default: 8 groups",
         "  ps:none/imerge: plan imerge",
     ]
+
+
+def test_a_run_without_test_accuracy_shows_its_loss(capsys):
+    """A step-based run of the gpt model reports a loss, not an accuracy."""
+    row = dataclasses.replace(_row("imerge", 25.0), test_accuracy=None, final_loss=2.5)
+    assert format_table([row]).splitlines()[2].split()[-2:] == ["1.00x", "-"]
+    bench_train._Rows(None).add(row)
+    assert "ps:none/imerge: 25 samples/s, final loss 2.5000 (10.0 s training)" in (
+        capsys.readouterr().out
+    )
 
 
 def test_rows_without_a_plan_print_no_plan_section():

@@ -223,8 +223,8 @@ class _Rows:
             report(f"  {row.method}", row.error, file=sys.stdout)
         else:
             print(
-                f"  {row.method}: {row.samples_per_s:,.0f} samples/s, test accuracy "
-                f"{row.test_accuracy:.4f} ({row.train_seconds:.1f} s training)",
+                f"  {row.method}: {row.samples_per_s:,.0f} samples/s, {_quality(row)} "
+                f"({row.train_seconds:.1f} s training)",
                 flush=True,
             )
         if self.path:
@@ -324,6 +324,16 @@ def _testbed_outcomes(
         yield scheduler, failure
 
 
+def _quality(row: TrainRow) -> str:
+    """What the run reached: test accuracy where the model has one (a step-based run of the
+    gpt model reports validation loss, not accuracy), else its last training loss."""
+    if row.test_accuracy is not None:
+        return f"test accuracy {row.test_accuracy:.4f}"
+    if row.final_loss is not None:
+        return f"final loss {row.final_loss:.4f}"
+    return "no test accuracy"
+
+
 def format_table(rows: list[TrainRow]) -> str:
     """The rows with their ratio to the baseline: the first row, or the first that ran when it
     failed (the header names it). Failed rows' errors are listed under the table."""
@@ -341,9 +351,8 @@ def format_table(rows: list[TrainRow]) -> str:
             lines.append(f"{label:<24} {'failed':>10} {'-':>28} {'-':>9}")
             continue
         ratio = row.samples_per_s / (base.samples_per_s or 1.0)
-        lines.append(
-            f"{label:<24} {row.samples_per_s:>10,.0f} {ratio:>27.2f}x {row.test_accuracy:>9.4f}"
-        )
+        accuracy = "-" if row.test_accuracy is None else f"{row.test_accuracy:.4f}"
+        lines.append(f"{label:<24} {row.samples_per_s:>10,.0f} {ratio:>27.2f}x {accuracy:>9}")
     plans = [f"  {row.method}: {row.plan}" for row in rows if row.plan]
     if plans:
         lines += ["plans:", *plans]
