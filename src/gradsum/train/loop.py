@@ -122,7 +122,7 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
     step = _Stepper(net, model, optimizer, sync, guard)
     try:
         if stepped:
-            evals = _train_steps(config, rank, world, step, model, dataset, log)
+            evals, durations = _train_steps(config, rank, world, step, model, dataset, log)
         else:
             for epoch in range(first_epoch, config.epochs):
                 metrics = _train_epoch(config, rank, world, epoch, step, model, dataset, augment)
@@ -141,7 +141,7 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
     summary["predicted_step_s"] = predicted
     summary.update(method=method_name(config), fallbacks=guard.fallbacks, steps=step.count)
     if stepped:
-        summary.update(_stepped_summary(evals, compute_s))
+        summary.update(_stepped_summary(evals, compute_s, durations, config.batch_size * world))
     log.write({"event": "summary", **summary})
     return summary
 
@@ -237,16 +237,18 @@ def _compute_seconds(model, dataset, config, steps: int = 3) -> float:
     return sorted(times[1:])[steps // 2]  # the first one warms up
 
 
-def _train_steps(config, rank, world, step, model, dataset, log) -> list[dict]:
+def _train_steps(config, rank, world, step, model, dataset, log) -> tuple[list[dict], list[float]]:
     """Train by steps, evaluating every ``eval_every`` steps and every ``eval_seconds`` of
     training (worker 0's clock, so only worker 0 decides) outside the timed region, until
     ``max_steps``, ``time_budget`` seconds of training (worker 0's clock) or ``target_loss``.
-    Returns the evaluations: step, seconds of training so far, validation loss and accuracy."""
+    Returns the evaluations (step, seconds of training so far, validation loss and accuracy)
+    and the seconds of each step."""
     every = config.eval_every or (
         None if config.eval_seconds else max(1, (config.max_steps or 1) // 10)
     )
     next_eval_at = config.eval_seconds  # seconds of training
     evals: list[dict] = []
+    durations: list[float] = []  # of each step worker 0 took
     clock = 0.0
     stop = False
 
@@ -279,13 +281,14 @@ def _train_steps(config, rank, world, step, model, dataset, log) -> list[dict]:
             if outcome is None:  # some worker asked to stop: all stop here, together
                 if not evals or evals[-1]["step"] != step.count:
                     evaluate_now()  # worker 0's final evaluation; the others wait for it
-                return evals
-            clock += time.perf_counter() - start
+                return evals, durations
+            durations.append(time.perf_counter() - start)
+            clock += durations[-1]
             taken += 1
             if config.max_steps is not None and step.count >= config.max_steps:
                 if not evals or evals[-1]["step"] != step.count:
                     evaluate_now()
-                return evals
+                return evals, durations
             timely = next_eval_at is not None and clock >= next_eval_at
             if timely:
                 while next_eval_at <= clock:
@@ -301,7 +304,9 @@ def _train_steps(config, rank, world, step, model, dataset, log) -> list[dict]:
         epoch += 1
 
 
-def _stepped_summary(evals: list[dict], compute_s: float | None) -> dict:
+def _stepped_summary(
+    evals: list[dict], compute_s: float | None, durations: list[float], samples_per_step: int
+) -> dict:
     last = evals[-1] if evals else {}
     seconds = last.get("seconds")
     val_loss = last.get("val_loss")
@@ -309,6 +314,8 @@ def _stepped_summary(evals: list[dict], compute_s: float | None) -> dict:
         "evals": evals,
         "compute_s": compute_s,
         "step_s": seconds / last["step"] if last.get("step") else None,
+        "median_step_s": statistics.median(durations) if durations else None,
+        "samples_per_s": samples_per_step * len(durations) / sum(durations) if durations else 0.0,
         "val_loss": val_loss,
         "bits_per_byte": val_loss / math.log(2) if val_loss is not None else None,
         "train_seconds": seconds,
