@@ -48,13 +48,15 @@ def test_rows_show_their_ratio_to_the_first_and_the_plan_each_ran():
 
 
 def test_a_run_without_test_accuracy_shows_its_loss(capsys):
-    """A step-based run of the gpt model reports a loss, not an accuracy."""
+    """A run of the gpt model reports a loss, not an accuracy: its validation loss when it
+    ran by steps."""
     row = dataclasses.replace(_row("imerge", 25.0), test_accuracy=None, final_loss=2.5)
     assert format_table([row]).splitlines()[2].split()[-2:] == ["1.00x", "-"]
     bench_train._Rows(None).add(row)
-    assert "ps:none/imerge: 25 samples/s, final loss 2.5000 (10.0 s training)" in (
-        capsys.readouterr().out
-    )
+    bench_train._Rows(None).add(dataclasses.replace(row, val_loss=2.25))
+    out = capsys.readouterr().out
+    assert "ps:none/imerge: 25 samples/s, final loss 2.5000 (10.0 s training)" in out
+    assert "ps:none/imerge: 25 samples/s, validation loss 2.2500 (10.0 s training)" in out
 
 
 def test_rows_without_a_plan_print_no_plan_section():

@@ -59,6 +59,7 @@ class TrainRow:
     error: Failure | None = None  # why the run failed: worker rank, exception type and message
     message_delay: float = 0.0  # s injected per message on each worker's communication thread
     final_loss: float | None = None
+    val_loss: float | None = None  # a step-based run's last validation loss (gpt)
     # a digest of the trained parameters: equal across schedules that summed the same gradients
     parameter_digest: str = ""
     # the PS model's time per step for the plan the run made (None where it has none)
@@ -272,6 +273,7 @@ def _row(args, name: str, config, outcome: dict | Failure) -> TrainRow:
         error=error,
         message_delay=args.message_delay,
         final_loss=summary.get("final_loss"),
+        val_loss=summary.get("val_loss"),
         parameter_digest=summary.get("parameter_digest", ""),
         predicted_step_s=summary.get("predicted_step_s"),
         median_step_s=summary.get("median_step_s"),
@@ -325,10 +327,12 @@ def _testbed_outcomes(
 
 
 def _quality(row: TrainRow) -> str:
-    """What the run reached: test accuracy where the model has one (a step-based run of the
-    gpt model reports validation loss, not accuracy), else its last training loss."""
+    """What the run reached: test accuracy where the model has one, else its validation loss
+    (a step-based run of the gpt model), else its last training loss."""
     if row.test_accuracy is not None:
         return f"test accuracy {row.test_accuracy:.4f}"
+    if row.val_loss is not None:
+        return f"validation loss {row.val_loss:.4f}"
     if row.final_loss is not None:
         return f"final loss {row.final_loss:.4f}"
     return "no test accuracy"
