@@ -225,8 +225,7 @@ def fit_measurements(
     pooled = [sample for samples in valid for sample in samples]
     if _sizes(pooled) < 2:
         raise ValueError(
-            f"need at least two transfer sizes to separate α from β, got {_sizes(pooled)}"
-            f"{invalid}"
+            f"need at least two transfer sizes to separate α from β, got {_sizes(pooled)}{invalid}"
         )
     steady = [s for s in valid if _sizes(s) < 2 or not _Timings.of(s).falls]
     kept = [sample for samples in steady for sample in samples]
@@ -234,7 +233,8 @@ def fit_measurements(
     timings = _Timings.of(pooled if every_round_fell else kept)
     if timings.grows:
         return timings.line(), invalid.removeprefix("; ")
-    if not (every_round_fell or timings.falls):
+    flat = not (every_round_fell or timings.falls)
+    if flat:
         how = f"time flat within {RESOLUTION:.0%} and its noise over the sizes"
     elif settled:
         how = f"time fell with size by more than {RESOLUTION:.0%} over every round"
@@ -242,7 +242,7 @@ def fit_measurements(
         raise ValueError(
             f"transfer time falls with size by more than {RESOLUTION:.0%} ({timings.describe()})"
         )
-    if how.startswith("time flat"):  # one population: α through the middle of its transfers
+    if flat:  # one population: α through the middle of its transfers
         alpha = float(np.median(timings.seconds - timings.bound * timings.nbytes))
     else:  # the small transfers held up: the line under every size's median
         alpha = float(np.min(timings.medians - timings.bound * timings.sizes))
