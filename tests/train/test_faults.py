@@ -108,7 +108,49 @@ def test_a_worker_killed_before_it_could_report_is_named_by_the_launcher():
     finally:
         processes[0].kill()
         processes[0].join()
-    assert str(raised.value.failure) == "worker 1 failed: Killed: the process ended by SIGKILL"
+    assert str(raised.value.failure) == (
+        "worker 1 failed: Killed: the process ended by SIGKILL before it returned a result"
+    )
+
+
+def _returns_then_aborts(results, rank):
+    results[rank] = {"rank": rank}
+    os.kill(os.getpid(), signal.SIGABRT)  # a library's std::terminate in teardown
+
+
+def _returns_late(results, rank):
+    time.sleep(1.0)  # still finishing when its peer has died in teardown
+    results[rank] = {"rank": rank}
+
+
+def _exits_silently():
+    os._exit(3)
+
+
+def test_a_worker_that_dies_in_teardown_after_returning_leaves_a_complete_run():
+    context = multiprocessing.get_context("fork")
+    with context.Manager() as manager:
+        results = manager.dict()
+        processes = [context.Process(target=_returns_late, args=(results, 0)),
+                     context.Process(target=_returns_then_aborts, args=(results, 1))]  # fmt: skip
+        for process in processes:
+            process.start()
+        with pytest.warns(RuntimeWarning, match=r"worker 1's process ended by SIGABRT after it "
+                          r"returned its result \(in teardown\)"):  # fmt: skip
+            _join(processes, results, TrainConfig())
+        assert dict(results) == {0: {"rank": 0}, 1: {"rank": 1}}  # worker 0 was waited for
+        assert processes[0].exitcode == 0
+
+
+def test_a_worker_that_exits_without_a_result_is_named_with_its_status():
+    context = multiprocessing.get_context("fork")
+    processes = [context.Process(target=_exits_silently)]
+    processes[0].start()
+    with pytest.raises(WorkerFailed) as raised:
+        _join(processes, {}, TrainConfig())
+    assert str(raised.value.failure) == (
+        "worker 0 failed: Exited: the process exited with status 3 before it returned a result"
+    )
 
 
 def _descendants(pid: int) -> list[int]:
@@ -173,8 +215,9 @@ def test_a_torchrun_restart_after_a_killed_worker_resumes_from_the_checkpoint(tm
     # or first through its own collective, whose peer's socket the kill closed.
     survivor = re.search(r"^gradsum train: worker 0 failed: (.*)$", err, re.MULTILINE)
     assert survivor, err[-3000:]
-    assert re.match(r"Terminated|RuntimeError: .*Connection (reset|closed) by peer",
-                    survivor.group(1)), survivor.group(1)
+    assert re.match(
+        r"Terminated|RuntimeError: .*Connection (reset|closed) by peer", survivor.group(1)
+    ), survivor.group(1)
     assert jobs == {}, "the stale job and the last one were torn down"
 
 

@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import socket
+import warnings
 from datetime import timedelta
 
 import torch
@@ -165,27 +166,45 @@ def worker_environment():
 
 
 def _join(processes, results, config: TrainConfig) -> None:
-    """Wait for every worker; the first failure stops the others and is raised here."""
-    while any(p.is_alive() for p in processes):
+    """Wait for every worker; the first failure stops the others and is raised here.
+
+    A worker that dies after it returned its result does not fail a run whose results are
+    all in: that is a library aborting in teardown (gloo's threads have ended a finished
+    worker with ``std::terminate``, SIGABRT), and the training it reports is complete. It is
+    named in a warning; the others are waited for, not stopped."""
+
+    def returned(rank: int) -> bool:
+        return rank in results and not isinstance(results[rank], Failure)
+
+    def failed_early() -> bool:
+        return any(p.exitcode not in (None, 0) and not returned(rank)
+                   for rank, p in enumerate(processes))  # fmt: skip
+
+    while any(p.is_alive() for p in processes) and not failed_early():
         for process in processes:
             process.join(0.2)
-            if process.exitcode not in (None, 0):
-                break
-        failed = [p for p in processes if p.exitcode not in (None, 0)]
-        if failed:
-            break
     # The manager's dict keeps the order workers wrote in: the first failure is the likeliest
     # cause, the others often only the peers of a worker that had died (a broken connection).
     failures = [value for value in results.values() if isinstance(value, Failure)]
-    failed = [p.name for p in processes if p.exitcode not in (None, 0)]
     if failures:
         raise WorkerFailed(failures[0])
-    for rank, process in enumerate(processes):  # killed before it could say anything
-        if process.exitcode is not None and process.exitcode < 0 and rank not in results:
-            name = _signal_name(-process.exitcode)
-            raise WorkerFailed(Failure("Killed", f"the process ended by {name}", rank))
-    if failed or 0 not in results:
-        raise RuntimeError(f"workers {failed or 'all'} exited without a result")
+    for rank, process in enumerate(processes):
+        code = process.exitcode
+        if code in (None, 0):
+            continue
+        how = f"ended by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
+        if not returned(rank):  # killed, or gone, before it could say anything
+            kind = "Killed" if code < 0 else "Exited"
+            raise WorkerFailed(Failure(kind, f"the process {how} before it returned a result",
+                                       rank))  # fmt: skip
+        warnings.warn(
+            f"worker {rank}'s process {how} after it returned its result (in teardown); "
+            "the run's results are complete",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    if not returned(0):
+        raise RuntimeError("worker 0 ended without a result and without an error")
 
 
 def _signal_name(number: int) -> str:
