@@ -143,3 +143,28 @@ def test_the_plot_goes_logarithmic_when_steps_span_more_than_ten_times(
     robustness.plot(points, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
     assert scales == (["log"] if log else [])
+
+
+def test_a_row_with_its_own_batch_size_is_timed_by_it():
+    """`bench train` runs the gpt model at its own batch: its step is that batch's, not the
+    map's 16 a worker."""
+    gpt = {**row("imerge", 52.0), "batch_size": 8, "median_step_s": 0.5}
+    assert robustness.step_seconds(gpt) == pytest.approx(4 * 8 / 52.0)
+    assert robustness.speed(gpt, "step") == pytest.approx(4 * 8 / 0.5)
+    old = {**row("imerge", 52.0), "median_step_s": 0.5}  # rows from before it was kept
+    assert robustness.speed(old, "step") == pytest.approx(4 * 16 / 0.5)
+
+
+def test_a_map_passes_its_train_flags_to_every_run_and_they_win(tmp_path, monkeypatch):
+    from gradsum.cli import build_parser
+
+    commands = []
+    monkeypatch.setattr(robustness, "_run_to_the_end", lambda c: commands.append(c) or 0)
+    robustness.main(["run", "--out", str(tmp_path), "--models", "gpt", "--dataset", "stdlib",
+                     "--delays", "0.005", "--schedulers", "imerge", "--thresholds", "400000",
+                     "--no-ddp", "--train-flags",
+                     "--layers 16 --width 128 --max-steps 40 --batch-size 8"])  # fmt: skip
+    [command] = commands
+    args = build_parser().parse_args(command[command.index("bench") :])
+    assert (args.model, args.dataset, args.layers, args.width) == ("gpt", "stdlib", 16, 128)
+    assert (args.max_steps, args.batch_size) == (40, 8)  # the map's 16 overridden

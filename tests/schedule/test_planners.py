@@ -217,8 +217,7 @@ def _imerge_clusters():
         [20_490, 4_196_352, 133_120], [0.5e-3, 30e-3, 3e-3], [3e-3, 30e-3, 0.5e-3]
     )
     testbed = cluster_from_fit(AlphaBeta(5e-3, 1 / 30e6), 4, 2, remote=3, shared_cores=2)
-    yield wide, dataclasses.replace(testbed, alpha_worker=testbed.alpha_worker + 2e-3,
-                                    worker_wait=2e-3)  # fmt: skip
+    yield wide, testbed.with_message_delay(2e-3)
 
 
 @pytest.mark.parametrize("setup", range(3))

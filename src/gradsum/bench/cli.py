@@ -14,6 +14,7 @@ BENCH_MODULES = (
     "gradsum.bench.train",
     "gradsum.bench.tta",
     "gradsum.bench.scale",
+    "gradsum.bench.plays",
 )
 
 

@@ -18,6 +18,8 @@ time against the measured one (``--plot``).
     python -m gradsum.bench.robustness report --out r1/ r2/ r3/   # repeats: median, range
     python -m gradsum.bench.robustness run --out duel/ --rounds 6 --schedulers imerge,priority \
         --thresholds '' --no-ddp   # two schedules alternated: A B, B A, ...
+    python -m gradsum.bench.robustness run --out gpt/ --models gpt --dataset stdlib \
+        --thresholds 400000,800000 --train-flags '--layers 16 --max-steps 40 --batch-size 8'
 
 Over repeats it gives imerge against the best baseline two ways: the median of each repeat's
 ratio to that repeat's fastest baseline, and imerge's median over the median of the baseline
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shlex
 import signal
 import statistics
 import subprocess
@@ -40,7 +43,7 @@ PS_SCHEDULES = ("default", "wfbp", "merge", "imerge", "priority")
 # PS baselines, with the best static fusion; DDP apart: torch's all-reduce does not go through
 # gradsum's senders, so it pays no injected per-message delay
 BASELINES = ("default", "wfbp", "priority")
-BATCH = 16  # per worker
+BATCH = 16  # per worker, as `run` trains; rows that carry their own batch size say so
 
 
 def point_name(rate: str, delay: float, model: str) -> str:
@@ -54,7 +57,8 @@ def run(args: argparse.Namespace) -> None:
         common = ["--model", model, "--dataset", args.dataset, "--workers", str(args.workers),
                   "--epochs", str(args.epochs), "--batch-size", str(BATCH), "--lr", str(args.lr),
                   "--link-rate", rate, "--message-delay", str(delay), "--window-bytes",
-                  str(args.window_bytes or incast_window(rate, args.workers))]  # fmt: skip
+                  str(args.window_bytes or incast_window(rate, args.workers)),
+                  *args.train_flags]  # fmt: skip
         # static fusion at each threshold is one more schedule of the same call, so that rounds
         # alternate it with the others
         fusions = [f"fusion(threshold={threshold})" for threshold in args.thresholds]
@@ -135,13 +139,19 @@ def speed(row: dict, by: str = "samples") -> float | None:
     median step (``step``, rows that carry ``median_step_s``); None where the run has none."""
     if by == "step":
         median = row.get("median_step_s")
-        return row["workers"] * BATCH / median if median else None
+        return samples_per_step(row) / median if median else None
     return row.get("samples_per_s") or None
+
+
+def samples_per_step(row: dict) -> int:
+    """Samples every worker together trains a step: the row's batch size, where it has one
+    (`bench train` with the gpt model runs its own), else ``run``'s."""
+    return row["workers"] * (row.get("batch_size") or BATCH)
 
 
 def step_seconds(row: dict, by: str = "samples") -> float | None:
     fast = speed(row, by)
-    return row["workers"] * BATCH / fast if fast else None
+    return samples_per_step(row) / fast if fast else None
 
 
 def is_baseline(schedule: str) -> bool:
@@ -332,6 +342,10 @@ def main(argv: list[str] | None = None) -> None:
         help="each worker's window per PS stream (default: the testbed "
         "link's queue over the workers, so that their windows fit it)",
     )
+    measure.add_argument("--train-flags", type=shlex.split, default=[],
+                         help="more `bench train` flags for every run, in one string; later "
+                         "ones win: '--layers 16 --width 128 --context 64 --max-steps 40 "
+                         "--batch-size 8' with --models gpt --dataset stdlib")  # fmt: skip
     measure.add_argument("--rounds", type=int, default=1,
                          help="play the PS schedules this many times, the order reversed every "
                          "other round; each round is a repeat in the report")  # fmt: skip

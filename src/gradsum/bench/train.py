@@ -68,6 +68,7 @@ class TrainRow:
     # worker 0's datagram counters (``Aggregator.transport_stats``): what loss recovery cost
     transport: dict = field(default_factory=dict)
     round: int = 0  # which of --rounds played this run
+    batch_size: int | None = None  # per worker (None in rows written before it was kept)
 
     @property
     def failed(self) -> bool:
@@ -278,6 +279,7 @@ def _row(args, name: str, config, outcome: dict | Failure) -> TrainRow:
         predicted_step_s=summary.get("predicted_step_s"),
         median_step_s=summary.get("median_step_s"),
         transport=summary.get("transport") or {},
+        batch_size=args.batch_size,
     )
 
 

@@ -78,6 +78,15 @@ class ClusterSpec:
         shared cores the n workers' CPU takes n/cores of the time it would alone."""
         return self.worker_wait + self.worker_cpu * crowding(self.workers, self.shared_cores)
 
+    def with_message_delay(self, seconds: float) -> ClusterSpec:
+        """This cluster with ``seconds`` injected per message on the worker's thread
+        (``senders.MessageCost``): a wait, so it holds the thread and not the cores."""
+        return replace(
+            self,
+            alpha_worker=self.alpha_worker + seconds,
+            worker_wait=self.worker_wait + seconds,
+        )
+
     def with_workers(self, workers: int, shards_per_worker: float | None = None) -> ClusterSpec:
         """The same hardware with another worker count (and shards scaled 1:1 if asked)."""
         shards = (

@@ -25,6 +25,7 @@ import numpy as np
 
 from .cluster import ClusterSpec
 from .plan import Plan
+from .profile import ModelProfile
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,14 @@ class PSCost:
             | {2**k for k in range(int(math.log2(self.cluster.shards)) + 1)}
         )
         return [s for s in candidates if 1 <= s <= self.cluster.shards]
+
+
+def ps_step_seconds(plan: Plan, cluster: ClusterSpec, profile: ModelProfile) -> float:
+    """The PS model's time per step of ``plan``: the forward, then the backward with every part
+    played out (:func:`ps_step_end`); a step ends when both the backward and the last part are
+    done."""
+    comm = ps_step_end(plan, cluster, profile.ready_times())
+    return float(profile.forward_s.sum()) + max(comm, float(profile.backward_s.sum()))
 
 
 def ps_step_end(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> float:

@@ -6,6 +6,7 @@ order. Layers are indexed in backward order: layer 0's gradient is ready first.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -37,6 +38,17 @@ def threshold_groups(params: Sequence[int], threshold: int) -> LayerRanges:
         size += count
     ranges.append((first, len(params)))
     return ranges
+
+
+def threshold_ladder(total: int, per_octave: int) -> list[int]:
+    """Static fusion's thresholds from the whole model (one group) down to one element, each
+    2^(1/per_octave) below the last, ascending: per_octave 1 is a sweep by factors of 2."""
+    if total < 1 or per_octave < 1:
+        raise ValueError(
+            f"a ladder needs at least 1 element and per_octave >= 1, got {total}, {per_octave}"
+        )
+    steps = per_octave * math.ceil(math.log2(total)) + 1
+    return sorted({max(1, round(total / 2 ** (k / per_octave))) for k in range(steps)})
 
 
 def mgwfbp_groups(

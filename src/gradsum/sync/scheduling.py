@@ -38,7 +38,7 @@ from scipy.stats import theilslopes
 
 from ..schedule import AlphaBeta, ClusterSpec, ModelProfile, Plan, make_planner
 from ..schedule.cluster import crowding
-from ..schedule.costs import least_squares, ps_step_end
+from ..schedule.costs import least_squares, ps_step_seconds
 from ..schedule.ordering import send_order
 from ..schedule.profiling import measure_profile
 
@@ -121,17 +121,15 @@ class RuntimePlan:
 
     def predicted_step_s(self) -> float | None:
         """The PS model's time per step of this plan on the measured cluster: its forward, then
-        the backward with every part played out (``costs.ps_step_end``). None where there is no
+        the backward with every part played out (``costs.ps_step_seconds``). None where there is no
         measured cost (cost-free policies plan without one) or the model does not play the plan
         (all-reduce, priority order)."""
         if self.cost.fit is None:
             return None
         try:
-            comm = ps_step_end(self.plan, self.cluster, self.profile.ready_times())
+            return ps_step_seconds(self.plan, self.cluster, self.profile)
         except ValueError:
             return None
-        backward = float(self.profile.backward_s.sum())
-        return float(self.profile.forward_s.sum()) + max(comm, backward)
 
 
 @dataclass(frozen=True)
@@ -536,11 +534,7 @@ def agree_on_plan(
             if cost.fit is None
             else cluster_from_fit(cost.fit, world, shards, remote, cores)
         )
-        cluster = dataclasses.replace(
-            cluster,
-            alpha_worker=cluster.alpha_worker + message_delay,
-            worker_wait=cluster.worker_wait + message_delay,
-        )
+        cluster = cluster.with_message_delay(message_delay)
         plan = planner(profile, cluster)
         order = send_order(plan, profile, _transfer_seconds(cost, cluster, scheduler))
         chosen = [(plan, order, profile, cluster)]
