@@ -1,6 +1,7 @@
 """Training that survives faults: a switch killed mid-training and restarted on its port, a
 killed worker, a torchrun restart from the last checkpoint."""
 
+import faulthandler
 import multiprocessing
 import os
 import re
@@ -115,6 +116,7 @@ def test_a_worker_killed_before_it_could_report_is_named_by_the_launcher():
 
 def _returns_then_aborts(results, rank):
     results[rank] = {"rank": rank}
+    faulthandler.disable()  # pytest's, inherited by the fork: no stack dump in the test's log
     os.kill(os.getpid(), signal.SIGABRT)  # a library's std::terminate in teardown
 
 
