@@ -40,8 +40,9 @@ def test_the_best_fusion_is_the_fastest_threshold_and_of_equals_the_largest():
     assert threshold == max(t for t, s in steps.items() if s == fastest)
 
 
-def test_every_role_is_played_and_a_finer_sweep_is_never_slower():
-    profile = gpt_shaped(8, 128)
+@pytest.mark.parametrize(("blocks", "width"), [(8, 128), (8, 256)])  # 1.6M and 6.4M parameters
+def test_every_role_is_played_and_a_finer_sweep_is_never_slower(blocks, width):
+    profile = gpt_shaped(blocks, width)
     rows = plays.plays(profile, TESTBED.with_message_delay(5e-3))
     assert tuple(rows) == plays.ROLES
     assert rows["fusion finest"].step_s <= rows["fusion ×2"].step_s
@@ -51,9 +52,7 @@ def test_every_role_is_played_and_a_finer_sweep_is_never_slower():
     assert rows["imerge"].step_s <= 1.1 * rows["imerge search"].step_s * (1 + 1e-9)
 
 
-def test_models_split_at_commas_outside_their_sizes():
-    text = "gpt(layers=2,width=64), resnet18,digits-cnn"
-    assert plays._split_models(text) == ["gpt(layers=2,width=64)", "resnet18", "digits-cnn"]
+def test_a_model_is_named_with_its_sizes():
     assert plays.parse_model("gpt(layers=2,width=64)") == ("gpt", {"layers": 2, "width": 64})
     with pytest.raises(ValueError, match="takes no size options"):
         plays.parse_model("resnet18(layers=2)")

@@ -20,7 +20,6 @@ resolution). The last line of each model says how far imerge is from the finest 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -108,8 +107,7 @@ def profile_model(name: str, options: dict, batch_size: int, workers: int, cores
     """The profile start-up would play: measured here, scaled where workers outnumber cores."""
     import torch
 
-    from ..schedule.cluster import crowding
-    from ..schedule.profiling import measure_profile
+    from ..sync.scheduling import start_up_profile
     from ..train.models import GPTSizes, build_model, input_shape
 
     torch.manual_seed(0)
@@ -120,7 +118,7 @@ def profile_model(name: str, options: dict, batch_size: int, workers: int, cores
     else:
         model = build_model(name, 10)
         batch = torch.randn(batch_size, *input_shape(name))
-    return measure_profile(model, batch, model_name=name).scaled(crowding(workers, cores))
+    return start_up_profile(model, batch, name, workers, cores)
 
 
 def register(benches: argparse._SubParsersAction) -> None:
@@ -153,10 +151,11 @@ def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
     from ..schedule import AlphaBeta
     from ..sync.scheduling import cluster_from_fit
+    from ..train.methods import split_methods
     from .cli import parse_list
 
     models = []
-    for spec in _split_models(args.models):
+    for spec in split_methods(args.models, "--models"):
         try:
             models.append((spec, *parse_model(spec)))
         except (ValueError, TypeError) as error:
@@ -166,35 +165,29 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--message-delays {args.message_delays}: each in [0, 1) s")
     fit = AlphaBeta(*args.fixed_cost)
     cluster = cluster_from_fit(fit, args.workers, args.shards, args.workers - 1, args.cores)
-    for (spec, name, options), delay in itertools.product(models, delays):
+    for spec, name, options in models:
+        # one profile serves every delay: the delay is the cluster's, not the model's
         profile = profile_model(name, options, args.batch_size, args.workers, args.cores)
-        rows = plays(profile, cluster.with_message_delay(delay), args.per_octave)
-        print(_describe(spec, profile, delay, rows), flush=True)
-        if args.json:
-            record = {"model": spec, "batch_size": args.batch_size, "message_delay": delay,
-                      "fixed_cost": list(args.fixed_cost), "workers": args.workers,
-                      "shards": args.shards, "cores": args.cores,
-                      "params": profile.total_params, "tensors": len(profile.layers),
-                      "forward_s": float(profile.forward_s.sum()),
-                      "backward_s": float(profile.backward_s.sum()),
-                      "plays": {role: asdict(r) for role, r in rows.items()}}  # fmt: skip
-            with args.json.open("a") as out:  # a row as soon as it is played
-                out.write(json.dumps(record) + "\n")
+        for delay in delays:
+            rows = plays(profile, cluster.with_message_delay(delay), args.per_octave)
+            print(_describe(spec, profile, delay, rows), flush=True)
+            if args.json:
+                _append(args.json, {
+                    "model": spec, "batch_size": args.batch_size, "message_delay": delay,
+                    "fixed_cost": list(args.fixed_cost), "workers": args.workers,
+                    "shards": args.shards, "cores": args.cores,
+                    "params": profile.total_params, "tensors": len(profile.layers),
+                    "forward_s": float(profile.forward_s.sum()),
+                    "backward_s": float(profile.backward_s.sum()),
+                    "plays": {role: asdict(r) for role, r in rows.items()},
+                })  # fmt: skip
     return 0
 
 
-def _split_models(text: str) -> list[str]:
-    """Split at the commas outside parentheses: ``gpt(layers=2,width=64),resnet18``."""
-    specs, depth, current = [], 0, ""
-    for char in text:
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            specs.append(current.strip())
-            current = ""
-        else:
-            current += char
-    specs.append(current.strip())
-    return [s for s in specs if s]
+def _append(path: Path, record: dict) -> None:
+    """One JSON line, written as soon as its point is played."""
+    with path.open("a") as out:
+        out.write(json.dumps(record) + "\n")
 
 
 def _describe(spec: str, profile, delay: float, rows: dict[str, Play]) -> str:

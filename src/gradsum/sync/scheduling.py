@@ -496,6 +496,13 @@ def _cost_model(
     return calibrate(aggregator, codec, calibration_sizes(elements), load=load)
 
 
+def start_up_profile(model, batch, model_name: str, workers: int, cores: int | None):
+    """The profile start-up plans with: measured alone on this host, then scaled by how many
+    times its CPU time a worker's compute takes when ``workers`` run on ``cores`` shared cores
+    (``cluster.crowding``: 1 where each has its own)."""
+    return measure_profile(model, batch, model_name=model_name).scaled(crowding(workers, cores))
+
+
 def agree_on_plan(
     scheduler: str,
     model: torch.nn.Module,
@@ -525,9 +532,7 @@ def agree_on_plan(
     shards = getattr(aggregator, "num_shards", world)
     chosen: list = [None]
     if rank == 0:
-        profile = measure_profile(copy.deepcopy(model), batch, model_name=model_name)
-        if cores is not None and world > cores:  # measured alone, run n to the cores' c
-            profile = profile.scaled(world / cores)
+        profile = start_up_profile(copy.deepcopy(model), batch, model_name, world, cores)
         # A cost-free planner reads only the cluster's worker and shard counts.
         cluster = (
             ClusterSpec(workers=world, shards=shards)
