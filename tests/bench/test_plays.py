@@ -105,3 +105,18 @@ def test_the_ladder_runs_from_one_element_to_the_whole_model_in_even_steps():
     assert threshold_ladder(1, 4) == [1]
     with pytest.raises(ValueError, match="per_octave"):
         threshold_ladder(10, 0)
+
+
+def test_baselines_placed_whole_cannot_spread_a_big_group_that_imerge_spreads():
+    """One 4M-element layer and two small ones (digits-wide's shape) on 2 shards: placed whole,
+    every baseline puts the big layer on one shard, so its link carries it alone; BytePS's
+    pieces and imerge's spans share it over both."""
+    params = [4_194_304, 150_000, 5_658]
+    profile = uniform_profile(params, [2e-9 * p for p in params], [1e-9 * p for p in params])
+    whole = plays.plays(profile, TESTBED, placement="whole")
+    pieces = plays.plays(profile, TESTBED, placement="pieces")
+    assert whole["imerge"] == pieces["imerge"]  # imerge places by its own spans either way
+    for role in ("default", "wfbp", "fusion finest"):
+        assert whole[role].step_s > 1.5 * pieces[role].step_s
+    assert whole["fusion finest"].step_s > 1.5 * whole["imerge"].step_s
+    assert pieces["fusion finest"].step_s == pytest.approx(pieces["imerge"].step_s, rel=0.05)

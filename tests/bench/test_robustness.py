@@ -168,3 +168,29 @@ def test_a_map_passes_its_train_flags_to_every_run_and_they_win(tmp_path, monkey
     args = build_parser().parse_args(command[command.index("bench") :])
     assert (args.model, args.dataset, args.layers, args.width) == ("gpt", "stdlib", 16, 128)
     assert (args.max_steps, args.batch_size) == (40, 8)  # the map's 16 overridden
+
+
+def test_a_map_places_the_baselines_whole_and_leaves_imerge_and_priority_to_their_rules(
+    tmp_path, monkeypatch, capsys
+):
+    commands = []
+    monkeypatch.setattr(robustness, "_run_to_the_end", lambda c: commands.append(c) or 0)
+    robustness.main(["run", "--out", str(tmp_path), "--models", "m", "--delays", "0",
+                     "--schedulers", "default,wfbp(window=group),imerge,priority",
+                     "--thresholds", "10000", "--placement", "whole", "--no-ddp"])  # fmt: skip
+    [command] = commands
+    assert command[command.index("--schedulers") + 1] == (
+        "default(placement=whole),wfbp(window=group,placement=whole),imerge,priority,"
+        "fusion(threshold=10000,placement=whole)"
+    )
+    # a schedule that names its placement keeps it; pieces is every policy's default
+    assert robustness.placed("fusion(threshold=5,placement=pieces)", "whole") == (
+        "fusion(threshold=5,placement=pieces)"
+    )
+    assert robustness.placed("merge", "pieces") == "merge"
+    # the report tells the placements of static fusion apart
+    (tmp_path / "m_1gbit_0ms_ps.json").write_text(json.dumps([
+        row("fusion(threshold=10000,placement=whole)", 80.0),
+        row("fusion(threshold=10000)", 100.0), row("imerge", 99.0)]))  # fmt: skip
+    [[point]] = [list(r.values()) for r in robustness.load(tmp_path)]
+    assert [r["schedule"] for r in point] == ["fusion 10,000, whole", "fusion 10,000", "imerge"]

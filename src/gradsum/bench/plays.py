@@ -49,14 +49,14 @@ def play(schedule: str, plan, cluster, profile) -> Play:
     )
 
 
-def best_fusion(profile, cluster, thresholds, label: str) -> Play:
+def best_fusion(profile, cluster, thresholds, label: str, placement: str = "pieces") -> Play:
     """The fastest static fusion over ``thresholds`` by the play; of equal plays, the one with
     fewer messages (a larger threshold), as a user who swept would keep."""
     from ..schedule import make_planner
 
     best, seen = None, set()
     for threshold in sorted(thresholds, reverse=True):
-        plan = make_planner("fusion", threshold=threshold)(profile, cluster)
+        plan = make_planner("fusion", threshold=threshold, placement=placement)(profile, cluster)
         groups = tuple((g.start, g.stop) for g in plan.groups)
         if groups in seen:
             continue  # the same groups as a larger threshold: the same play
@@ -73,18 +73,23 @@ def best_fusion(profile, cluster, thresholds, label: str) -> Play:
 ROLES = ("default", "wfbp", "fusion ×2", "fusion finest", "imerge", "imerge search")
 
 
-def plays(profile, cluster, per_octave: int = 4) -> dict[str, Play]:
-    """Every role's play on ``cluster`` (:data:`ROLES`)."""
+def plays(profile, cluster, per_octave: int = 4, placement: str = "pieces") -> dict[str, Play]:
+    """Every role's play on ``cluster`` (:data:`ROLES`), the baselines placed by ``placement``
+    (``pieces``: BytePS's; ``whole``: each group on one shard, round-robin). imerge places its
+    groups over its own spans either way."""
     import dataclasses
 
     from ..schedule import make_planner
     from ..schedule.grouping import threshold_ladder
 
     total = profile.total_params
-    played = {name: play(name, make_planner(name)(profile, cluster), cluster, profile)
-              for name in ("default", "wfbp", "imerge")}  # fmt: skip
+    played = {name: play(name, make_planner(name, placement=placement)(profile, cluster),
+                         cluster, profile)
+              for name in ("default", "wfbp")}  # fmt: skip
+    played["imerge"] = play("imerge", make_planner("imerge")(profile, cluster), cluster, profile)
     for role, ladder in (("fusion ×2", 1), ("fusion finest", per_octave)):
-        played[role] = best_fusion(profile, cluster, threshold_ladder(total, ladder), "fusion")
+        played[role] = best_fusion(profile, cluster, threshold_ladder(total, ladder), "fusion",
+                                   placement)  # fmt: skip
     exact = dataclasses.replace(cluster, resolution=0.0)
     played["imerge search"] = play(
         "imerge, no resolution", make_planner("imerge")(profile, exact), cluster, profile
@@ -141,6 +146,9 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.add_argument("--shards", type=positive_int, default=2)
     parser.add_argument("--cores", type=positive_int, default=len(os.sched_getaffinity(0)),
                         help="cores every node shares (default: this host's)")  # fmt: skip
+    parser.add_argument("--placement", choices=("pieces", "whole"), default="pieces",
+                        help="where the baselines put a group: BytePS's pieces over the "
+                        "least-loaded shards, or whole on one shard, round-robin")  # fmt: skip
     parser.add_argument("--per-octave", type=positive_int, default=4,
                         help="the finest fusion sweep: thresholds per factor of 2")  # fmt: skip
     parser.add_argument("--json", type=Path, help="rows here, one per line, as they come")
@@ -169,13 +177,15 @@ def run(args: argparse.Namespace) -> int:
         # one profile serves every delay: the delay is the cluster's, not the model's
         profile = profile_model(name, options, args.batch_size, args.workers, args.cores)
         for delay in delays:
-            rows = plays(profile, cluster.with_message_delay(delay), args.per_octave)
+            rows = plays(
+                profile, cluster.with_message_delay(delay), args.per_octave, args.placement
+            )
             print(_describe(spec, profile, delay, rows), flush=True)
             if args.json:
                 _append(args.json, {
                     "model": spec, "batch_size": args.batch_size, "message_delay": delay,
                     "fixed_cost": list(args.fixed_cost), "workers": args.workers,
-                    "shards": args.shards, "cores": args.cores,
+                    "shards": args.shards, "cores": args.cores, "placement": args.placement,
                     "params": profile.total_params, "tensors": len(profile.layers),
                     "forward_s": float(profile.forward_s.sum()),
                     "backward_s": float(profile.backward_s.sum()),

@@ -62,8 +62,9 @@ def run(args: argparse.Namespace) -> None:
         # static fusion at each threshold is one more schedule of the same call, so that rounds
         # alternate it with the others
         fusions = [f"fusion(threshold={threshold})" for threshold in args.thresholds]
+        schedules = [placed(s, args.placement) for s in [*args.schedulers, *fusions]]
         calls = [("ps", ["--methods", "ps:none", "--shards", str(args.shards),
-                         "--schedulers", ",".join([*args.schedulers, *fusions]),
+                         "--schedulers", ",".join(schedules),
                          "--rounds", str(args.rounds)])]  # fmt: skip
         if args.ddp:
             calls.append(("ddp", ["--methods", "ddp", "--schedulers", "wfbp"]))
@@ -76,6 +77,21 @@ def run(args: argparse.Namespace) -> None:
             print(" ".join(command), flush=True)
             if _run_to_the_end(command) in INTERRUPTED:
                 raise SystemExit(f"stopped: {path.name} is not complete")
+
+
+def placed(schedule: str, placement: str) -> str:
+    """``schedule`` with the baselines' ``placement`` (docs/scheduling.md, "Partitioning"), where
+    its policy takes one and the schedule does not set it: ``fusion(threshold=10000)`` →
+    ``fusion(threshold=10000,placement=whole)``. BytePS's ``pieces`` is every policy's default,
+    so it leaves the schedule as it is."""
+    from ..schedule import parse_scheduler
+    from ..schedule.planners import takes_option
+
+    name, options = parse_scheduler(schedule)
+    if placement == "pieces" or "placement" in options or not takes_option(name, "placement"):
+        return schedule
+    inner = schedule.strip()[len(name) :].strip().removeprefix("(").removesuffix(")").strip()
+    return f"{name}({inner + ',' if inner else ''}placement={placement})"
 
 
 # how a `bench train` that was stopped ends: Ctrl-C (130), SIGTERM as SystemExit (143), a signal
@@ -124,7 +140,8 @@ def load(out: Path) -> list[dict[str, list[dict]]]:
             elif label.startswith("fusion"):  # a folder from before fusion shared the PS call
                 row["schedule"] = f"fusion {int(label[6:]):,}"
             elif policy_name == "fusion" and "threshold" in options:
-                row["schedule"] = f"fusion {int(options['threshold']):,}"
+                whole = ", whole" if options.get("placement") == "whole" else ""
+                row["schedule"] = f"fusion {int(options['threshold']):,}{whole}"
             else:
                 row["schedule"] = row["scheduler"]
             rounds.setdefault(row.get("round", 0), {}).setdefault(name, []).append(row)
@@ -330,6 +347,10 @@ def main(argv: list[str] | None = None) -> None:
                          help="the PS schedules, options in parentheses (repeats of a point: "
                          "the contenders; ablations: 'imerge(interleave=true,window=group)'; "
                          "priority at a credit: 'priority(credit_elements=1000000)')")  # fmt: skip
+    measure.add_argument("--placement", choices=("pieces", "whole"), default="pieces",
+                         help="where the baselines (default, WFBP, static fusion, merge) put "
+                         "a group: BytePS's pieces, or whole on one shard, round-robin; "
+                         "imerge and priority place by their own rules")  # fmt: skip
     measure.add_argument("--dataset", default="digits")
     measure.add_argument("--workers", type=int, default=4)
     measure.add_argument("--shards", type=int, default=2)

@@ -407,6 +407,12 @@ def parse_scheduler(spec: str) -> tuple[str, dict]:
     return name, options
 
 
+def takes_option(name: str, option: str) -> bool:
+    """Whether policy ``name`` has the option ``option`` (``placement``: the baselines do,
+    imerge and priority place by their own rules)."""
+    return option in inspect.signature(_PLANNERS[name]).parameters
+
+
 def make_planner(name: str, **options) -> Planner:
     """The planner ``name`` with its keyword options bound: ``planner(profile, cluster) → Plan``."""
     if name not in _PLANNERS:
