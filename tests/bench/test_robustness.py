@@ -194,3 +194,13 @@ def test_a_map_places_the_baselines_whole_and_leaves_imerge_and_priority_to_thei
         row("fusion(threshold=10000)", 100.0), row("imerge", 99.0)]))  # fmt: skip
     [[point]] = [list(r.values()) for r in robustness.load(tmp_path)]
     assert [r["schedule"] for r in point] == ["fusion 10,000, whole", "fusion 10,000", "imerge"]
+
+
+def test_points_of_different_shard_counts_are_not_repeats_of_each_other(tmp_path):
+    for shards in (2, 4):
+        folder = tmp_path / f"s{shards}"
+        folder.mkdir()
+        (folder / "m_1gbit_5ms_ps.json").write_text(json.dumps(
+            [dict(row("imerge", 10.0 * shards), shards=shards)]))  # fmt: skip
+    [two], [four] = robustness.load(tmp_path / "s2"), robustness.load(tmp_path / "s4")
+    assert list(two) == ["m_1gbit_5ms, 2 shards"] and list(four) == ["m_1gbit_5ms, 4 shards"]

@@ -28,5 +28,7 @@ def test_every_aggregator_trains_across_shaped_links_and_nothing_is_left(
         assert row["link_rate"] == "100mbit"
         assert row["samples_per_s"] > 0
         assert row["test_accuracy"] > 0.5  # one epoch on digits learns a lot
+        # a PS row says over how many shards it ran (one per worker by default)
+        assert row["shards"] == (2 if row["aggregator"] == "ps" else None)
     assert owned_namespaces(shell.list_namespaces(), "benchtrain") == []
     assert host_interfaces() == before

@@ -51,6 +51,25 @@ def test_local_job_through_gradsum_services_reaches_accuracy(aggregator, codec, 
 
 
 @pytest.mark.slow
+def test_the_calibrations_datagrams_are_counted_apart_from_trainings():
+    """imerge calibrates its α–β with round trips before training: those are start-up's, and
+    the training counters hold only what the steps sent."""
+    common = dict(aggregator="ps", codec="none", workers=2, epochs=1, progress=False)
+    calibrated = run_local(TrainConfig(scheduler="imerge", **common))
+    fixed = run_local(TrainConfig(scheduler="imerge", fixed_cost=(5e-3, 1e-8), **common))
+    assert calibrated["transport_start_up"]["packets_sent"] > 0
+    assert fixed["transport_start_up"].get("packets_sent", 0) == 0
+    # the MLP's two layers go as one group however α and β are set: the same steps, the same
+    # datagrams, whichever start-up came before
+    assert (
+        calibrated["plan"].split(";")[0]
+        == fixed["plan"].split(";")[0]
+        == ("plan imerge: 1 groups, largest 9,610 elements, smallest 9,610")
+    )
+    assert calibrated["transport"]["packets_sent"] == fixed["transport"]["packets_sent"] > 0
+
+
+@pytest.mark.slow
 def test_a_scheduler_spec_reaches_the_planner():
     """``--scheduler 'fusion(threshold=1)'``: the option overrides --fusion-elements (500,000,
     which would fuse the MLP's layers into one group) and the plan keeps each layer alone."""

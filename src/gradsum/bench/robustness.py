@@ -144,7 +144,9 @@ def load(out: Path) -> list[dict[str, list[dict]]]:
                 row["schedule"] = f"fusion {int(options['threshold']):,}{whole}"
             else:
                 row["schedule"] = row["scheduler"]
-            rounds.setdefault(row.get("round", 0), {}).setdefault(name, []).append(row)
+            # a point is its shards too: folders of 2 and of 4 are not repeats of each other
+            point = f"{name}, {row['shards']} shards" if row.get("shards") else name
+            rounds.setdefault(row.get("round", 0), {}).setdefault(point, []).append(row)
     return [rounds[k] for k in sorted(rounds)]
 
 

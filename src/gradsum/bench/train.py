@@ -65,10 +65,14 @@ class TrainRow:
     # the PS model's time per step for the plan the run made (None where it has none)
     predicted_step_s: float | None = None
     median_step_s: float | None = None  # the training's median step (train/loop.py)
-    # worker 0's datagram counters (``Aggregator.transport_stats``): what loss recovery cost
+    # worker 0's datagram counters in training (``Aggregator.transport_stats``): what loss
+    # recovery cost it
     transport: dict = field(default_factory=dict)
+    transport_start_up: dict = field(default_factory=dict)  # the same, sent before training
     round: int = 0  # which of --rounds played this run
     batch_size: int | None = None  # per worker (None in rows written before it was kept)
+    # PS shards in the testbed (None: another aggregator, loopback, or a row from before)
+    shards: int | None = None
 
     @property
     def failed(self) -> bool:
@@ -258,6 +262,7 @@ def _row(args, name: str, config, outcome: dict | Failure) -> TrainRow:
     """The row of one run: from rank 0's summary, or the failure that ended it."""
     error = outcome if isinstance(outcome, Failure) else None
     summary = {} if error else outcome
+    testbed_shards = args.shards or args.workers  # train_in_testbed's default: one per worker
     return TrainRow(
         method=f"{name}/{config.scheduler}",
         aggregator=config.aggregator,
@@ -279,7 +284,9 @@ def _row(args, name: str, config, outcome: dict | Failure) -> TrainRow:
         predicted_step_s=summary.get("predicted_step_s"),
         median_step_s=summary.get("median_step_s"),
         transport=summary.get("transport") or {},
+        transport_start_up=summary.get("transport_start_up") or {},
         batch_size=args.batch_size,
+        shards=testbed_shards if config.aggregator == "ps" and args.link_rate else None,
     )
 
 

@@ -109,6 +109,9 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
         )
         net, describe, order = model, chosen.describe(), chosen.order
         predicted = chosen.predicted_step_s()
+    # what start-up sent (the plan's calibration), so that the counters after training say what
+    # training alone cost in datagrams, retransmissions and timeouts
+    start_up = {} if aggregator is None else aggregator.transport_stats()
     guard = DivergenceGuard(method_name(config), config.divergence_factor, fallback=config.fallback)
     first_epoch = _resume(config, rank, model, optimizer, codec, sync) if config.resume else 0
     log = _Log(config.log if rank == 0 else None)
@@ -133,11 +136,13 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
                 if config.checkpoint:
                     _save(config, rank, epoch, model, optimizer, codec, sync)
         digest = check_replicas(model)
-        transport = {} if aggregator is None else aggregator.transport_stats()
+        total = {} if aggregator is None else aggregator.transport_stats()
     finally:
         sync.close()
     summary = _summary(config, world, history, digest, describe)
-    summary["transport"] = transport  # rank 0's datagrams: what loss recovery cost it
+    # rank 0's datagrams: what loss recovery cost it in training, and apart, at start-up
+    summary["transport"] = {key: n - start_up.get(key, 0) for key, n in total.items()}
+    summary["transport_start_up"] = start_up
     summary["predicted_step_s"] = predicted
     summary.update(method=method_name(config), fallbacks=guard.fallbacks, steps=step.count)
     if stepped:
