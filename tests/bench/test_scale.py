@@ -190,3 +190,18 @@ def test_methods_take_codec_options_and_rows_of_two_seeds_pair_by_seed(tmp_path,
         main([*flags[:5], "thc(nonsense=1)", *flags[6:]])
     assert usage.value.code == 2
     assert "has no option nonsense" in capsys.readouterr().err
+
+
+def test_powersgd_factors_each_weight_matrix_as_in_training(dataset):
+    """The simulated round describes the model's tensors as training's senders do, so PowerSGD
+    sends each weight matrix's rank-r factors and the rest whole: the bits a coordinate that
+    `bench tta` counts for the same model, not those of one square view of the buffer."""
+    from gradsum.bench import tta
+    from gradsum.train.config import TrainConfig
+
+    row = train_simulated("powersgd(rank=2)", 4, replace(TINY, steps=2), dataset=dataset)
+    config = TrainConfig(model="gpt", layers=1, width=32, heads=2, context=16, workers=4,
+                         aggregator="switch", codec="powersgd", codec_options="rank=2")  # fmt: skip
+    parameters = sum(p.numel() for p in build_model("gpt", 256, layers=1, width=32, heads=2,
+                                                    context=16).parameters())  # fmt: skip
+    assert row.bits_up * parameters / 8 == pytest.approx(tta.bytes_per_step(config), rel=0.01)

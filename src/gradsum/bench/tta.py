@@ -247,8 +247,8 @@ def make_row(args, name: str, fields: dict, outcome: dict | Failure) -> TTARow:
 
 def bytes_per_step(config) -> int:
     """What one worker sends per step, in steady state: DDP hooks from the tensors' shapes
-    (train/peers.py); a gradsum codec from one reference round of the model's gradient size
-    (wire bits up per coordinate, its summaries included)."""
+    (train/peers.py); a gradsum codec from one reference round of the model's gradient, its
+    tensors described (wire bits up per coordinate, its summaries included)."""
     import torch
 
     from ..train.models import build_model, model_sizes
@@ -264,9 +264,13 @@ def bytes_per_step(config) -> int:
     size = sum(p.numel() for p in model.parameters())
     codec = make_codec(config.codec, workers=config.workers,
                        **parse_options(config.codec_options))  # fmt: skip
+    # the tensors the flat gradient holds, as training's senders describe them: a codec that
+    # works per tensor (PowerSGD's matrices) sends what it sends in training, not what it would
+    # for one flat buffer viewed as a square matrix
+    codec.describe("model", [tuple(p.shape) for p in model.parameters()])
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randn(size, generator=generator) for _ in range(config.workers)]
-    result = run_round(codec, inputs)
+    result = run_round(codec, inputs, key="model")
     shared = [s for _, _, s in result.pieces if s is not None]
     summary_bits = sum(s.numel() for s in shared) * codec.summary_bits()
     bits_up, _ = result.bits_per_coordinate()
