@@ -137,3 +137,27 @@ def test_evaluations_come_every_eval_seconds_of_training_on_worker_0s_clock(
     summary = loop._stepped_summary(evals, None, durations, samples_per_step=8)
     assert summary["median_step_s"] == pytest.approx(0.7)
     assert summary["samples_per_s"] == pytest.approx(8 / 0.7)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method",
+    [{"aggregator": "allreduce", "codec": "powersgd", "codec_options": "rank=2"},
+     {"aggregator": "ddp", "ddp_hook": "fp16"}],
+    ids=["allreduce:powersgd", "ddp:fp16"],
+)  # fmt: skip
+def test_the_first_steps_go_uncompressed_when_asked(method):
+    """--uncompressed-steps N: the first N steps are fp32's, bit for bit (the lossless codec's
+    average of the same gradients), and compression starts at step N + 1."""
+    common = dict(model="gpt", dataset="stdlib", workers=2, batch_size=4, optimizer="adamw",
+                  lr=1e-3, layers=1, width=32, heads=2, context=32, data_bytes=100_000,
+                  eval_samples=16, progress=False)  # fmt: skip
+    fp32 = {"aggregator": method["aggregator"]} | (
+        {"codec": "none"} if method["aggregator"] != "ddp" else {"ddp_hook": "allreduce"}
+    )
+
+    def digest(steps: int, **fields) -> str:
+        return run_local(TrainConfig(max_steps=steps, **common, **fields))["parameter_digest"]
+
+    assert digest(3, **method, uncompressed_steps=3) == digest(3, **fp32)
+    assert digest(3, **method, uncompressed_steps=2) != digest(3, **fp32)

@@ -134,6 +134,7 @@ def test_resume_continues_bit_identically_to_an_uninterrupted_run(tmp_path, aggr
         (["--model", "resnet9"], "invalid choice: 'resnet9'"),
         (["--workers", "0"], "must be at least 1"),
         (["--mtu", "100"], "--mtu 100: must be between 576 and 65535"),
+        (["--uncompressed-steps", "-1"], "must be at least 0, got -1"),
         (["--scheduler", "imerge(bogus=1)"], "policy 'imerge' takes options"),
         (["--aggregator", "switch", "--switch", "127.0.0.1:9"], "no gradsum aggregator answers"),
         (["--aggregator", "ps", "--servers", "127.0.0.1:9"], "no gradsum aggregator answers"),

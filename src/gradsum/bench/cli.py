@@ -74,12 +74,20 @@ def positive_float(text: str) -> float:
 
 
 def positive_int(text: str) -> int:
+    return _int_from(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _int_from(text, 0)
+
+
+def _int_from(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
     return value
 
 

@@ -195,7 +195,8 @@ def train_flags(config) -> list[str]:
     flags += ["--fusion-elements", str(config.fusion_elements), "--epochs", str(config.epochs)]
     optional = {
         "--ddp-hook": config.ddp_hook, "--powersgd-rank": config.powersgd_rank,
-        "--powersgd-start": config.powersgd_start, "--layers": config.layers,
+        "--powersgd-start": config.powersgd_start,
+        "--uncompressed-steps": config.uncompressed_steps or None, "--layers": config.layers,
         "--width": config.width, "--heads": config.heads, "--context": config.context,
         "--data-bytes": config.data_bytes, "--max-steps": config.max_steps,
         "--eval-every": config.eval_every, "--eval-seconds": config.eval_seconds,

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import NoReturn
 
-from ..bench.cli import fixed_cost, positive_float, positive_int
+from ..bench.cli import fixed_cost, non_negative_int, positive_float, positive_int
 from ..devices import DEVICE_NAMES
 
 
@@ -129,6 +129,12 @@ def add_workload_flags(parser: argparse.ArgumentParser, defaults) -> None:
         "--powersgd-start", type=positive_int, default=defaults.powersgd_start,
         help="uncompressed steps before PowerSGD (at least 2)",
     )  # fmt: skip
+    parser.add_argument(
+        "--uncompressed-steps", type=non_negative_int, default=defaults.uncompressed_steps,
+        metavar="N",
+        help="the first N steps go uncompressed (fp32; bfp on a switch), whatever the codec or "
+        "hook: what torch's PowerSGD hook does with its own --powersgd-start",
+    )  # fmt: skip
     group = parser.add_argument_group("the gpt model (--model gpt --dataset stdlib)")
     group.add_argument("--layers", type=positive_int, default=defaults.layers)
     group.add_argument("--width", type=positive_int, default=defaults.width)
@@ -173,7 +179,8 @@ def add_workload_flags(parser: argparse.ArgumentParser, defaults) -> None:
 
 
 _WORKLOAD_FIELDS = (
-    "optimizer", "ddp_hook", "powersgd_rank", "powersgd_start", "layers", "width", "heads",
+    "optimizer", "ddp_hook", "powersgd_rank", "powersgd_start", "uncompressed_steps",
+    "layers", "width", "heads",
     "context", "data_bytes", "max_steps", "eval_every", "eval_seconds", "eval_samples",
     "time_budget",
     "target_loss", "divergence_factor", "fallback",

@@ -6,6 +6,7 @@ replica check, the evaluation result -- while gradients travel through the chose
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -122,7 +123,7 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
     history: list[EpochMetrics] = []
     evals: list[dict] = []
     augment = torch.Generator().manual_seed(config.seed * 7919 + rank)
-    step = _Stepper(net, model, optimizer, sync, guard)
+    step = _Stepper(net, model, optimizer, sync, guard, config.uncompressed_steps)
     try:
         if stepped:
             evals, durations = _train_steps(config, rank, world, step, model, dataset, log)
@@ -168,25 +169,32 @@ class _Stepper:
     the step is taken again through the lossless codec and counted.
     """
 
-    def __init__(self, net, model, optimizer, sync, guard: DivergenceGuard) -> None:
+    def __init__(self, net, model, optimizer, sync, guard: DivergenceGuard,
+                 uncompressed_steps: int = 0) -> None:  # fmt: skip
         self.net, self.model, self.optimizer, self.sync, self.guard = (
             net, model, optimizer, sync, guard,
         )  # fmt: skip
+        self.uncompressed_steps = uncompressed_steps  # the first steps' (--uncompressed-steps)
         self.count = 0  # steps taken
 
     def __call__(self, inputs, labels, stop: bool = False):
         """(loss, outputs) of the step, or None when a worker asked to stop (nothing taken)."""
         self.optimizer.zero_grad(set_to_none=False)
-        outputs = self.net(inputs)
-        loss = task_loss(outputs, labels)
-        mean, stopping = _agree(loss.detach(), stop)
-        if stopping:
-            return None
-        problem = self.guard.loss_problem(mean)
-        if problem is None:
-            loss.backward()
-            self.sync.wait()
-            problem = self.guard.gradient_problem(_gradients_finite(self.model))
+        # the first steps go uncompressed (--uncompressed-steps); the sync counts steps, so a
+        # resumed run warms up only where the first one had not. DDP's no_sync must see the
+        # forward too, so the whole step is inside.
+        warming = self.sync.step < self.uncompressed_steps
+        with self.sync.uncompressed() if warming else contextlib.nullcontext():
+            outputs = self.net(inputs)
+            loss = task_loss(outputs, labels)
+            mean, stopping = _agree(loss.detach(), stop)
+            if stopping:
+                return None
+            problem = self.guard.loss_problem(mean)
+            if problem is None:
+                loss.backward()
+                self.sync.wait()
+                problem = self.guard.gradient_problem(_gradients_finite(self.model))
         if problem is not None:
             if not self.guard.should_retry(problem):
                 raise self.guard.diverged(self.count + 1, problem)
