@@ -69,9 +69,10 @@ class TrainConfig:
     powersgd_rank: int = 2
     powersgd_start: int = 2  # uncompressed steps before PowerSGD (torch's minimum)
     # the first steps go uncompressed: through the aggregator's lossless codec (fp32, bfp on a
-    # switch), or DDP's fp32 average; torch's PowerSGD hook has its own powersgd_start. With AdamW the first gradients
-    # set the optimizer's moments; PowerSGD's first rank-r guesses from a random Q set them
-    # badly, and a run never recovers the loss it loses there (docs/benchmarks.md)
+    # switch), or DDP's fp32 average (torch's PowerSGD hook has its own powersgd_start). With
+    # AdamW the first gradients set the optimizer's moments; PowerSGD's first rank-r guesses from
+    # a random Q set them badly, and a run does not win back the loss it loses there
+    # (docs/benchmarks.md)
     uncompressed_steps: int = 0
     # the gpt model's sizes (the other models have fixed shapes)
     layers: int = 4
