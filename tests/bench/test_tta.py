@@ -105,13 +105,18 @@ def test_bytes_per_step_of_a_gradsum_codec_come_from_its_round():
     assert 0.11 < thc / fp32 < 0.2  # 4 bits of 32, padded to a power of two, plus ‖x‖
 
 
-def test_gradsum_powersgd_sends_per_tensor_what_torchs_hook_sends():
+@pytest.mark.parametrize(
+    "sizes",
+    [dict(layers=2, width=64, heads=2, context=16), dict(layers=4, width=256, heads=4, context=64)],
+    ids=["gpt 2x64", "gpt 4x256, 3.2M parameters"],
+)  # fmt: skip
+def test_gradsum_powersgd_sends_per_tensor_what_torchs_hook_sends(sizes):
     """Both factor each weight matrix at rank r and send the rest whole: the same numbers of
     coordinates, 4 bytes each (torch in fp32, gradsum in int32 lanes, plus one shared exponent
     per block). Counted over the flat gradient viewed as one near-square matrix, gradsum's was
     a third of torch's on the 3.2M-parameter gpt."""
-    config = TrainConfig(model="gpt", layers=2, width=64, heads=2, context=16, workers=4)
-    model = build_model("gpt", 256, layers=2, width=64, heads=2, context=16)
+    config = TrainConfig(model="gpt", workers=4, **sizes)
+    model = build_model("gpt", 256, **sizes)
     for rank in (2, 4):
         torch_hook = wire_bytes_per_step(
             TrainConfig(**{**config.__dict__, "aggregator": "ddp", "ddp_hook": "powersgd",

@@ -25,6 +25,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..schedule.placement import PLACEMENTS
 from .cli import fixed_cost, positive_int
 
 
@@ -146,7 +147,7 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.add_argument("--shards", type=positive_int, default=2)
     parser.add_argument("--cores", type=positive_int, default=len(os.sched_getaffinity(0)),
                         help="cores every node shares (default: this host's)")  # fmt: skip
-    parser.add_argument("--placement", choices=("pieces", "whole"), default="pieces",
+    parser.add_argument("--placement", choices=PLACEMENTS, default="pieces",
                         help="where the baselines put a group: BytePS's pieces over the "
                         "least-loaded shards, or whole on one shard, round-robin")  # fmt: skip
     parser.add_argument("--per-octave", type=positive_int, default=4,

@@ -39,6 +39,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..schedule.placement import PLACEMENTS
+
 PS_SCHEDULES = ("default", "wfbp", "merge", "imerge", "priority")
 # PS baselines, with the best static fusion; DDP apart: torch's all-reduce does not go through
 # gradsum's senders, so it pays no injected per-message delay
@@ -349,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
                          help="the PS schedules, options in parentheses (repeats of a point: "
                          "the contenders; ablations: 'imerge(interleave=true,window=group)'; "
                          "priority at a credit: 'priority(credit_elements=1000000)')")  # fmt: skip
-    measure.add_argument("--placement", choices=("pieces", "whole"), default="pieces",
+    measure.add_argument("--placement", choices=PLACEMENTS, default="pieces",
                          help="where the baselines (default, WFBP, static fusion, merge) put "
                          "a group: BytePS's pieces, or whole on one shard, round-robin; "
                          "imerge and priority place by their own rules")  # fmt: skip

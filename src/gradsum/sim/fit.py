@@ -24,11 +24,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from ..schedule.placement import PLACEMENTS
 from .presets import Preset, get_preset
 from .scaling import default_processes
 from .score import findings, loss, order_penalty, order_steps, scored_rows
 
-PLACEMENTS = ("pieces", "whole")
 BATCHES = (128, 256)
 ALPHAS_MS = (0.1, 0.3, 1.0)  # α_worker: per message on the worker's thread
 
