@@ -74,6 +74,7 @@ def _forward_backward(model, make_input):
 def _one_rank(rank, world, side_stream, channels_last):
     from gradsum.sync.allreduce import AllReduceAggregator
     from gradsum.sync.gradient_sync import GradientSync
+    from gradsum.sync.session import Session
 
     # cuDNN's default convolution backward sums with atomics, so two backward passes differ
     # in the last bits: the reference below must be the same computation as the synced one.
@@ -93,7 +94,7 @@ def _one_rank(rank, world, side_stream, channels_last):
             return torch.randn(512, 2048, device=CUDA)
 
     torch.manual_seed(1)
-    sync = GradientSync(model, make_codec("none", workers=1), AllReduceAggregator())
+    sync = GradientSync(model, Session(make_codec("none", workers=1), AllReduceAggregator()))
     try:
         stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
         with torch.cuda.stream(stream):
@@ -123,12 +124,13 @@ def _ddp_and_sync(rank, world):
     from gradsum.sync.allreduce import AllReduceAggregator
     from gradsum.sync.ddp_hook import GradsumHookState, gradsum_hook
     from gradsum.sync.gradient_sync import GradientSync
+    from gradsum.sync.session import Session
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4)).cuda()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    state = GradsumHookState(make_codec("thc", workers=world), AllReduceAggregator())
+    state = GradsumHookState(Session(make_codec("thc", workers=world), AllReduceAggregator()))
     ddp.register_comm_hook(state, gradsum_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -141,7 +143,7 @@ def _ddp_and_sync(rank, world):
         optimizer.step()
         optimizer.zero_grad()
     state.close()
-    sync = GradientSync(model, make_codec("thc", workers=world), AllReduceAggregator())
+    sync = GradientSync(model, Session(make_codec("thc", workers=world), AllReduceAggregator()))
     for step in range(3, 6):
         model(batch(step)).square().mean().backward()
         sync.wait()

@@ -11,8 +11,8 @@ from gradsum.net.client import SwitchClient
 IPV4_UDP = 28
 
 
-def fmt(codec: str):
-    return wire_format(make_codec(codec, workers=4))
+def fmt(codec: str, **options):
+    return wire_format(make_codec(codec, workers=4, **options), options)
 
 
 def bits(codec: str) -> int:
@@ -48,7 +48,8 @@ def test_an_mtu_with_no_room_for_a_packet_is_refused():
 
 
 def test_a_job_of_mtu_sized_packets_registers_a_slot_per_packet_and_refuses_quorums():
-    with SwitchClient([("127.0.0.1", 9)], job=1, worker=0, workers=2, slots=4, mtu=9000) as c:
+    with SwitchClient([("127.0.0.1", 9)], fmt("bfp"), job=1, worker=0, workers=2, slots=4,
+                      mtu=9000) as c:  # fmt: skip
         spec = c.job_spec([("127.0.0.1", 1000), ("127.0.0.1", 1001)])
         assert (spec.slots, spec.elements) == (4 * 7, 2232)
         with pytest.raises(ValueError, match="partial aggregation"):
@@ -60,8 +61,8 @@ def test_a_window_in_bytes_holds_as_many_chunks_as_fit_and_no_more(codec, option
     # THC's 64 KiB datagrams at 4 and 8 bits (results of 7 and 11), bfp's of 32: a 256 KiB
     # window keeps at most 256 KiB of a worker's chunks, or of their results, in flight
     window = 256 * 1024
-    with SwitchClient([("127.0.0.1", 9)], job=1, worker=0, workers=4, codec=codec,
-                      codec_options=options, window_bytes=window) as c:  # fmt: skip
+    with SwitchClient([("127.0.0.1", 9)], fmt(codec, **options), job=1, worker=0, workers=4,
+                      window_bytes=window) as c:  # fmt: skip
         f = c.format
         wide = max(f.in_bits, f.out_bits)
         datagram = HEADER_SIZE + IPV4_UDP + (c.elements * wide + 7) // 8
@@ -74,8 +75,8 @@ def test_a_window_in_bytes_holds_as_many_chunks_as_fit_and_no_more(codec, option
 def test_a_window_is_never_under_one_chunk_nor_over_the_slots():
     assert window_slots(1, 74856, 1, 7, 32) == 1
     assert window_slots(1 << 30, 74856, 1, 7, 32) == 32
-    with SwitchClient([("127.0.0.1", 9)], job=1, worker=0, workers=2, slots=4, mtu=9000,
-                      window_bytes=1 << 30) as c:  # fmt: skip
+    with SwitchClient([("127.0.0.1", 9)], fmt("bfp"), job=1, worker=0, workers=2, slots=4,
+                      mtu=9000, window_bytes=1 << 30) as c:  # fmt: skip
         assert c.slots == 4  # the bytes allow more than the slots asked for
     with pytest.raises(ValueError, match="window_bytes must be positive"):
         window_slots(0, 1024, 1, 32, 32)

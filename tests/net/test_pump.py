@@ -89,14 +89,15 @@ def test_a_pumped_transport_gives_the_python_loops_results_under_loss(monkeypatc
     serving = threading.Thread(target=daemon.serve, daemon=True)
     serving.start()
     address = sock.getsockname()
-    options = {"workers": 3, "codec": "bfp", "slots": 4, "elements": 1024, "multicast": True}
-    clients = [SwitchClient([address], job=3, worker=w, **options) for w in range(3)]
+    bfp, wire = task.codec_and_wire()
+    options = {"workers": 3, "slots": 4, "elements": 1024, "multicast": True}
+    clients = [SwitchClient([address], wire, job=3, worker=w, **options) for w in range(3)]
     try:
         clients[0].register([c.address for c in clients])
         outputs: dict = {}
 
         def work(w):
-            outputs[w] = [clients[w].allreduce(worker_input(task, w, s)) for s in range(2)]
+            outputs[w] = [clients[w].allreduce(worker_input(task, w, s), bfp) for s in range(2)]
 
         threads = [threading.Thread(target=work, args=(w,)) for w in range(3)]
         for thread in threads:

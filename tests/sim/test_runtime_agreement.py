@@ -15,10 +15,11 @@ import time
 import pytest
 import torch
 
-from gradsum.codecs import make_codec
 from gradsum.schedule import ClusterSpec, make_planner, uniform_profile
 from gradsum.sim.engine import Simulation
 from gradsum.sync.senders import ShardSender
+
+from ..sync.fakes import answering_session
 
 pytestmark = pytest.mark.slow  # tens of seconds on this shared host
 SETTLE_S = 0.02  # a start the runtime should not make would show within this
@@ -33,7 +34,7 @@ class GatedShards:
         self._gates: dict[tuple[int, int], threading.Event] = {}
         self._lock = threading.Lock()
 
-    def synchronize_part(self, shard, flat, codec, *, key, step, seed, partition_elements):
+    def __call__(self, flat, *, key, step, shard):
         _, group, part = key
         gate = threading.Event()
         with self._lock:
@@ -80,7 +81,8 @@ def wait_for(shards, expected):
 
 def replay(plan, events, worker):
     shards = GatedShards(1 + max(p.shard for g in plan.groups for p in g.parts))
-    sender = ShardSender(shards, plan, worker, timeout=10, codec=make_codec("none"))
+    session = answering_session(shards, shards=shards.num_shards, rank=worker)
+    sender = ShardSender(session, plan, timeout=10)
     expected, futures = [], []
     try:
         for event, g, k in events:

@@ -9,18 +9,19 @@ from gradsum.sync.allreduce import AllReduceAggregator
 from gradsum.sync.gradient_sync import GradientSync
 from gradsum.sync.scheduling import CALIBRATION_SIZES, agree_on_plan, calibrate
 from gradsum.sync.service import JobSettings
+from gradsum.sync.session import Session
 from gradsum.sync.sharded import ShardedServiceAggregator
 
 from .workers import _batches, tiny_model, train_steps
 
 
 def train_with_plan(rank, world, addresses, scheduler, options, steps, fit=None):
-    codec = make_codec("none", workers=world)
-    aggregator = ShardedServiceAggregator(addresses, JobSettings(codec, "none", {}, rank, world))
+    aggregator = ShardedServiceAggregator(addresses, JobSettings(rank, world))
+    session = Session(make_codec("none", workers=world), aggregator)
     model = tiny_model()
     batch = next(_batches(rank, 1))[0]
-    chosen = agree_on_plan(scheduler, model, batch, aggregator, codec, options=options, fit=fit)
-    sync = GradientSync(model, codec, aggregator, plan=chosen.plan, order=chosen.order, timeout=60)
+    chosen = agree_on_plan(scheduler, model, batch, session, options=options, fit=fit)
+    sync = GradientSync(model, session, plan=chosen.plan, order=chosen.order, timeout=60)
     losses, snapshots = train_steps(rank, steps, model, model, sync.wait)
     sync.close()
     aggregator.close()
@@ -37,5 +38,5 @@ def calibrate_over_allreduce(rank, world, sizes=CALIBRATION_SIZES):
     """``calibrate`` through Gloo all-reduce: the cost model and the warnings this rank saw."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cost = calibrate(AllReduceAggregator(), make_codec("none", workers=world), sizes)
+        cost = calibrate(Session(make_codec("none", workers=world), AllReduceAggregator()), sizes)
     return {"cost": cost, "warnings": [str(w.message) for w in caught]}

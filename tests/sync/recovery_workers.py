@@ -6,20 +6,21 @@ import torch
 
 from gradsum.codecs import make_codec
 from gradsum.sync.service import JobSettings, ServiceAggregator
+from gradsum.sync.session import Session
 
 
 def rounds_through_a_switch(rank, world, addresses, steps, elements, standby=()):
     """``steps`` THC rounds (error feedback: state carried from step to step) of seeded
     gradients through a switch job; the averages, and the recoveries this worker took part in."""
-    codec = make_codec("thc", workers=world)
-    settings = JobSettings(codec, "thc", {}, rank, world, silence=0.5, timeout=60.0)
+    settings = JobSettings(rank, world, silence=0.5, timeout=60.0)
     aggregator = ServiceAggregator("switch", addresses, settings, standby=standby)
     generator = torch.Generator().manual_seed(1000 + rank)
     averages = []
     try:
+        session = Session(make_codec("thc", workers=world), aggregator, seed=7)
         for step in range(steps):
             flat = torch.randn(elements, generator=generator)
-            averages.append(aggregator.synchronize(flat, codec, key="g", step=step, seed=7).clone())
+            averages.append(session.synchronize(flat, key="g", step=step).clone())
     finally:
         aggregator.close()
     return {"averages": averages, "recoveries": aggregator.recovery.recoveries}
@@ -34,17 +35,17 @@ def a_worker_dies(rank, world, addresses, steps, elements, die_at):
 
     from gradsum.failures import describe_failure
 
-    codec = make_codec("thc", workers=world)
-    settings = JobSettings(codec, "thc", {}, rank, world, silence=0.5, timeout=60.0)
+    settings = JobSettings(rank, world, silence=0.5, timeout=60.0)
     aggregator = ServiceAggregator("switch", addresses, settings)
     flat = torch.randn(elements, generator=torch.Generator().manual_seed(rank))
     last = time.monotonic()
     try:
         try:
+            session = Session(make_codec("thc", workers=world), aggregator, seed=7)
             for step in range(steps):
                 if rank == 1 and step == die_at:
                     os.kill(os.getpid(), signal.SIGKILL)
-                aggregator.synchronize(flat, codec, key="g", step=step, seed=7)
+                session.synchronize(flat, key="g", step=step)
                 last = time.monotonic()
         finally:
             aggregator.close()  # on the error: every worker tears the job down

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from gradsum.codecs import make_codec
 from gradsum.sync.service import JobSettings, ServiceAggregator
+from gradsum.sync.session import Session
 
 from .workers import tiny_model, train_steps
 
 
 def train_through_service(rank, world, kind, addresses, codec_name, steps, ddp):
-    codec = make_codec(codec_name, workers=world)
-    settings = JobSettings(codec, codec_name, {}, rank, world)
-    aggregator = ServiceAggregator(kind, addresses, settings)
+    aggregator = ServiceAggregator(kind, addresses, JobSettings(rank, world))
+    session = Session(make_codec(codec_name, workers=world), aggregator)
     model = tiny_model()
     if ddp:
         from torch.nn.parallel import DistributedDataParallel
@@ -19,13 +19,13 @@ def train_through_service(rank, world, kind, addresses, codec_name, steps, ddp):
         from gradsum.sync.ddp_hook import GradsumHookState, gradsum_hook
 
         wrapped = DistributedDataParallel(model, bucket_cap_mb=0.01)
-        state = GradsumHookState(codec, aggregator)
+        state = GradsumHookState(session)
         wrapped.register_comm_hook(state, gradsum_hook)
     else:
         from gradsum.sync.gradient_sync import GradientSync
 
         wrapped = model
-        sync = GradientSync(model, codec, aggregator)
+        sync = GradientSync(model, session)
     losses, snapshots = train_steps(
         rank, steps, model, wrapped, (lambda: None) if ddp else sync.wait
     )
@@ -48,14 +48,14 @@ def warm_up_then_compress(rank, world, kind, addresses, start_step, steps):
     from gradsum.sync.allreduce import AllReduceAggregator
     from gradsum.sync.ddp_hook import GradsumHookState, gradsum_hook
 
-    codec = make_codec("thc", workers=world)
     if kind == "allreduce":
         aggregator = AllReduceAggregator()
     else:
-        aggregator = ServiceAggregator(kind, addresses, JobSettings(codec, "thc", {}, rank, world))
+        aggregator = ServiceAggregator(kind, addresses, JobSettings(rank, world))
     model = tiny_model()
     wrapped = DistributedDataParallel(model, bucket_cap_mb=25)  # one bucket
-    state = GradsumHookState(codec, aggregator, start_step=start_step)
+    state = GradsumHookState(Session(make_codec("thc", workers=world), aggregator),
+                             start_step=start_step)  # fmt: skip
     records = []
 
     def recording_hook(state, bucket):

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from gradsum.codecs import make_codec
 from gradsum.schedule import PLANNER_NAMES, AlphaBeta, ClusterSpec, make_planner, uniform_profile
 from gradsum.sync import scheduling
 from gradsum.sync.scheduling import (
@@ -25,6 +24,7 @@ from gradsum.sync.scheduling import (
 )
 
 from .distributed import run_distributed
+from .fakes import answering_session
 from .plan_workers import calibrate_over_allreduce
 from .workers import tiny_model
 
@@ -240,17 +240,19 @@ def test_any_noise_gives_a_usable_cost_model_within_the_attempts(seed):
     assert cost.fit.alpha >= 0 and cost.fit.beta > 0
 
 
-class _Untouchable:
-    """An aggregator no transfer may reach."""
+def _untouched(*_, **__):
+    raise AssertionError("calibration sent a transfer for a policy that needs no cost model")
 
-    def synchronize(self, *_, **__):
-        raise AssertionError("calibration sent a transfer for a policy that needs no cost model")
+
+def _untouchable():
+    """A Session no transfer may reach."""
+    return answering_session(_untouched)
 
 
 @pytest.mark.parametrize("scheduler", sorted(COST_FREE))
 def test_policies_that_need_no_cost_model_do_not_calibrate(scheduler):
     chosen = agree_on_plan(
-        scheduler, tiny_model(), torch.randn(8, 20), _Untouchable(), make_codec("none", workers=1)
+        scheduler, tiny_model(), torch.randn(8, 20), _untouchable()
     )
     assert chosen.cost == CostModel(None, "not needed", chosen.cost.reason)
     assert chosen.plan.policy == scheduler
@@ -282,10 +284,13 @@ class _Canned:
 
 
 class _Recorder:
+    """The keys and steps of a Session's rounds (``session``), each answered with its input."""
+
     def __init__(self):
         self.keys = []
+        self.session = answering_session(self)
 
-    def synchronize(self, tensor, codec, *, key, step, **_):
+    def __call__(self, tensor, *, key, step, shard):
         self.keys.append((key, step))
         return tensor
 
@@ -293,11 +298,11 @@ class _Recorder:
 def test_calibrate_measures_again_through_the_aggregator_until_a_fit_is_usable(monkeypatch):
     canned = _Canned([STALLED, _round(), _round()])
     monkeypatch.setattr(scheduling, "time_transfers", canned)
-    aggregator = _Recorder()
-    cost = calibrate(aggregator, make_codec("none", workers=1))
+    recorder = _Recorder()
+    cost = calibrate(recorder.session)
     assert cost.source == "refitted"
     assert len(canned.rounds) == 1  # two rounds measured, the third not needed
-    steps = [step for _, step in aggregator.keys]
+    steps = [step for _, step in recorder.keys]
     assert steps == list(range(len(steps))) and len(steps) == 6  # one new step per transfer
 
 
@@ -351,7 +356,7 @@ def test_the_step_load_ran_while_calibration_measured(monkeypatch):
 
     monkeypatch.setattr(scheduling, "time_transfers", timed)
     model = tiny_model()
-    cost = calibrate(_Recorder(), make_codec("none", workers=1),
+    cost = calibrate(_Recorder().session,
                      load=lambda: scheduling.step_load(model, torch.randn(8, 20)))  # fmt: skip
     assert cost.source == "fitted" and seen == [True]
     assert "(fitted under the step's load)" in cost.describe()
@@ -368,7 +373,7 @@ def test_a_step_load_that_fails_names_its_error():
 def test_calibrate_warns_when_it_falls_back(monkeypatch):
     monkeypatch.setattr(scheduling, "time_transfers", _Canned([BROKEN] * CALIBRATION_ATTEMPTS))
     with pytest.warns(RuntimeWarning, match="planning with the default .*no usable fit"):
-        cost = calibrate(_Recorder(), make_codec("none", workers=1))
+        cost = calibrate(_Recorder().session)
     assert cost.fit == DEFAULT_COST and cost.source == "default"
 
 
@@ -376,7 +381,7 @@ def test_a_failed_calibration_still_gives_the_asked_policy_on_the_default_cost(m
     monkeypatch.setattr(scheduling, "time_transfers", _Canned([BROKEN] * CALIBRATION_ATTEMPTS))
     with pytest.warns(RuntimeWarning):
         chosen = agree_on_plan(
-            "imerge", tiny_model(), torch.randn(8, 20), _Recorder(), make_codec("none", workers=1)
+            "imerge", tiny_model(), torch.randn(8, 20), _Recorder().session
         )
     assert chosen.plan.policy == "imerge"
     cores = scheduling.shared_host_cores()  # this process shares its host with itself
@@ -387,7 +392,7 @@ def test_a_failed_calibration_still_gives_the_asked_policy_on_the_default_cost(m
 
 
 def test_a_given_cost_replaces_the_calibration_and_must_be_a_cost():
-    args = (tiny_model(), torch.randn(8, 20), _Untouchable(), make_codec("none", workers=1))
+    args = (tiny_model(), torch.randn(8, 20), _untouchable())
     chosen = agree_on_plan("imerge", *args, fit=TRUTH)
     assert chosen.cost == CostModel(TRUTH, "given") and "(given)" in chosen.describe()
     with pytest.raises(ValueError, match="a given cost needs α >= 0 s and β > 0 s/byte"):
@@ -396,7 +401,7 @@ def test_a_given_cost_replaces_the_calibration_and_must_be_a_cost():
 
 def test_an_injected_message_delay_is_planned_with():
     # calibration measures through the aggregator, not the senders that inject the delay
-    args = (tiny_model(), torch.randn(8, 20), _Untouchable(), make_codec("none", workers=1))
+    args = (tiny_model(), torch.randn(8, 20), _untouchable())
     plain = agree_on_plan("imerge", *args, fit=TRUTH)
     delayed = agree_on_plan("imerge", *args, fit=TRUTH, message_delay=0.002)
     assert delayed.cluster.alpha_worker == pytest.approx(plain.cluster.alpha_worker + 0.002)
@@ -410,7 +415,7 @@ def test_one_process_shares_its_hosts_cores_with_itself():
 
 
 def test_a_plan_made_on_shared_cores_says_so_and_scales_the_measured_compute(monkeypatch):
-    args = (tiny_model(), torch.randn(8, 20), _Untouchable(), make_codec("none", workers=1))
+    args = (tiny_model(), torch.randn(8, 20), _untouchable())
     monkeypatch.setattr(scheduling, "shared_host_cores", lambda: None)  # a core per node
     own = agree_on_plan("imerge", *args, fit=TRUTH)
     monkeypatch.setattr(scheduling, "shared_host_cores", lambda: 1)
@@ -480,7 +485,7 @@ def test_remote_workers_are_those_that_cannot_bind_the_shards_address():
 
     assert scheduling.remote_workers(Shards("127.0.0.1")) == 0
     assert scheduling.remote_workers(Shards("192.0.2.1")) == 1  # TEST-NET-1: no host's own
-    assert scheduling.remote_workers(_Recorder()) == 0  # no addressed shards: one machine
+    assert scheduling.remote_workers(_Recorder().session.aggregator) == 0  # one machine
     with pytest.raises(ValueError, match="5 of 4 workers"):
         cluster_from_fit(TRUTH, 4, 2, remote=5)
 

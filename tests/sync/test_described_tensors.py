@@ -3,8 +3,10 @@
 import torch
 
 from gradsum.codecs import make_codec
-from gradsum.sync.aggregator import Aggregator
 from gradsum.sync.gradient_sync import GradientSync
+from gradsum.sync.session import Session
+
+from .fakes import Reducing
 
 
 class _Alone:
@@ -18,19 +20,13 @@ class _Alone:
                            for i, p in enumerate(phase.payloads())])  # fmt: skip
 
 
-class _Local(Aggregator):
-    def __init__(self):
-        super().__init__(0, 1)
-
-    def reducer(self, codec):
-        return _Alone()
 
 
 def test_gradient_sync_describes_each_group_by_its_parameters_shapes():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.ReLU(), torch.nn.Linear(30, 5))
     codec = make_codec("powersgd", workers=1, rank=2)
-    sync = GradientSync(model, codec, _Local(), groups=[[0, 1, 2, 3]])
+    sync = GradientSync(model, Session(codec, Reducing(_Alone)), groups=[[0, 1, 2, 3]])
     model(torch.randn(8, 40)).sum().backward()
     sync.wait()
     sync.close()

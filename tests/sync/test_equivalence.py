@@ -150,21 +150,21 @@ def test_services_give_the_reference_average_bit_for_bit(name, service, size):
 
 def allreduce_rounds(rank: int, world: int, names, sizes) -> dict:
     from gradsum.sync.allreduce import AllReduceAggregator
+    from gradsum.sync.session import Session
 
     aggregator = AllReduceAggregator()
     exact = AllReduceAggregator(deterministic=True)
     out = {}
     for size in sizes:
+        session = Session(make_codec("none", workers=world), exact, seed=SEED)
         out["none-in-worker-order", size] = [
-            exact.synchronize(gradient(rank, step, size), make_codec("none", workers=world),
-                              key=KEY, step=step, seed=SEED)
+            session.synchronize(gradient(rank, step, size), key=KEY, step=step)
             for step in range(steps_for("none", size))
         ]
         for name in names:
-            codec = built(name, size, workers=world)
+            session = Session(built(name, size, workers=world), aggregator, seed=SEED)
             out[name, size] = [
-                aggregator.synchronize(gradient(rank, step, size), codec, key=KEY, step=step,
-                                       seed=SEED)
+                session.synchronize(gradient(rank, step, size), key=KEY, step=step)
                 for step in range(steps_for(name, size))
             ]
     return out

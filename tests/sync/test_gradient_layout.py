@@ -6,9 +6,10 @@ import threading
 import pytest
 import torch
 
-from gradsum.codecs import make_codec
 from gradsum.schedule import ClusterSpec, LayerProfile, ModelProfile, make_planner
 from gradsum.sync.gradient_sync import GradientSync, row_major_blocks
+
+from .fakes import answering_session
 
 
 class _TwoWorkers:
@@ -20,7 +21,7 @@ class _TwoWorkers:
         self._changed = threading.Condition()
         self._meetings: dict = {}
 
-    def synchronize(self, flat, codec, *, key, step, **_):
+    def __call__(self, flat, *, key, step, shard):
         slot = (key, step)
         with self._changed:
             if slot in self._meetings:  # second worker: the first one waits for this mean
@@ -86,14 +87,13 @@ def test_non_contiguous_gradients_are_averaged_in_place(grouping):
     assert conv_weight.grad.is_contiguous(memory_format=torch.channels_last)
     assert not head.grad.is_contiguous()
 
-    aggregator = _TwoWorkers()
-    codec = make_codec("none", workers=2)
+    meeting = _TwoWorkers()
     plan = (
         _slicing_plan(list(models[0].parameters()), 7)
         if grouping == "slices across tensors"
         else None
     )
-    syncs = [GradientSync(m, codec, aggregator, plan=plan, timeout=30) for m in models]
+    syncs = [GradientSync(m, answering_session(meeting), plan=plan, timeout=30) for m in models]
     try:
         for model, x in zip(models, inputs, strict=True):  # sends run on the senders' threads
             _backward(model, x)
@@ -135,11 +135,9 @@ def test_row_major_blocks_are_views_covering_exactly_the_range(seed):
     assert marked == list(range(start, stop))
 
 
-class _Doubler:
-    """One worker's aggregator stand-in: the 'average' doubles, so every write-back shows."""
-
-    def synchronize(self, flat, codec, **_):
-        return flat * 2
+def _doubled(flat, **_):
+    """One worker's 'average' that doubles, so every write-back shows."""
+    return flat * 2
 
 
 class _WithEmptyParameter(torch.nn.Module):
@@ -157,7 +155,7 @@ def test_an_empty_parameter_is_a_group_of_its_own():
     model(torch.ones(1, 3)).sum().backward()
     expected = [p.grad.clone() * 2 for p in model.parameters()]
     model.zero_grad()
-    sync = GradientSync(model, make_codec("none", workers=1), _Doubler(), timeout=30)
+    sync = GradientSync(model, answering_session(_doubled), timeout=30)
     try:
         model(torch.ones(1, 3)).sum().backward()
         sync.wait()

@@ -24,6 +24,7 @@ def gradient(rank: int, step: int, length: int = LENGTH) -> torch.Tensor:
 
 def allreduce_syncs_and_sums(rank: int, world: int) -> dict:
     from gradsum.sync.allreduce import AllReduceAggregator
+    from gradsum.sync.session import Session
 
     aggregator = AllReduceAggregator()
     out = {}
@@ -39,12 +40,9 @@ def allreduce_syncs_and_sums(rank: int, world: int) -> dict:
         out["syncs", name] = syncs.calls
     os.environ["GRADSUM_NATIVE"] = "1"
     for workers in (world, 16, 100):  # uint8, float16 and int32 sums of the same rounds
-        codec = make_codec("thc", workers=workers)
-        out["thc", workers] = [
-            aggregator.synchronize(gradient(rank, step, 50_000), codec, key=KEY, step=step,
-                                   seed=SEED)
-            for step in range(2)
-        ]  # fmt: skip
+        session = Session(make_codec("thc", workers=workers), aggregator, seed=SEED)
+        out["thc", workers] = [session.synchronize(gradient(rank, step, 50_000), key=KEY, step=step)
+                               for step in range(2)]  # fmt: skip
     return out
 
 

@@ -29,18 +29,15 @@ def test_a_plan_for_another_model_is_refused():
         BufferLayout(plan, [5, 3, 1])
 
 
-class _Averager:
-    """An aggregator stand-in for one worker: the 'average' doubles, so writes are visible."""
-
-    rank = 0
-
-    def synchronize(self, flat, codec, **_):
-        return flat * 2
+def _doubled(flat, **_):
+    """One worker's 'average' that doubles, so writes are visible."""
+    return flat * 2
 
 
 def test_gradient_sync_writes_every_slice_back_and_honours_after_backward():
-    from gradsum.codecs import make_codec
     from gradsum.sync.gradient_sync import GradientSync
+
+    from .fakes import answering_session
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     params = list(model.parameters())
@@ -59,7 +56,7 @@ def test_gradient_sync_writes_every_slice_back_and_honours_after_backward():
     expected = [p.grad.clone() * 2 for p in params]  # before any hook: sends start in backward
     for name, options in (("priority", {"slice_elements": 5}), ("default", {})):
         plan = make_planner(name, **options)(profile, cluster)
-        sync = GradientSync(model, make_codec("none", workers=1), _Averager(), plan=plan)
+        sync = GradientSync(model, answering_session(_doubled), plan=plan)
         released_mid_backward = []
         probe = params[2].register_post_accumulate_grad_hook(  # the last layer: ready first
             lambda _, seen=released_mid_backward, s=sync: seen.append(s._released)

@@ -6,9 +6,10 @@ import time
 import pytest
 import torch
 
-from gradsum.codecs import make_codec
 from gradsum.schedule.plan import Group, Part, Plan
 from gradsum.sync.senders import ShardSender
+
+from .fakes import answering_session
 
 PART_SECONDS = 0.05
 
@@ -24,8 +25,11 @@ class RecordingShards:
         self._active = 0
         self.most_active = 0
 
-    def synchronize_part(self, shard: int, flat: torch.Tensor, codec, *, key, step, seed,
-                         partition_elements) -> torch.Tensor:  # fmt: skip
+    def session(self, worker: int = 0):
+        """A Session whose parts go to these shards."""
+        return answering_session(self, shards=self.num_shards, rank=worker)
+
+    def __call__(self, flat: torch.Tensor, *, key, step, shard) -> torch.Tensor:
         with self._lock:
             self._active += 1
             self.most_active = max(self.most_active, self._active)
@@ -50,7 +54,7 @@ def three_part_plan(*, interleave: bool, credit_bytes: int | None) -> Plan:
 
 def send_one_group(plan: Plan, worker: int = 0) -> tuple[RecordingShards, torch.Tensor]:
     shards = RecordingShards(3)
-    sender = ShardSender(shards, plan, worker, timeout=10, codec=make_codec("none"))
+    sender = ShardSender(shards.session(worker), plan, timeout=10)
     try:
         flat = torch.arange(12, dtype=torch.float32)
         result = sender.submit(0, flat, step=7).wait()
@@ -87,7 +91,7 @@ def test_a_window_of_one_group_keeps_the_next_group_waiting():
         credit_bytes=None,
     )
     shards = RecordingShards(3)
-    sender = ShardSender(shards, plan, 0, timeout=10, codec=make_codec("none"))
+    sender = ShardSender(shards.session(), plan, timeout=10)
     try:
         first = sender.submit(0, torch.arange(8, dtype=torch.float32), step=1)
         second = sender.submit(1, torch.arange(4, dtype=torch.float32), step=1)
@@ -104,7 +108,7 @@ def test_an_injected_message_delay_is_paid_on_one_thread_for_every_send_and_answ
     # other (0.24 s), as alpha_worker does in the simulator.
     plan = three_part_plan(interleave=False, credit_bytes=None)
     shards = RecordingShards(3)
-    sender = ShardSender(shards, plan, 0, timeout=10, codec=make_codec("none"), message_delay=0.04)
+    sender = ShardSender(shards.session(), plan, timeout=10, message_delay=0.04)
     try:
         started = time.perf_counter()
         result = sender.submit(0, torch.arange(12, dtype=torch.float32), step=0).wait()
@@ -114,4 +118,4 @@ def test_an_injected_message_delay_is_paid_on_one_thread_for_every_send_and_answ
     assert torch.equal(result, torch.arange(12, dtype=torch.float32) * 2)
     assert elapsed >= 6 * 0.04
     with pytest.raises(ValueError, match="per-message delay must be >= 0"):
-        ShardSender(shards, plan, 0, timeout=10, codec=make_codec("none"), message_delay=-1)
+        ShardSender(shards.session(), plan, timeout=10, message_delay=-1)

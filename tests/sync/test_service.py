@@ -52,6 +52,8 @@ def test_ddp_hook_warm_up_steps_are_uncompressed_on_every_aggregator(kind):
 def test_transport_stats_sum_every_clients_jobs():
     """A worker's counters over its clients (one per codec's jobs) and their jobs (one per
     switch pipeline or PS shard)."""
+    from types import SimpleNamespace
+
     from gradsum.sync.aggregator import Aggregator
     from gradsum.sync.service import ServiceAggregator
 
@@ -63,9 +65,10 @@ def test_transport_stats_sum_every_clients_jobs():
             return {f"10.0.0.{i}:7000/1": counters for i, counters in enumerate(self.per_job)}
 
     aggregator = ServiceAggregator.__new__(ServiceAggregator)  # no jobs needed
-    aggregator._clients = {
-        1: Client({"packets_sent": 10, "retransmissions": 1}, {"packets_sent": 5, "timeouts": 2}),
-        2: Client({"packets_sent": 7, "retransmissions": 0}),
-    }
+    aggregator._channels = [  # (wire format, its channel): two codecs' jobs
+        ("thc", SimpleNamespace(clients=[Client({"packets_sent": 10, "retransmissions": 1},
+                                                {"packets_sent": 5, "timeouts": 2})])),
+        ("none", SimpleNamespace(clients=[Client({"packets_sent": 7, "retransmissions": 0})])),
+    ]  # fmt: skip
     assert aggregator.transport_stats() == {"packets_sent": 22, "retransmissions": 1, "timeouts": 2}
     assert Aggregator(0, 1).transport_stats() == {}  # no gradsum transport: nothing to count

@@ -6,20 +6,16 @@ import torch
 
 from gradsum.codecs import NonFiniteGradientError, make_codec
 from gradsum.codecs.base import DeviceChecks
-from gradsum.sync.aggregator import Aggregator
 from gradsum.sync.gradient_sync import GradientSync
+from gradsum.sync.session import Session
 
 from ..codecs.test_host_syncs import OneWorker
+from .fakes import Reducing
 
 
-class LocalAggregator(Aggregator):
+def local_session(codec) -> Session:
     """One worker, the in-process reference's reducer."""
-
-    def __init__(self):
-        super().__init__(0, 1)
-
-    def reducer(self, codec):
-        return OneWorker()
+    return Session(codec, Reducing(OneWorker))
 
 
 @pytest.fixture
@@ -38,7 +34,7 @@ def reads(monkeypatch):
 def test_gradient_sync_reads_a_steps_checks_once(reads, monkeypatch):
     monkeypatch.setenv("GRADSUM_NATIVE", "0")  # the device path: checks are deferred
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
-    sync = GradientSync(model, make_codec("thc", workers=1), LocalAggregator())  # 4 groups
+    sync = GradientSync(model, local_session(make_codec("thc", workers=1)))  # 4 groups
     try:
         for _ in range(2):
             model(torch.randn(8, 64)).square().mean().backward()

@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from gradsum.codecs import make_codec
 from gradsum.sync.allreduce import AllReduceAggregator
+from gradsum.sync.session import Session
 
 
 def rank_input(rank: int, length: int) -> torch.Tensor:
@@ -17,15 +18,9 @@ def synchronize_codecs(rank, world, names, length, partition_elements):
     aggregator = AllReduceAggregator()
     results = {}
     for name in names:
-        codec = make_codec(name, workers=world)
-        average = aggregator.synchronize(
-            rank_input(rank, length),
-            codec,
-            key="t",
-            step=0,
-            partition_elements=partition_elements,
-        )
-        results[name] = average
+        session = Session(make_codec(name, workers=world), aggregator,
+                          partition_elements=partition_elements)  # fmt: skip
+        results[name] = session.synchronize(rank_input(rank, length), key="t", step=0)
     return results
 
 
@@ -74,7 +69,7 @@ def train_with_ddp_hook(rank, world, codec_name, steps):
     from gradsum.sync.ddp_hook import GradsumHookState, gradsum_hook
 
     model = DistributedDataParallel(tiny_model(), bucket_cap_mb=0.01)  # several buckets
-    state = GradsumHookState(make_codec(codec_name, workers=world), AllReduceAggregator())
+    state = GradsumHookState(Session(make_codec(codec_name, workers=world), AllReduceAggregator()))
     model.register_comm_hook(state, gradsum_hook)
     losses, snapshots = train_steps(rank, steps, model.module, model)
     state.close()
@@ -85,12 +80,8 @@ def train_with_gradient_sync(rank, world, codec_name, steps, fusion_elements):
     from gradsum.sync.gradient_sync import GradientSync
 
     model = tiny_model()
-    sync = GradientSync(
-        model,
-        make_codec(codec_name, workers=world),
-        AllReduceAggregator(),
-        fusion_elements=fusion_elements,
-    )
+    session = Session(make_codec(codec_name, workers=world), AllReduceAggregator())
+    sync = GradientSync(model, session, fusion_elements=fusion_elements)
     losses, snapshots = train_steps(rank, steps, model, model, sync.wait)
     sync.close()
     dist.barrier()

@@ -10,8 +10,10 @@ import torch
 import torch.distributed as dist
 
 from gradsum.codecs import make_codec
+from gradsum.sync.aggregator import Channel
 from gradsum.sync.allreduce import AllReduceAggregator
 from gradsum.sync.gradient_sync import GradientSync
+from gradsum.sync.session import Session
 from gradsum.train.config import TrainConfig
 from gradsum.train.guard import DivergenceError, DivergenceGuard
 from gradsum.train.loop import _gradients_finite, _Stepper
@@ -59,11 +61,20 @@ class _Corrupting(AllReduceAggregator):
         super().__init__()
         self.bad_steps, self.codecs_seen = set(bad_steps), []
 
-    def synchronize(self, flat, codec, *, key, step, seed=0, partition_elements=None):
-        self.codecs_seen.append((step, codec.name))
-        average = super().synchronize(flat, codec, key=key, step=step, seed=seed,
-                                      partition_elements=partition_elements)  # fmt: skip
-        if codec.name != "none" and step in self.bad_steps:
+    def connect(self, wire):
+        return _CorruptingChannel(self)
+
+
+class _CorruptingChannel(Channel):
+    def __init__(self, aggregator: _Corrupting):
+        super().__init__([aggregator])
+        self.aggregator = aggregator
+
+    def run(self, round_, flat, *, worker, key, step, shard=None):
+        codec = round_.codec
+        self.aggregator.codecs_seen.append((step, codec.name))
+        average = super().run(round_, flat, worker=worker, key=key, step=step, shard=shard)
+        if codec.name != "none" and step in self.aggregator.bad_steps:
             return torch.full_like(average, math.inf)
         return average
 
@@ -73,7 +84,7 @@ def _steps(fallback, bad_steps, count=6):
     model = build_model("digits-mlp")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     aggregator = _Corrupting(bad_steps)
-    sync = GradientSync(model, make_codec("thc", workers=1), aggregator)
+    sync = GradientSync(model, Session(make_codec("thc", workers=1), aggregator))
     guard = DivergenceGuard("allreduce:thc", fallback=fallback)
     step = _Stepper(model, model, optimizer, sync, guard)
     inputs = torch.rand(16, 64, generator=torch.Generator().manual_seed(1))

@@ -226,6 +226,9 @@ class Codec(ABC):
     # Error feedback's bound on the memory added, as a factor of the gradient's norm
     # (``feedback.ErrorFeedback``); None: unbounded.
     feedback_bound: float | None = None
+    # Whether ``precondition`` applies the optimizer's momentum itself (DGC's momentum
+    # correction): the optimizer must then apply none, or the momentum would count twice.
+    carries_momentum: bool = False
 
     def __init__(self, workers: int = 1):
         if workers < 1:

@@ -66,6 +66,7 @@ class DGC(TopK):
     """
 
     name = "dgc"
+    carries_momentum = True
     server_feedback_default = False  # DGC's paper sums at an all-reduce; nothing re-selects
 
     def __init__(

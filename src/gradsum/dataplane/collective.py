@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..codecs.base import Codec, Payload, float_to_ordered_int, ordered_int_to_float
+from ..codecs.base import Payload, float_to_ordered_int, ordered_int_to_float
 from ..codecs.bits import packed_nbytes
 from ..codecs.round import PARTITION_ELEMENTS, SumPhase
 from . import payload_wire
-from .codec_wire import WireFormat, wire_format
+from .codec_wire import WireFormat
 from .device_boundary import DeviceBoundary, pinned_empty
 from .geometry import chunk_lanes, packet_lanes
 from .jobspec import Address
@@ -70,7 +70,9 @@ RunTransfers = Callable[..., None]
 
 
 class Collective:
-    """The reducer of one worker over one or more aggregator jobs of one wire format."""
+    """The reducer of one worker over one or more aggregator jobs of one wire format. Every
+    round through it runs the codec ``fmt`` was computed from: the caller pairs them once
+    (``sync.session.Session``), so nothing here derives a format from a codec again."""
 
     def __init__(
         self,
@@ -98,7 +100,6 @@ class Collective:
         self._next_chunk = [0] * len(jobs)  # the transfers' chunk ids
         self._next_packet = [0] * len(jobs)  # the aggregator's chunk ids (segments per chunk)
         self._buffers: dict[tuple, torch.Tensor] = {}
-        self._checked: set[int] = set()
         self._boundaries: dict[torch.device, DeviceBoundary] = {}
 
     def restart(self, jobs: Sequence[JobHandle], run: RunTransfers | None = None) -> None:
@@ -140,7 +141,6 @@ class Collective:
         return out
 
     def sum(self, phase: SumPhase) -> None:
-        self._check_codec(phase.codec)
         if self.fmt.lanes:
             self._sum_lanes(phase)
         else:
@@ -221,19 +221,6 @@ class Collective:
                 phase.deliver(i, boundary.payload_to_device(summed))
 
     # -- shared --------------------------------------------------------------------------------
-    def _check_codec(self, codec: Codec) -> None:
-        """The codec of a round must be the one the jobs were registered for."""
-        if id(codec) in self._checked:
-            return
-        theirs, ours = wire_format(codec), self.fmt
-        same = theirs.op == ours.op if ours.lanes else theirs.op.codec == ours.op.codec
-        if not same:
-            raise ValueError(
-                f"codec {codec.name!r} needs aggregator operation {theirs.op}, but these jobs "
-                f"were registered for {self.fmt.op}"
-            )
-        self._checked.add(id(codec))
-
     def _transfer(self, index, job: JobHandle, op, buffers, segments=1, packets=None) -> Transfer:
         packets = buffers.chunks if packets is None else packets
         transfer = Transfer(

@@ -1,9 +1,10 @@
 """The worker client: real sockets and timers around ``dataplane.Collective`` and ``Transfer``.
 
-``SwitchClient(aggregators, job=..., worker=..., workers=..., codec=...)`` is one worker's
-connection to a job: ``collective`` is the job's ``codecs.round.Reducer`` (what the training
-integration, ``sync.service``, runs its codec rounds through), and ``allreduce(tensor)`` is one
-such round with the client's own codec, for tools and tests. It talks to switches and parameter
+``SwitchClient(aggregators, wire, job=..., worker=..., workers=...)`` is one worker's connection
+to a job of one wire format: ``collective`` is the job's ``codecs.round.Reducer`` (what the
+training integration, ``sync.service``, runs its Session's rounds through), and
+``allreduce(tensor, codec)`` is one round of the codec that wire format is of, for tools and
+tests. It talks to switches and parameter
 servers alike (the server decodes for codecs a switch cannot sum).
 
 Receive path: peek a datagram's header, ask the transfer where its payload belongs, and receive
@@ -25,10 +26,10 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from ..codecs.registry import make_codec
+from ..codecs.base import Codec
 from ..codecs.round import CodecRound
 from ..dataplane import authentication, bounded_json
-from ..dataplane.codec_wire import WireFormat, wire_format
+from ..dataplane.codec_wire import WireFormat
 from ..dataplane.collective import Collective, JobHandle
 from ..dataplane.geometry import aggregator_slots, lanes_fitting, packet_geometry, window_slots
 from ..dataplane.jobspec import Address, JobSpec
@@ -444,26 +445,27 @@ class SwitchClient:
     def __init__(
         self,
         aggregators: Sequence[Address | str],
+        wire: WireFormat,
         *,
         job: int,
         worker: int,
         workers: int,
-        codec: str = "bfp",
-        codec_options: dict | None = None,
         slots: int = 32,
         window_bytes: int | None = None,
         elements: int | None = None,
         bind: Address = ("127.0.0.1", 0),
-        seed: int = 0,
-        rank: int | None = None,
         policy: RetryPolicy | None = None,
         multicast: bool = False,
         mtu: int | None = None,
         silence: float = LIVENESS_SILENCE,
+        watchdog=None,
         key: bytes | None = None,
         admission: bytes | None = None,
         integrity: str = "token",
     ):
+        """``wire``: how the job's payloads travel (``dataplane.codec_wire.wire_format`` of the
+        codec its rounds run); ``watchdog``: what the transport asks after ``silence`` seconds
+        without a result (default: probe the aggregators)."""
         self.aggregators = [_address(a) for a in aggregators]
         # The job's key, the same on every worker (``sync.service`` agrees on one over
         # torch.distributed): it signs teardown and statistics. None: a protocol-1 job.
@@ -474,9 +476,7 @@ class SwitchClient:
             raise ValueError("integrity 'mac' needs the job's key")
         room = MAX_PAYLOAD - (authentication.TAG_SIZE if integrity == "mac" else 0)
         self.job, self.worker, self.workers = job, worker, workers
-        self.codec_name, self.codec_options = codec, dict(codec_options or {})
-        self.codec = make_codec(codec, workers=workers, **self.codec_options)
-        self.format: WireFormat = wire_format(self.codec, self.codec_options, seed)
+        self.format = wire
         self.slots = slots
         if self.format.lanes:
             bits = max(self.format.in_bits, self.format.out_bits)
@@ -497,15 +497,13 @@ class SwitchClient:
         self.multicast = multicast
         self.group_sockets = []
         self.silence = silence
+        self._watchdog = watchdog or functools.partial(probe_jobs, key=self.key)
         if self.segments > 1:  # the switch answers a chunk in one GSO send: read it as one
             enable_gro(self.sock)
         self.transport = self._connect()
         self.collective = Collective(self.format, self._handles(), self.transport.run,
                                      policy=policy, streaming=True)  # fmt: skip
         self.registered: tuple[tuple, dict] | None = None  # what ``register`` was given
-        # ``allreduce``'s round: the codec's per-worker randomness follows the global rank (the
-        # job's worker id is local to an aggregator; they differ under a hierarchy of switches)
-        self.seed, self.rank = seed, worker if rank is None else rank
         self._steps = itertools.count()
 
     def _connect(self) -> UdpTransport:
@@ -520,10 +518,8 @@ class SwitchClient:
         except OSError:
             self.close()
             raise
-        watchdog = getattr(self, "transport", None) and self.transport.watchdog
-        watchdog = watchdog or functools.partial(probe_jobs, key=self.key)
         return UdpTransport(self.sock, group_sockets=self.group_sockets, silence=self.silence,
-                            watchdog=watchdog)  # fmt: skip
+                            watchdog=self._watchdog)  # fmt: skip
 
     def _handles(self) -> list[JobHandle]:
         geometry = (self.slots, self.elements, self.workers, self.segments)
@@ -592,17 +588,20 @@ class SwitchClient:
         for address in self.aggregators:
             teardown_job(address, self.job, key=self.key)
 
-    def allreduce(
-        self, tensor: torch.Tensor, key: Hashable = None, step: int | None = None
-    ) -> torch.Tensor:
-        """The average of ``tensor`` over all workers (float32, same shape): one codec round
-        with this client's codec; ``step`` counts this client's calls unless given."""
+    def allreduce(self, tensor: torch.Tensor, codec: Codec, *, seed: int = 0,
+                  rank: int | None = None, key: Hashable = None,
+                  step: int | None = None) -> torch.Tensor:  # fmt: skip
+        """The average of ``tensor`` over all workers (float32, same shape): one round of
+        ``codec``, the codec the job's wire format is of, for tools and tests. ``rank``: the
+        worker's global rank, which its randomness follows (the job's worker id is local to an
+        aggregator; they differ under a hierarchy of switches); ``step`` counts this client's
+        calls unless given."""
         step = next(self._steps) if step is None else step
         flat = tensor.detach().reshape(-1).to(torch.float32)
         size = self.collective.partition_size()
-        average = CodecRound(self.codec, self.seed, size).run(
-            flat, self.collective, worker=self.rank, key=key, step=step
-        )
+        worker = self.worker if rank is None else rank
+        average = CodecRound(codec, seed, size).run(flat, self.collective, worker=worker,
+                                                    key=key, step=step)  # fmt: skip
         return average.view(tensor.shape)
 
     def stats(self) -> dict:

@@ -135,6 +135,14 @@ class WorkerTask:
     key: bytes | None = None  # the job's key: its control is signed, its packets carry its token
     integrity: str = "token"  # or "mac": every packet also ends in a keyed MAC (needs key)
 
+    def codec_and_wire(self):
+        """The task's codec, built once per worker, and the wire format its job registers."""
+        from ..codecs import make_codec
+        from ..dataplane.codec_wire import wire_format
+
+        codec = make_codec(self.codec, workers=self.workers, **self.codec_options)
+        return codec, wire_format(codec, self.codec_options, self.seed)
+
     def route(self, worker: int) -> tuple[tuple[Address, ...], int]:
         """(aggregators, worker id there) of a global worker."""
         if self.groups == 1:
@@ -222,10 +230,11 @@ def job_spec(task: WorkerTask, addresses, aggregator=None, **extra):
     max_contributors...); without ``aggregator``, results are unicast."""
     from .client import SwitchClient
 
-    probe = SwitchClient(task.aggregators[:1], job=task.job, worker=0, workers=task.workers,
-                         codec=task.codec, codec_options=task.codec_options, slots=task.slots,
-                         elements=task.slot_elements, multicast=False,
-                         mtu=task.mtu, key=task.key, integrity=task.integrity)  # fmt: skip
+    _, wire = task.codec_and_wire()
+    probe = SwitchClient(task.aggregators[:1], wire, job=task.job, worker=0,
+                         workers=task.workers, slots=task.slots, elements=task.slot_elements,
+                         multicast=False, mtu=task.mtu, key=task.key,
+                         integrity=task.integrity)  # fmt: skip
     probe.multicast = task.multicast
     try:
         return probe.job_spec(addresses, aggregator, **extra)
@@ -258,11 +267,15 @@ def _work(task: WorkerTask, worker: int, pipe) -> WorkerResult:
     torch.set_num_threads(1)
     policy = RetryPolicy(timeout=task.retry_timeout, give_up_after=task.give_up_after)
     aggregators, local = task.route(worker)
-    client = SwitchClient(aggregators, job=task.job, worker=local, workers=task.workers,
-                          codec=task.codec, codec_options=task.codec_options, slots=task.slots,
-                          elements=task.slot_elements, seed=task.seed, rank=worker,
-                          policy=policy, multicast=task.multicast, mtu=task.mtu,
-                          key=task.key, integrity=task.integrity)  # fmt: skip
+    codec, wire = task.codec_and_wire()
+    client = SwitchClient(aggregators, wire, job=task.job, worker=local, workers=task.workers,
+                          slots=task.slots, elements=task.slot_elements, policy=policy,
+                          multicast=task.multicast, mtu=task.mtu, key=task.key,
+                          integrity=task.integrity)  # fmt: skip
+
+    def allreduce(tensor, key=None):
+        return client.allreduce(tensor, codec, seed=task.seed, rank=worker, key=key)
+
     with client:
         pipe.send(client.address)
         if not pipe.poll(120):
@@ -270,11 +283,11 @@ def _work(task: WorkerTask, worker: int, pipe) -> WorkerResult:
         pipe.recv()
         inputs = worker_inputs(task, worker)
         for _ in range(task.warmup):
-            client.allreduce(inputs[0], key="warmup")
+            allreduce(inputs[0], key="warmup")
         outputs, seconds, cpu = [], [], 0.0
         for step in range(task.steps):
             start, start_cpu = time.perf_counter(), time.process_time()
-            out = client.allreduce(inputs[step])
+            out = allreduce(inputs[step])
             seconds.append(time.perf_counter() - start)
             cpu += time.process_time() - start_cpu
             if task.keep_output:  # numpy: torch would pass shared memory that dies with us

@@ -1,19 +1,54 @@
-"""What a worker needs from an aggregator, whatever runs it (all-reduce, switch, parameter server).
+"""What a Session needs from an aggregator, whatever runs it (all-reduce, switch, parameter server).
 
-``synchronize(flat, codec, key=, step=, seed=, partition_elements=)`` is the whole contract: the
-average over workers of a flat gradient. Every aggregator runs it as the same
-``codecs.round.CodecRound`` and contributes only the round's ``Reducer`` (a MAX of summaries and
-a SUM of wire payloads), so codec, step, seed and partitioning mean the same everywhere.
+``connect(wire)`` is the whole contract: the ``Channel`` that rounds of that wire format take
+through the aggregator (a service registers its jobs for it; every worker connects at once).
+A channel runs the Session's ``codecs.round.CodecRound`` through a ``Reducer`` (a MAX of
+summaries and a SUM of wire payloads), so codec, step, seed and partitioning mean the same on
+every aggregator.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import torch
 
-from ..codecs import Codec
 from ..codecs.round import PARTITION_ELEMENTS, CodecRound, Reducer
+from ..dataplane.codec_wire import WireFormat
+
+
+class Channel:
+    """The rounds of one wire format through an aggregator: one reducer per shard a plan can
+    address by itself, then the one spread over every shard (the only one where there are no
+    addressable shards)."""
+
+    def __init__(self, reducers: Sequence[Reducer]):
+        if not reducers:
+            raise ValueError("a channel needs at least one reducer")
+        self.reducers = list(reducers)
+
+    @property
+    def shards(self) -> int:
+        """How many shards a plan can address one by one (0: none, the whole aggregator)."""
+        return len(self.reducers) - 1
+
+    def partition_size(self, requested: int | None) -> int:
+        """The partition size its rounds run with: the caller's (2**20 by default), unless the
+        transport cannot carry a partition that large."""
+        return requested or PARTITION_ELEMENTS
+
+    def reducer(self, shard: int | None) -> Reducer:
+        if shard is None:
+            return self.reducers[-1]
+        if not 0 <= shard < self.shards:
+            raise ValueError(f"shard {shard} does not exist: this job has {self.shards}")
+        return self.reducers[shard]
+
+    def run(self, round_: CodecRound, flat: torch.Tensor, *, worker: int, key: Hashable,
+            step: int, shard: int | None = None) -> torch.Tensor:  # fmt: skip
+        """This worker's ``round_`` of ``flat`` through the whole aggregator, or through
+        ``shard`` alone."""
+        return round_.run(flat, self.reducer(shard), worker=worker, key=key, step=step)
 
 
 class Aggregator:
@@ -26,36 +61,10 @@ class Aggregator:
         self.rank = rank
         self.world_size = world_size
 
-    def reducer(self, codec: Codec) -> Reducer:
-        """The transport that runs a round of ``codec``."""
+    def connect(self, wire: WireFormat) -> Channel:
+        """Where the rounds of ``wire`` go. Every worker connects the same wire formats in the
+        same order (a service registers a job for each)."""
         raise NotImplementedError
-
-    def synchronize(
-        self,
-        flat: torch.Tensor,
-        codec: Codec,
-        *,
-        key: Hashable,
-        step: int,
-        seed: int = 0,
-        partition_elements: int | None = None,
-    ) -> torch.Tensor:
-        """The average of ``flat`` (1-D) over workers, as ``codec`` estimates it."""
-        return self.run_round(flat, codec, self.reducer(codec), key, step, seed,
-                              partition_elements)  # fmt: skip
-
-    def run_round(
-        self, flat: torch.Tensor, codec: Codec, reducer: Reducer, key: Hashable, step: int,
-        seed: int, partition_elements: int | None,
-    ) -> torch.Tensor:  # fmt: skip
-        """This worker's ``CodecRound`` of ``flat`` through ``reducer``."""
-        round_ = CodecRound(codec, seed, self.partition_size(codec, partition_elements))
-        return round_.run(flat, reducer, worker=self.rank, key=key, step=step)
-
-    def partition_size(self, codec: Codec, requested: int | None) -> int:
-        """The partition size a round of ``codec`` runs with: the caller's (2**20 by default),
-        unless the transport cannot carry a partition that large."""
-        return requested or PARTITION_ELEMENTS
 
     def lossless_codec_name(self) -> str:
         """The codec that carries gradients exactly through this aggregator: fp32 where it sums

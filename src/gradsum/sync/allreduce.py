@@ -27,10 +27,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..codecs import Aggregation, Codec, Payload
+from ..codecs import Aggregation, Payload
 from ..codecs.integers import check_workers, from_integers, sum_dtype, to_integers
 from ..codecs.round import SumPhase
-from .aggregator import Aggregator
+from ..dataplane.codec_wire import WireFormat
+from .aggregator import Aggregator, Channel
 
 
 def _all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
@@ -59,8 +60,9 @@ class AllReduceAggregator(Aggregator):
             deterministic = torch.are_deterministic_algorithms_enabled()
         self.deterministic = deterministic
 
-    def reducer(self, codec: Codec) -> AllReduceAggregator:
-        return self
+    def connect(self, wire: WireFormat) -> Channel:
+        """Every wire format goes through the same collectives: this aggregator is the reducer."""
+        return Channel([self])
 
     def max(self, summaries: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         flat = torch.cat([s.reshape(-1).to(torch.float32) for s in summaries])

@@ -1,14 +1,15 @@
 """A DDP communication hook for every codec and aggregator.
 
-    state = GradsumHookState(make_codec("thc", workers=world), AllReduceAggregator())
+    state = GradsumHookState(Session(make_codec("thc", workers=world), AllReduceAggregator()))
     ddp.register_comm_hook(state, gradsum_hook)
 
 DDP hands the hook each bucket (a flat buffer of gradient sums, not yet averaged). The hook queues
-the bucket on the state's communication thread, which compresses, aggregates and decodes it while
-backward continues, and completes the future with the average. Codec state (error feedback, DGC)
-is keyed by (bucket index, bucket size), so DDP's bucket rebuild after the first step starts new
-state instead of mixing two buckets' errors. ``start_step`` uncompressed steps come first, as in
-PyTorch's PowerSGD hook, on every aggregator. On a GPU the round runs on a communication
+the bucket on the state's communication thread, which runs the Session's round on it (compress,
+aggregate, decode) while backward continues, and completes the future with the average. Codec
+state (error feedback, DGC) is keyed by (bucket index, bucket size), so DDP's bucket rebuild
+after the first step starts new state instead of mixing two buckets' errors. ``start_step``
+uncompressed steps come first, as in PyTorch's PowerSGD hook, on every aggregator, through the
+Session's lossless one (``Session.uncompressed``). On a GPU the round runs on a communication
 stream of its own after an event recorded behind backward's writes, and the future is CUDA-aware
 (``sync/streams.py``).
 """
@@ -19,41 +20,30 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..codecs import Codec, make_codec
 from ..codecs.base import DeviceChecks
-from ..codecs.round import PARTITION_ELEMENTS
-from .aggregator import Aggregator
 from .comm import CommunicationThread
+from .session import Session
 from .streams import CommStream, Handoff
 
 
 @dataclass
 class GradsumHookState:
-    codec: Codec
-    aggregator: Aggregator
-    seed: int = 0
+    session: Session
     start_step: int = 0
-    partition_elements: int = PARTITION_ELEMENTS
     step: int = 0
     _thread: CommunicationThread | None = field(default=None, repr=False)
     # the step's device checks: every bucket's round adds to them, the last bucket reads them
     _checks: DeviceChecks = field(default_factory=DeviceChecks, repr=False)
-    _warmup_codec: Codec | None = field(default=None, repr=False)
 
     def submit(self, fn, handoff: Handoff | None = None) -> torch.futures.Future:
         if self._thread is None:
             self._thread = CommunicationThread("gradsum-ddp-hook")
         return self._thread.submit(fn, handoff)
 
-    def codec_for(self, step: int) -> Codec:
-        """The codec of ``step``: uncompressed during the warm-up (fp32 where the aggregator
-        sums floats; block floating point, fp32's integer carrier, on a switch)."""
-        if step >= self.start_step:
-            return self.codec
-        if self._warmup_codec is None:
-            name = self.aggregator.lossless_codec_name()
-            self._warmup_codec = make_codec(name, workers=self.codec.workers)
-        return self._warmup_codec
+    def session_for(self, step: int) -> Session:
+        """The Session of ``step``: the lossless one during the warm-up (fp32 where the
+        aggregator sums floats; block floating point, fp32's integer carrier, on a switch)."""
+        return self.session if step >= self.start_step else self.session.uncompressed()
 
     def close(self) -> None:
         if self._thread is not None:
@@ -71,19 +61,12 @@ def gradsum_hook(
         state.step += 1
     checks = state._checks
     key = ("ddp-bucket", bucket.index(), buffer.numel())
-    codec = state.codec_for(step)
-    codec.describe(key, [tuple(g.shape) for g in bucket.gradients()])
+    session = state.session_for(step)
+    session.describe(key, [tuple(g.shape) for g in bucket.gradients()])
 
     def run() -> torch.Tensor:
         with checks.deferring():
-            average = state.aggregator.synchronize(
-                buffer.reshape(-1),
-                codec,
-                key=key,
-                step=step,
-                seed=state.seed,
-                partition_elements=state.partition_elements,
-            )
+            average = session.synchronize(buffer.reshape(-1), key=key, step=step)
         if last:  # the step's one read of its device checks
             checks.raise_if_failed()
         return buffer.copy_(average.view_as(buffer))

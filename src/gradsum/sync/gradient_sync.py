@@ -1,6 +1,6 @@
 """gradsum's own gradient synchronisation, for users without DDP and for communication scheduling.
 
-    sync = GradientSync(model, codec, aggregator)            # wait-free backprop by default
+    sync = GradientSync(model, Session(codec, aggregator))   # wait-free backprop by default
     loss.backward()                                          # groups leave as their grads are ready
     sync.wait()                                              # every group back in param.grad
     optimizer.step()
@@ -15,7 +15,7 @@ ranges of the backward-order gradient buffer, possibly parts of a tensor, each s
 on PS shards. A plan's trigger is honoured (``after_backward``: nothing leaves before the whole
 backward pass has finished); its parts go to their shards when the aggregator can address shards
 one by one (:class:`~gradsum.sync.sharded.ShardedServiceAggregator`), otherwise each group is one
-aggregator call (all-reduce, switch). See :mod:`gradsum.sync.senders`.
+round of the Session (all-reduce, switch). See :mod:`gradsum.sync.senders`.
 """
 
 from __future__ import annotations
@@ -25,14 +25,12 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..codecs import Codec, make_codec
 from ..codecs.base import DeviceChecks
-from ..codecs.round import PARTITION_ELEMENTS
 from ..schedule.plan import Plan
-from .aggregator import Aggregator
 from .comm import wait_all
 from .layout import BufferLayout, Segment
 from .senders import SerialSender, ShardSender
+from .session import Session
 
 
 def backward_order(parameters: Sequence[torch.nn.Parameter]) -> list[int]:
@@ -64,16 +62,13 @@ class GradientSync:
     def __init__(
         self,
         model: torch.nn.Module,
-        codec: Codec,
-        aggregator: Aggregator,
+        session: Session,
         *,
         groups: Sequence[Sequence[int]] | None = None,
         fusion_elements: int | None = None,
         plan: Plan | None = None,
         order: Sequence[int] | None = None,
-        seed: int = 0,
         timeout: float = 300.0,
-        partition_elements: int = PARTITION_ELEMENTS,
         message_delay: float = 0.0,
     ):
         self.parameters = [p for p in model.parameters() if p.requires_grad]
@@ -89,16 +84,12 @@ class GradientSync:
         if plan is None:  # a plan's groups tile the buffer (checked by Plan and BufferLayout)
             _check_cover(self.groups, len(self.parameters))
         self.order = _check_order(order, len(self.groups))
-        self.codec = codec
-        self.aggregator = aggregator
-        self.seed = seed
+        self.session = session
         self.timeout = timeout
-        self.partition_elements = partition_elements
         if message_delay < 0:
             raise ValueError(f"message_delay must be >= 0 s, got {message_delay}")
         self.message_delay = message_delay
         self.step = 0
-        self._lossless: Codec | None = None
         after_backward = plan is not None and plan.trigger == "after_backward"
         everything = list(range(len(self.parameters)))
         self._needs = [everything if after_backward else g for g in self.groups]
@@ -118,23 +109,10 @@ class GradientSync:
         ]
 
     def _make_sender(self):
-        if (
-            self.plan is not None
-            and self.plan.aggregator == "ps"
-            and hasattr(self.aggregator, "synchronize_part")
-        ):
-            return ShardSender(
-                self.aggregator, self.plan, self.aggregator.rank, timeout=self.timeout,
-                codec=self.codec, seed=self.seed, partition_elements=self.partition_elements,
-                message_delay=self.message_delay,
-            )  # fmt: skip
-        return SerialSender(
-            self.aggregator,
-            self.codec,
-            seed=self.seed,
-            partition_elements=self.partition_elements,
-            message_delay=self.message_delay,
-        )
+        if self.plan is not None and self.plan.aggregator == "ps" and self.session.shards:
+            return ShardSender(self.session, self.plan, timeout=self.timeout,
+                               message_delay=self.message_delay)  # fmt: skip
+        return SerialSender(self.session, message_delay=self.message_delay)
 
     def _hook(self, index: int):
         def on_ready(_: torch.Tensor) -> None:
@@ -198,18 +176,14 @@ class GradientSync:
 
     @contextlib.contextmanager
     def uncompressed(self) -> Iterator[None]:
-        """Steps inside travel through the aggregator's lossless codec (fp32, bfp on a switch)
-        instead of the training codec: the training loop's retry of a step whose compressed
-        gradient diverged. Every worker must enter it for the same steps."""
-        if self._lossless is None:
-            name = self.aggregator.lossless_codec_name()
-            self._lossless = make_codec(name, workers=self.codec.workers)
-        trained = self.codec
-        self.codec = self._sender.codec = self._lossless
+        """Steps inside travel through the Session's lossless codec (fp32, bfp on a switch)
+        instead of the training codec: warm-up steps, and the training loop's retry of a step
+        whose compressed gradient diverged. Every worker must enter it for the same steps."""
+        self._sender.session = self.session.uncompressed()
         try:
             yield
         finally:
-            self.codec = self._sender.codec = trained
+            self._sender.session = self.session
 
     def close(self) -> None:
         for handle in self._handles:

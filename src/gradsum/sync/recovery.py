@@ -36,6 +36,8 @@ import torch.distributed as dist
 
 from ..dataplane.jobspec import Address
 
+Watchdog = Callable[[Sequence[tuple[Address, int]]], None]  # the aggregators owing results
+
 HEARTBEAT_INTERVAL = 0.5  # seconds between a worker's heartbeats
 DEAD_AFTER = 10.0  # seconds without a heartbeat before a worker counts as gone
 FAILOVER_WAIT = 10.0  # how long worker 0 waits for a lost aggregator to answer again
@@ -138,17 +140,17 @@ class JobRecovery:
         self.log = log or _stderr
 
     # -- watchdog --------------------------------------------------------------------------
-    def watchdog(self, client) -> Callable[[Sequence[tuple[Address, int]]], None]:
-        """What ``client``'s transport asks after a silence."""
+    def watchdog(self, job: int, key: bytes | None) -> Watchdog:
+        """What the transport of ``job`` (signed with ``key``) asks after a silence, about the
+        aggregators that owe it results."""
         from ..net.client import AggregatorLost, probe_jobs
 
         def check(owing: Sequence[tuple[Address, int]]) -> None:
-            probe_jobs(owing, key=client.key)
-            started = self._peer_started(client.job)
+            probe_jobs(owing, key=key)
+            started = self._peer_started(job)
             if started is not None:
                 rank, reason = started
-                address = owing[0][0] if owing else client.aggregators[0]
-                raise AggregatorLost(address, client.job, f"worker {rank} lost it: {reason}")
+                raise AggregatorLost(owing[0][0], job, f"worker {rank} lost it: {reason}")
             self.heartbeat.check()
 
         return check

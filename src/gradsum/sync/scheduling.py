@@ -3,8 +3,8 @@
 Every worker runs :func:`agree_on_plan` together:
 
 1. **α–β**, only for policies that reason with a per-message cost (not ``COST_FREE``): a few
-   transfers of known sizes through the actual aggregator (one PS shard when shards are
-   addressed one by one; otherwise one aggregator call), every worker taking part as in
+   transfers of known sizes through the run's Session (one PS shard when shards are
+   addressed one by one; otherwise the whole aggregator), every worker taking part as in
    training. Worker 0 fits its timings (:func:`judge_calibration`); when noise leaves no usable
    fit it has every worker measure again, and after ``CALIBRATION_ATTEMPTS`` rounds it falls
    back to the stated ``DEFAULT_COST`` with a warning — start-up never fails on a busy machine.
@@ -439,26 +439,23 @@ def step_load(model: torch.nn.Module, batch: torch.Tensor) -> Iterator[None]:
 
 
 def calibrate(
-    aggregator, codec, sizes=CALIBRATION_SIZES, attempts: int = CALIBRATION_ATTEMPTS,
+    session, sizes=CALIBRATION_SIZES, attempts: int = CALIBRATION_ATTEMPTS,
     load: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> CostModel:  # fmt: skip
-    """The per-message cost through the aggregator, the same on every worker (all call this
-    together), timed under ``load()`` where given (``step_load``: as the step runs). Worker
-    0's timings decide; measuring again is a decision every worker follows, since every
-    transfer needs all of them."""
+    """The per-message cost of the Session's rounds (on shard 0 where it addresses shards),
+    the same on every worker (all call this together), timed under ``load()`` where given
+    (``step_load``: as the step runs). Worker 0's timings decide; measuring again is a
+    decision every worker follows, since every transfer needs all of them."""
     if attempts < 1:
         raise ValueError(f"calibration needs at least 1 attempt, got {attempts}")
     step = iter(range(1 << 30))
-    if hasattr(aggregator, "synchronize_part"):
 
-        def send(tensor: torch.Tensor) -> None:
-            key = ("calibrate", tensor.numel())
-            aggregator.synchronize_part(0, tensor, codec, key=key, step=next(step))
-    else:
-
-        def send(tensor: torch.Tensor) -> None:
-            key = ("calibrate", tensor.numel())
-            aggregator.synchronize(tensor, codec, key=key, step=next(step))
+    def send(tensor: torch.Tensor) -> None:
+        key = ("calibrate", tensor.numel())
+        if session.shards:
+            session.part(0, tensor, key=key, step=next(step))
+        else:
+            session.synchronize(tensor, key=key, step=next(step))
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     measurements: list[Samples] = []
@@ -483,7 +480,7 @@ def calibrate(
 
 
 def _cost_model(
-    scheduler: str, fit: AlphaBeta | None, aggregator, codec, elements: int, load=None
+    scheduler: str, fit: AlphaBeta | None, session, elements: int, load=None
 ) -> CostModel:
     if fit is not None:
         if not (fit.alpha >= 0 and fit.beta > 0):
@@ -493,7 +490,7 @@ def _cost_model(
         return CostModel(fit, "given")
     if scheduler in COST_FREE:
         return CostModel(None, "not needed", f"{scheduler} plans from element counts alone")
-    return calibrate(aggregator, codec, calibration_sizes(elements), load=load)
+    return calibrate(session, calibration_sizes(elements), load=load)
 
 
 def start_up_profile(model, batch, model_name: str, workers: int, cores: int | None):
@@ -507,8 +504,7 @@ def agree_on_plan(
     scheduler: str,
     model: torch.nn.Module,
     batch: torch.Tensor,
-    aggregator,
-    codec,
+    session,
     *,
     options: dict | None = None,
     model_name: str = "model",
@@ -523,13 +519,13 @@ def agree_on_plan(
     planner = make_planner(scheduler, **(options or {}))  # bad options fail on every worker
     started = time.perf_counter()
     elements = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    cost = _cost_model(scheduler, fit, aggregator, codec, elements,
+    cost = _cost_model(scheduler, fit, session, elements,
                        load=lambda: step_load(model, batch))  # fmt: skip
-    remote = remote_workers(aggregator) if cost.fit is not None else 0
+    remote = remote_workers(session.aggregator) if cost.fit is not None else 0
     cores = shared_host_cores() if cost.fit is not None else None
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    shards = getattr(aggregator, "num_shards", world)
+    shards = session.shards or world
     chosen: list = [None]
     if rank == 0:
         profile = start_up_profile(copy.deepcopy(model), batch, model_name, world, cores)

@@ -3,7 +3,7 @@
 Both senders take groups in the order ``GradientSync`` releases them (the plan's send order,
 identical on every worker) and return a future with the group's average.
 
-* :class:`SerialSender` — one FIFO thread; each group is one ``aggregator.synchronize`` call.
+* :class:`SerialSender` — one FIFO thread; each group is one ``Session.synchronize`` call.
   All-reduce, the switch, or a PS that spreads every tensor over all its servers.
 * :class:`ShardSender` — a plan's shard placement: each part of a group goes to its own shard.
   What is in flight is decided by :class:`~gradsum.schedule.dispatch.SendWindow`, the state
@@ -26,13 +26,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..codecs import Codec
 from ..codecs.base import DeviceChecks
 from ..schedule.dispatch import SendWindow
 from ..schedule.plan import Plan
-from .aggregator import Aggregator
 from .comm import CommunicationThread
 from .layout import cut_shapes
+from .session import Session
 from .streams import CommStream
 
 
@@ -55,10 +54,11 @@ class MessageCost:
 
 
 class SerialSender:
-    def __init__(self, aggregator: Aggregator, codec: Codec, *, seed: int, partition_elements,
-                 message_delay: float = 0.0):  # fmt: skip
-        self.aggregator, self.codec = aggregator, codec
-        self.seed, self.partition_elements = seed, partition_elements
+    """Sends each group whole, through ``session`` (``use`` swaps it for the groups submitted
+    after: an uncompressed step's)."""
+
+    def __init__(self, session: Session, *, message_delay: float = 0.0):
+        self.session = session
         self._message = MessageCost(message_delay)
         self._thread = CommunicationThread("gradsum-sync")
 
@@ -67,22 +67,16 @@ class SerialSender:
                checks: DeviceChecks | None = None) -> torch.futures.Future:  # fmt: skip
         """``shapes``: the tensors ``flat`` holds, for codecs that work per tensor; ``checks``:
         the step's device checks, read by the caller once the step is done."""
+        session = self.session
         key = ("group", group, flat.numel())
         if shapes:
-            self.codec.describe(key, shapes)
+            session.describe(key, shapes)
         handoff = CommStream.of(flat.device).handoff([flat])  # on the producer's stream
 
         def run() -> torch.Tensor:
             self._message.charge()
             with _deferring(checks):
-                out = self.aggregator.synchronize(
-                    flat,
-                    self.codec,
-                    key=key,
-                    step=step,
-                    seed=self.seed,
-                    partition_elements=self.partition_elements,
-                )
+                out = session.synchronize(flat, key=key, step=step)
             self._message.charge()
             return out
 
@@ -93,22 +87,20 @@ class SerialSender:
 
 
 class ShardSender:
-    """Sends plan groups part by part; ``shards.synchronize_part(shard, tensor, codec, ...)``
-    runs one part's codec round on its shard."""
+    """Sends plan groups part by part; ``session.part(shard, tensor, ...)`` runs one part's
+    codec round on its shard."""
 
-    def __init__(self, shards, plan: Plan, worker: int, *, timeout: float, codec: Codec,
-                 seed: int = 0, partition_elements: int | None = None,
+    def __init__(self, session: Session, plan: Plan, *, timeout: float,
                  message_delay: float = 0.0):  # fmt: skip
         needed = 1 + max(p.shard for g in plan.groups for p in g.parts)
-        if needed > shards.num_shards:
+        if needed > session.shards:
             raise ValueError(
                 f"the {plan.policy} plan places parts on {needed} shards but only "
-                f"{shards.num_shards} parameter servers are given (--servers)"
+                f"{session.shards} parameter servers are given (--servers)"
             )
-        self.shards, self.plan, self.worker, self.timeout = shards, plan, worker, timeout
-        self.codec, self.seed, self.partition_elements = codec, seed, partition_elements
+        self.session, self.plan, self.timeout = session, plan, timeout
         self._message = MessageCost(message_delay)
-        self._window = SendWindow(plan, worker)
+        self._window = SendWindow(plan, session.rank)
         self._lock = threading.Lock()  # the window and the groups in flight
         self._groups: dict[int, _GroupInFlight] = {}
         self._streams = [CommunicationThread(f"gradsum-shard{s}") for s in range(needed)]
@@ -120,7 +112,7 @@ class ShardSender:
         the step's device checks, read by the caller once the step is done."""
         handoff = CommStream.of(flat.device).handoff([flat])  # on the producer's stream
         out = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
-        state = _GroupInFlight(flat, out, step, handoff, shapes, checks)
+        state = _GroupInFlight(self.session, flat, out, step, handoff, shapes, checks)
         with self._lock:
             self._groups[group] = state
             starts = self._window.release(group)
@@ -140,16 +132,15 @@ class ShardSender:
         state = self._groups[index]
         a, b = part.start - group.start, part.stop - group.start
         key = ("part", index, k)
+        session = state.session
         if state.shapes:
-            self.codec.describe(key, cut_shapes(state.shapes, a, b))
+            session.describe(key, cut_shapes(state.shapes, a, b))
 
         def run() -> None:
             self._message.charge()
             with _deferring(state.checks):
-                state.out[a:b] = self.shards.synchronize_part(
-                    part.shard, state.flat[a:b], self.codec, key=key, step=state.step,
-                    seed=self.seed, partition_elements=self.partition_elements,
-                )  # fmt: skip
+                state.out[a:b] = session.part(part.shard, state.flat[a:b], key=key,
+                                              step=state.step)  # fmt: skip
             self._message.charge()
 
         return run
@@ -186,11 +177,14 @@ def _deferring(checks: DeviceChecks | None) -> contextlib.AbstractContextManager
 
 
 class _GroupInFlight:
-    """A submitted group: its gradients, where its average goes, its step, its hand-off from
-    the producer's stream, its tensors' shapes, its device checks and its first error."""
+    """A submitted group: the Session it goes through, its gradients, where its average goes,
+    its step, its hand-off from the producer's stream, its tensors' shapes, its device checks
+    and its first error."""
 
-    def __init__(self, flat: torch.Tensor, out: torch.Tensor, step: int, handoff,
-                 shapes: Sequence[tuple[int, ...]], checks: DeviceChecks | None):  # fmt: skip
+    def __init__(self, session: Session, flat: torch.Tensor, out: torch.Tensor, step: int,
+                 handoff, shapes: Sequence[tuple[int, ...]],
+                 checks: DeviceChecks | None):  # fmt: skip
+        self.session = session
         self.flat, self.out, self.step = flat, out, step
         self.handoff, self.shapes, self.checks = handoff, shapes, checks
         self.result: torch.futures.Future = handoff.stream.future()

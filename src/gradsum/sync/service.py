@@ -14,38 +14,38 @@ import contextlib
 import random
 import socket
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..codecs import Codec
+from ..dataplane.codec_wire import WireFormat
 from ..dataplane.jobspec import Address
-from .aggregator import Aggregator
+from .aggregator import Aggregator, Channel
 
 
 @dataclass(frozen=True)
 class JobSettings:
     """What every worker's clients of one training job share."""
 
-    codec: Codec  # the worker's own codec object: its state is what the loop checkpoints
-    codec_name: str
-    codec_options: dict
     rank: int
     world: int
-    seed: int = 0
     mtu: int | None = None  # packets of one frame, sent a chunk at a time (net/client.py)
     window_bytes: int | None = None  # a window of chunks that fits these bytes (else 32 slots)
     silence: float = 3.0  # seconds without a result before a round checks its aggregators
     timeout: float = 120.0  # how long a recovery waits for the other workers
 
 
-def connect_jobs(
-    address_groups: Sequence[Sequence[Address]], settings: JobSettings, multicast: bool = False
-) -> list:
-    """One client per group of aggregator addresses, each for its own job; worker 0 registers
-    every job with all workers' addresses, gathered over the control group. ``multicast``: the
-    aggregators multicast results to groups the workers join."""
+Watchdogs = Callable[[int, bytes], Callable]  # (job, key) -> what its transport asks
+
+
+def connect_jobs(address_groups: Sequence[Sequence[Address]], wire: WireFormat,
+                 settings: JobSettings, *, multicast: bool = False,
+                 watchdog: Watchdogs | None = None) -> list:  # fmt: skip
+    """One client per group of aggregator addresses, each for its own job of ``wire``; worker
+    0 registers every job with all workers' addresses, gathered over the control group.
+    ``multicast``: the aggregators multicast results to groups the workers join;
+    ``watchdog(job, key)``: what a job's transport asks after a silence (default: probe)."""
     from ..net.client import SwitchClient
 
     clients = []
@@ -53,21 +53,18 @@ def connect_jobs(
         job, key = _agree_on_job()
         client = SwitchClient(
             group,
+            wire,
             multicast=multicast,
             bind=(local_address_towards(group[0]), 0),
             job=job,
             key=key,
             worker=settings.rank,
             workers=settings.world,
-            codec=settings.codec_name,
-            codec_options=settings.codec_options,
-            seed=settings.seed,
-            rank=settings.rank,
             mtu=settings.mtu,
             window_bytes=settings.window_bytes,
             silence=settings.silence,
+            watchdog=watchdog(job, key) if watchdog is not None else None,
         )
-        client.codec = settings.codec
         clients.append(client)
     everyone: list = [None] * settings.world
     dist.all_gather_object(everyone, [client.address for client in clients])
@@ -96,12 +93,50 @@ def disconnect_jobs(clients: Sequence, rank: int, everyone: bool = False) -> Non
             client.close()
 
 
+class ServiceChannel(Channel):
+    """The jobs of one wire format: one client per shard (where shards are addressed one by
+    one), then the one spread over every aggregator. A round whose aggregator is lost is redone
+    from its start (same prepared inputs, same random streams) once the job is registered
+    afresh (``sync.recovery``)."""
+
+    def __init__(self, clients: Sequence, recovery):
+        super().__init__([client.collective for client in clients])
+        self.clients = list(clients)
+        self.recovery = recovery
+        self._rounds = [0] * len(self.clients)  # rounds started through each job
+
+    def partition_size(self, requested: int | None) -> int:
+        return self.reducers[-1].partition_size(requested)
+
+    def run(self, round_, flat, *, worker, key, step, shard=None):
+        from ..codecs.base import DeviceChecks
+        from ..codecs.round import pipelines
+        from ..net.client import AggregatorLost
+
+        reducer = self.reducer(shard)
+        index = len(self.clients) - 1 if shard is None else shard
+        checks = DeviceChecks()  # the round's device checks, read once at its end
+        with checks.deferring():
+            prepared = round_.prepare(flat, worker=worker, key=key, step=step,
+                                      lazy=pipelines(reducer, round_.codec))  # fmt: skip
+            position = self._rounds[index]  # where a recovery of this job stands
+            self._rounds[index] += 1
+            while True:
+                try:
+                    result = round_.reduce(prepared, reducer)
+                    break
+                except AggregatorLost as lost:
+                    self.recovery.recover(self.clients[index], position, lost)
+        checks.raise_if_failed()
+        return result
+
+
 class ServiceAggregator(Aggregator):
     """Rounds through jobs on gradsum's UDP services: one job spread over all given aggregators
     (``ShardedServiceAggregator`` adds one job per shard). Jobs are registered per wire format,
-    the first time a round needs one: the training codec's at start-up, an uncompressed
-    warm-up's (``none``, or ``bfp`` on a switch) when the first warm-up step runs. Every worker
-    runs the same rounds in the same order, so all register together."""
+    when a Session connects one: the training codec's at start-up, an uncompressed step's
+    (``none``, or ``bfp`` on a switch) when the first such step runs. Every worker runs the
+    same Sessions in the same order, so all register together."""
 
     def __init__(self, kind: str, addresses: Sequence[str], settings: JobSettings,
                  *, shards: bool = False, standby: Sequence[str] = ()):  # fmt: skip
@@ -126,7 +161,6 @@ class ServiceAggregator(Aggregator):
         }
         self.recovery = JobRecovery(settings.rank, settings.world, standby=pairs,
                                     timeout=settings.timeout)  # fmt: skip
-        self._clients: dict[int, object] = {}  # id(collective) -> its client
         # One job per shard (a plan's parts), plus one spread over all of them for a whole
         # tensor outside any plan.
         self._groups = [[a] for a in parsed] + [parsed] if shards else [parsed]
@@ -134,65 +168,26 @@ class ServiceAggregator(Aggregator):
         # that needs a multicast-capable network, so results stay unicast.
         self._multicast = kind == "switch" and all(is_loopback(host) for host, _ in parsed)
         self._settings = settings
-        self._jobs: dict[str, list] = {}
-        self.clients_for(settings.codec)
+        self._channels: list[tuple[WireFormat, ServiceChannel]] = []
 
-    def clients_for(self, codec: Codec) -> list:
-        """The clients of ``codec``'s jobs (per shard, then the spread one), registered on
-        first use."""
-        from ..dataplane.codec_wire import wire_format
+    def connect(self, wire: WireFormat) -> ServiceChannel:
+        """The jobs of ``wire``, registered the first time a Session connects it (two codecs
+        of one wire format, a training bfp and the lossless one, share them)."""
+        for known, channel in self._channels:
+            if known == wire:
+                return channel
+        clients = connect_jobs(self._groups, wire, self._settings, multicast=self._multicast,
+                               watchdog=self.recovery.watchdog)  # fmt: skip
+        channel = ServiceChannel(clients, self.recovery)
+        self._channels.append((wire, channel))
+        return channel
 
-        settings = self._settings
-        options = settings.codec_options if codec is settings.codec else {}
-        key = repr(wire_format(codec, options, settings.seed))
-        if key not in self._jobs:
-            own = replace(settings, codec=codec, codec_name=codec.name, codec_options=options)
-            clients = connect_jobs(self._groups, own, multicast=self._multicast)
-            for client in clients:
-                client.transport.watchdog = self.recovery.watchdog(client)
-                client.rounds = 0  # rounds started through the job: where a recovery stands
-                self._clients[id(client.collective)] = client
-            self._jobs[key] = clients
-        return self._jobs[key]
-
-    @property
-    def client(self):
-        """The training codec's job spread over every aggregator."""
-        return self.clients_for(self._settings.codec)[-1]
-
-    def reducer(self, codec: Codec):
-        return self.clients_for(codec)[-1].collective
-
-    def partition_size(self, codec: Codec, requested: int | None) -> int:
-        return self.reducer(codec).partition_size(requested)
-
-    def run_round(self, flat, codec, reducer, key, step, seed, partition_elements):
-        """The round, redone from its start (same prepared inputs, same random streams) on
-        the job registered afresh when its aggregator is lost (``sync.recovery``)."""
-        from ..codecs.base import DeviceChecks
-        from ..codecs.round import CodecRound, pipelines
-        from ..net.client import AggregatorLost
-
-        client = self._clients[id(reducer)]
-        round_ = CodecRound(codec, seed, self.partition_size(codec, partition_elements))
-        checks = DeviceChecks()  # the round's device checks, read once at its end
-        with checks.deferring():
-            prepared = round_.prepare(flat, worker=self.rank, key=key, step=step,
-                                      lazy=pipelines(reducer, codec))  # fmt: skip
-            position = client.rounds
-            client.rounds += 1
-            while True:
-                try:
-                    result = round_.reduce(prepared, reducer)
-                    break
-                except AggregatorLost as lost:
-                    self.recovery.recover(client, position, lost)
-        checks.raise_if_failed()
-        return result
+    def _clients(self) -> list:
+        return [client for _, channel in self._channels for client in channel.clients]
 
     def transport_stats(self) -> dict[str, int]:
         total: collections.Counter = collections.Counter()
-        for client in self._clients.values():
+        for client in self._clients():
             for counters in client.stats().values():
                 total.update(counters)
         return dict(total)
@@ -202,8 +197,7 @@ class ServiceAggregator(Aggregator):
         error (the job must not outlive a failed run, whoever failed)."""
         failing = sys.exc_info()[0] is not None
         try:
-            disconnect_jobs([c for clients in self._jobs.values() for c in clients], self.rank,
-                            everyone=failing)  # fmt: skip
+            disconnect_jobs(self._clients(), self.rank, everyone=failing)
         finally:
             self.recovery.close()
 

@@ -5,16 +5,14 @@ each part of a group on one named shard. Here each shard gets its own client (it
 chunk numbering) for a job registered on that shard alone, so a shard's stream of parts is
 independent of the others: a worker can have parts in flight on several shards at once, in any
 order, as long as every worker gives each shard its parts in the same order (which the plan's
-fixed send order guarantees). Each part is the usual codec round, through its shard's job.
+fixed send order guarantees). Each part is the usual codec round, through its shard's job
+(``Session.part``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
-import torch
-
-from ..codecs import Codec
 from .service import JobSettings, ServiceAggregator
 
 
@@ -33,21 +31,3 @@ class ShardedServiceAggregator(ServiceAggregator):
     def shard_addresses(self) -> list[tuple[str, int]]:
         """(host, port) of each shard, in shard order."""
         return [group[0] for group in self._groups[:-1]]
-
-    def synchronize_part(
-        self,
-        shard: int,
-        flat: torch.Tensor,
-        codec: Codec,
-        *,
-        key: Hashable,
-        step: int,
-        seed: int = 0,
-        partition_elements: int | None = None,
-    ) -> torch.Tensor:
-        """The average over workers of ``flat``, aggregated on ``shard`` alone: the same round
-        as ``synchronize``, through that shard's job."""
-        if not 0 <= shard < self.num_shards:
-            raise ValueError(f"shard {shard} does not exist: this job has {self.num_shards}")
-        reducer = self.clients_for(codec)[shard].collective
-        return self.run_round(flat, codec, reducer, key, step, seed, partition_elements)

@@ -95,9 +95,9 @@ def aggregation_worker(task, worker: int, addresses: list) -> object:
 
     torch.set_num_threads(1)
     policy = RetryPolicy(timeout=task.retry_timeout, give_up_after=task.give_up_after)
-    client = SwitchClient(task.aggregators, job=task.job, worker=worker, workers=task.workers,
-                          codec=task.codec, codec_options=task.codec_options, slots=task.slots,
-                          elements=task.slot_elements, seed=task.seed, rank=worker,
+    codec, wire = task.codec_and_wire()
+    client = SwitchClient(task.aggregators, wire, job=task.job, worker=worker,
+                          workers=task.workers, slots=task.slots, elements=task.slot_elements,
                           policy=policy, bind=tuple(addresses[worker]),
                           multicast=task.multicast, mtu=task.mtu)  # fmt: skip
     with client:
@@ -109,7 +109,7 @@ def aggregation_worker(task, worker: int, addresses: list) -> object:
         inputs = worker_inputs(task, worker)
         for tensor in inputs:
             start = time.perf_counter()
-            out = client.allreduce(tensor)
+            out = client.allreduce(tensor, codec, seed=task.seed, rank=worker)
             seconds.append(time.perf_counter() - start)
             outputs.append(out.numpy().copy() if task.keep_output else None)
         return WorkerResult(worker, outputs, seconds, client.stats())

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..codecs import make_codec, parse_options
+from ..codecs import Codec
 from ..schedule import AlphaBeta, parse_scheduler
 from ..sync.gradient_sync import GradientSync
 from ..sync.scheduling import agree_on_plan
-from .aggregators import make_aggregator
+from .aggregators import open_session
 from .config import DDP, TrainConfig
 from .data import augment_images, load_dataset, shard_batches, steps_per_epoch
 from .guard import DivergenceGuard
@@ -52,33 +52,35 @@ def train_worker(config: TrainConfig, rank: int, world: int) -> dict:
     model = build_model(config.model, dataset.num_classes, **model_sizes(config))
     model = model.to(device_of(config))
     if config.aggregator == DDP:  # torch's DDP and its hooks: the peers (train/peers.py)
-        return _train(config, rank, world, dataset, model, None, None)
-    codec = make_codec(config.codec, workers=world, **parse_options(config.codec_options))
-    aggregator = make_aggregator(config, rank, world, codec)
+        return _train(config, rank, world, dataset, model, None)
+    session = open_session(config, rank, world)
     try:
-        return _train(config, rank, world, dataset, model, codec, aggregator)
+        return _train(config, rank, world, dataset, model, session)
     finally:
-        aggregator.close()
+        session.aggregator.close()
 
 
-def _make_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+def _make_optimizer(config: TrainConfig, model: torch.nn.Module,
+                    codec: Codec | None) -> torch.optim.Optimizer:  # fmt: skip
     if config.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     if config.optimizer != "sgd":
         raise ValueError(f"unknown optimizer {config.optimizer!r}")
-    momentum = 0.0 if config.codec == "dgc" else config.momentum  # DGC carries the momentum
+    carried = codec is not None and codec.carries_momentum  # then the codec applies it
+    momentum = 0.0 if carried else config.momentum
     return torch.optim.SGD(
         model.parameters(), lr=config.lr, momentum=momentum, weight_decay=config.weight_decay
     )
 
 
-def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
-    optimizer = _make_optimizer(config, model)
+def _train(config, rank, world, dataset, model, session) -> dict:
+    codec = session.codec if session is not None else None
+    optimizer = _make_optimizer(config, model, codec)
     stepped = any(v is not None for v in (config.max_steps, config.eval_every, config.eval_seconds))
     # the compute of a step, every worker at once (as in training) but exchanging nothing:
     # what the communication-to-compute ratio of bench tta divides by
     compute_s = _compute_seconds(model, dataset, config) if stepped else None
-    if aggregator is None:
+    if session is None:
         sync = DDPSync(model, config)
         net, describe, order = sync.net, f"torch DDP, hook {config.ddp_hook}", []
         predicted = None
@@ -91,8 +93,7 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
             scheduler,
             model,
             batch,
-            aggregator,
-            codec,
+            session,
             options=options,
             model_name=config.model,
             fit=AlphaBeta(*config.fixed_cost) if config.fixed_cost else None,
@@ -100,11 +101,9 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
         )
         sync = GradientSync(
             model,
-            codec,
-            aggregator,
+            session,
             plan=chosen.plan,
             order=chosen.order,
-            seed=config.seed,
             timeout=config.timeout,
             message_delay=config.message_delay,
         )
@@ -112,7 +111,7 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
         predicted = chosen.predicted_step_s()
     # what start-up sent (the plan's calibration), so that the counters after training say what
     # training alone cost in datagrams, retransmissions and timeouts
-    start_up = {} if aggregator is None else aggregator.transport_stats()
+    start_up = {} if session is None else session.aggregator.transport_stats()
     guard = DivergenceGuard(method_name(config), config.divergence_factor, fallback=config.fallback)
     first_epoch = _resume(config, rank, model, optimizer, codec, sync) if config.resume else 0
     log = _Log(config.log if rank == 0 else None)
@@ -137,7 +136,7 @@ def _train(config, rank, world, dataset, model, codec, aggregator) -> dict:
                 if config.checkpoint:
                     _save(config, rank, epoch, model, optimizer, codec, sync)
         digest = check_replicas(model)
-        total = {} if aggregator is None else aggregator.transport_stats()
+        total = {} if session is None else session.aggregator.transport_stats()
     finally:
         sync.close()
     summary = _summary(config, world, history, digest, describe)
