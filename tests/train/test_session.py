@@ -68,3 +68,17 @@ def test_each_worker_builds_the_runs_codec_once(aggregator, uncompressed_steps):
         expected += _one("bfp" if aggregator == "switch" else "none")
     for rank, built in enumerate(counts):
         assert Counter(built) == expected, f"worker {rank} on {aggregator}"
+
+
+def test_the_optimizer_leaves_momentum_to_a_codec_that_carries_it():
+    import torch
+
+    from gradsum.codecs import make_codec
+    from gradsum.train.loop import _make_optimizer
+
+    model = torch.nn.Linear(3, 2)
+    config = TrainConfig(momentum=0.9)
+    momentum = {name: _make_optimizer(config, model, make_codec(name, workers=2))
+                .param_groups[0]["momentum"] for name in ("dgc", "topk", "thc")}  # fmt: skip
+    assert momentum == {"dgc": 0.0, "topk": 0.9, "thc": 0.9}
+    assert _make_optimizer(config, model, None).param_groups[0]["momentum"] == 0.9  # DDP
