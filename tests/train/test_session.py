@@ -7,6 +7,8 @@ feedback wrapper) is the run's codec, built once. Steps that go uncompressed (he
 two, ``uncompressed_steps``) add the aggregator's lossless codec, built once as well (the
 Session's ``uncompressed()``) and only in runs that have such steps; it is counted apart, since
 it is a second codec of the run, not a copy of the first.
+
+The optimizer asks the codec, not its name, whether to apply momentum (DGC carries its own).
 """
 
 from collections import Counter

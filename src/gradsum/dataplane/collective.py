@@ -72,7 +72,7 @@ RunTransfers = Callable[..., None]
 class Collective:
     """The reducer of one worker over one or more aggregator jobs of one wire format. Every
     round through it runs the codec ``fmt`` was computed from: the caller pairs them once
-    (``sync.session.Session``), so nothing here derives a format from a codec again."""
+    (``sync.session.Session``), so nothing here derives a format from a codec."""
 
     def __init__(
         self,

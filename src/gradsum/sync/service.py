@@ -14,11 +14,13 @@ import contextlib
 import random
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
+from ..codecs.round import CodecRound
 from ..dataplane.codec_wire import WireFormat
 from ..dataplane.jobspec import Address
 from .aggregator import Aggregator, Channel
@@ -108,7 +110,8 @@ class ServiceChannel(Channel):
     def partition_size(self, requested: int | None) -> int:
         return self.reducers[-1].partition_size(requested)
 
-    def run(self, round_, flat, *, worker, key, step, shard=None):
+    def run(self, round_: CodecRound, flat: torch.Tensor, *, worker: int, key: Hashable,
+            step: int, shard: int | None = None) -> torch.Tensor:  # fmt: skip
         from ..codecs.base import DeviceChecks
         from ..codecs.round import pipelines
         from ..net.client import AggregatorLost
