@@ -25,8 +25,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..config import positive_int
 from ..devices import DEVICE_NAMES
-from .cli import parse_size, positive_int
+from .cli import parse_size
 
 if TYPE_CHECKING:  # torch loads when a benchmark runs, not when `gradsum --help` parses
     import torch

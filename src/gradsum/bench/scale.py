@@ -34,7 +34,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .cli import parse_list, positive_int
+from ..config import positive_int
+from .cli import parse_list
 
 DEFAULT_WORKERS = (4, 8, 16, 32, 64)
 DEFAULT_METHODS = ("none", "thc", "topk", "qsgd")
