@@ -49,8 +49,8 @@ def setting(default=MISSING, *, default_factory=MISSING, **how) -> dataclasses.F
     values; ``applies(config)``, None where the field applies, else why not ("applies to
     --aggregator ddp only"): a flag given where it does not apply is refused; ``sets``, the
     fields one value sets, when it sets several (``parse`` then returns one value each);
-    ``show``, the value back to the flag's text; ``shown_default``, the default as ``--help``
-    says it, where the field's default is resolved later."""
+    ``show``, the value back to the flag's text; ``shown_default``, what ``--help`` says of
+    the field's own default where that is resolved later ("cuda when present")."""
     return dataclasses.field(default=default, default_factory=default_factory,
                              metadata={_SETTING: Setting(**how)})  # fmt: skip
 
@@ -139,9 +139,11 @@ def add_flags(parser: argparse.ArgumentParser, sections: Iterable[type[Section]]
             continue
         if flag.section not in groups:
             groups[flag.section] = parser.add_argument_group(flag.section.title)
-        default = how.shown_default or flag.text(flag.value(defaults))
+        value = flag.value(defaults)
+        own = how.shown_default is not None and value == flag.value(flag.section())
+        default = how.shown_default if own else flag.text(value)
         help_text = f"{how.help or ''} (default: {default})".strip()
-        if isinstance(flag.value(defaults), bool) and how.parse is None:
+        if isinstance(value, bool) and how.parse is None:
             groups[flag.section].add_argument(
                 flag.name, dest=flag.field, action=argparse.BooleanOptionalAction,
                 default=argparse.SUPPRESS, help=help_text,
@@ -153,11 +155,12 @@ def add_flags(parser: argparse.ArgumentParser, sections: Iterable[type[Section]]
         )  # fmt: skip
 
 
-def given(args: argparse.Namespace, sections: Iterable[type[Section]]) -> dict[str, object]:
-    """The fields the command line set, with their values."""
+def given(args: argparse.Namespace, sections: Iterable[type[Section]],
+          only: Iterable[str] | None = None) -> dict[str, object]:  # fmt: skip
+    """The fields the command line set, with their values (``only``: as :func:`add_flags`)."""
     values: dict[str, object] = {}
     for flag in flags_of(sections):
-        if flag.field in vars(args):
+        if flag.field in vars(args) and (only is None or flag.field in only):
             value = getattr(args, flag.field)
             values.update(zip(flag.fields, value, strict=True) if flag.setting.sets
                           else {flag.field: value})  # fmt: skip
