@@ -231,6 +231,17 @@ def to_flags(config, sections: Iterable[type[Section]], defaults,
     return argv
 
 
+def refuse_flag(parser: argparse.ArgumentParser, flag: str, instead: str) -> None:
+    """``flag`` as a usage error that says what to write ``instead`` (``{}``: the value given),
+    for a flag whose value now goes elsewhere; hidden from ``--help``."""
+
+    class Refused(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(f"{option_string} is not a flag: {instead.format(values)}")
+
+    parser.add_argument(flag, action=Refused, help=argparse.SUPPRESS)
+
+
 # value types: a flag's text to its value, argparse.ArgumentTypeError naming what is wrong
 
 

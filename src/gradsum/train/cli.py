@@ -18,19 +18,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "digits MLP with THC through a software switch on loopback. Under torchrun, this "
         "process is one worker; pass the aggregator's address with --switch or --servers.",
     )
-    from ..config import add_flags
+    from ..config import add_flags, refuse_flag
 
     add_flags(parser, SECTIONS, TrainConfig())
-    parser.add_argument("--codec-options", action=_Gone, help=argparse.SUPPRESS)
+    refuse_flag(parser, "--codec-options",
+                "give the options with the codec, --codec 'thc({})'")  # fmt: skip
     parser.set_defaults(run=run)
-
-
-class _Gone(argparse.Action):
-    """``--codec-options``: a codec's options go with it, in the one spec form."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} is not a flag: give the options with the codec, "
-                     f"--codec 'thc({values})'")  # fmt: skip
 
 
 def job_config(args: argparse.Namespace):

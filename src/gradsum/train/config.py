@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..codecs.names import CODEC_NAMES
 from ..config import (
     Section,
     Sweep,
@@ -23,7 +24,6 @@ from ..config import (
     sections_of,
     setting,
 )
-from ..codecs.names import CODEC_NAMES
 from ..schedule.planners import PLANNER_NAMES
 from .guard import FALLBACK_NAMES
 
