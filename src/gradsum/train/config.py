@@ -82,8 +82,7 @@ def _gradsum_codec(config) -> str | None:
 
 def _gradsum_path(config) -> str | None:
     if config.aggregator == DDP:
-        return "does not apply to --aggregator ddp: torch DDP's messages do not go through " \
-            "gradsum's senders"  # fmt: skip
+        return "does not apply to --aggregator ddp: its messages skip gradsum's senders"
     return None
 
 
@@ -110,12 +109,13 @@ def _by_steps(config) -> str | None:
 
 
 def _by_epochs(config) -> str | None:
-    return "applies to epoch-based runs only, not with --max-steps, --eval-every or "\
-        "--eval-seconds" if stepped(config) else None  # fmt: skip
+    if stepped(config):
+        return "applies to epoch-based runs only, not by steps (--max-steps, --eval-every, ...)"
+    return None
 
 
 def _codec_spec(text: str) -> tuple[str, str]:
-    from .methods import codec_spec
+    from .methods import codec_spec  # methods imports this module's names
 
     return codec_spec(text)
 
