@@ -183,7 +183,7 @@ def test_unknown_codec_and_option_are_clear_errors():
 
 
 def test_error_feedback_is_an_option_like_the_others():
-    """``--codec-options error_feedback=false`` turns a codec's error feedback off: the second
+    """``--codec 'thc(error_feedback=false)'`` turns a codec's error feedback off: the second
     round of the same input then carries nothing of the first round's error."""
     x = gaussian_inputs(1, 10_000)
     with_feedback, without = make_codec("thc"), make_codec("thc", error_feedback=False)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
 
+from ..spec import Option, check_options, parse_options, signature_options, split_spec
 from .base import Codec
 from .bfp import BlockFloatingPoint
 from .feedback import feedback_for
@@ -16,6 +16,8 @@ from .qsgd import QSGD
 from .sparse import DGC, TopK
 from .terngrad import TernGrad
 from .thc.codec import THC, UniformTHC, UnrotatedUniformTHC
+
+__all__ = ["check_codec", "codec_options", "make_codec", "parse_options", "split_spec"]
 
 # name -> (class, error feedback on by default)
 _CODECS: dict[str, tuple[type[Codec], bool]] = {
@@ -71,6 +73,21 @@ def make_codec(name: str, workers: int = 1, error_feedback: bool | None = None,
     return feedback_for(codec, feedback_bound) if use_feedback else codec
 
 
+def check_codec(name: str, options: dict) -> dict:
+    """A codec's name and options checked as a command line gives them, before anything is
+    built: the name one of ``CODEC_NAMES``, each option one the codec has, each value of its
+    type (ValueError naming what is wrong and listing what is valid). Returns the options with
+    their values as the codec takes them."""
+    if name not in _CODECS:
+        raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
+    cls, _ = _CODECS[name]
+    accepted = signature_options(cls.__init__, skip=("self", "workers"))
+    accepted["error_feedback"] = Option(None, frozenset({"bool"}))
+    if not cls.keeps_own_feedback:
+        accepted["feedback_bound"] = Option(cls.feedback_bound, frozenset({"float", "None"}))
+    return check_options("codec", name, options, accepted)
+
+
 def codec_options(name: str) -> dict[str, object]:
     """A codec's tunable options and their defaults, error feedback's among them."""
     cls, feedback_default = _CODECS[name]
@@ -80,41 +97,3 @@ def codec_options(name: str) -> dict[str, object]:
     if not cls.keeps_own_feedback:
         feedback["feedback_bound"] = cls.feedback_bound
     return {**options, **feedback}
-
-
-def split_spec(spec: str) -> tuple[str, str]:
-    """``NAME(option=value,...)`` → its name and its options' text (empty without options);
-    a codec's in ``--methods``, a scheduler's in ``--scheduler``."""
-    name, bracket, options = spec.partition("(")
-    if bracket and not options.endswith(")"):
-        raise ValueError(f"{spec!r}: options go as NAME(option=value,...)")
-    return name.strip(), options.removesuffix(")").strip()
-
-
-def parse_options(text: str, what: str = "codec option") -> dict[str, object]:
-    """Parse ``"bits=4,granularity=30,p=0.03125"`` into typed values (``what``: the option's
-    kind, for the error)."""
-    options: dict[str, object] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"{what} {item!r} is not of the form name=value")
-        options[key.strip()] = _parse_value(value.strip())
-    return options
-
-
-def _parse_value(value: str) -> object:
-    converters: tuple[Callable[[str], object], ...] = (int, float)
-    for convert in converters:
-        try:
-            return convert(value)
-        except ValueError:
-            continue
-    if value.lower() in ("none", "full"):
-        return None
-    if value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    if "/" in value:
-        numerator, _, denominator = value.partition("/")
-        return float(numerator) / float(denominator)
-    return value
