@@ -53,7 +53,8 @@ def train_worker(config: TrainConfig, rank: int, world: int) -> dict:
     model = model.to(device_of(config))
     if config.aggregator == DDP:  # torch's DDP and its hooks: the peers (train/peers.py)
         return _train(config, rank, world, dataset, model, None, None)
-    codec = make_codec(config.codec, workers=world, **parse_options(config.codec_options))
+    codec = make_codec(config.codec, workers=world, optimizer=config.optimizer,
+                       **parse_options(config.codec_options))  # fmt: skip
     aggregator = make_aggregator(config, rank, world, codec)
     try:
         return _train(config, rank, world, dataset, model, codec, aggregator)
