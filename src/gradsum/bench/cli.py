@@ -13,6 +13,7 @@ BENCH_MODULES = (
     "gradsum.bench.ate",
     "gradsum.bench.train",
     "gradsum.bench.tta",
+    "gradsum.bench.quality",
     "gradsum.bench.scale",
     "gradsum.bench.plays",
 )

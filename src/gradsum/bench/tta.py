@@ -133,8 +133,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {name} seed {config.seed} ...", flush=True)
         if not args.stop_at_target:
             config = replace(config, target_loss=None)  # measured from the curve; it goes on
-        outcome = _outcome(args, config)
-        rows.append(make_row(args, name, config, outcome, base.target_loss))
+        rows.append(run_method(name, config, args.link_rate, base.target_loss))
         _print_row(rows[-1], base.target_loss)
         if args.json:
             from .train import write_rows
@@ -145,6 +144,14 @@ def run(args: argparse.Namespace) -> int:
         plot_runs(rows, args.plot, base.target_loss)
         print(f"plot: {args.plot}")
     return 1 if any(row.failed for row in rows) else 0
+
+
+def run_method(name: str, config, link_rate: str | None = None,
+               target: float | None = None) -> TTARow:  # fmt: skip
+    """One method's run of ``config``, as its row (a failed run's carries the failure): local
+    workers on loopback, or with ``link_rate`` one worker per host of an emulated cluster."""
+    args = argparse.Namespace(link_rate=link_rate)
+    return make_row(args, name, config, _outcome(args, config), target)
 
 
 def _outcome(args, config) -> dict | Failure:
