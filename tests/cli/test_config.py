@@ -21,7 +21,8 @@ from gradsum.train import launch
 from gradsum.train.cli import job_config
 from gradsum.train.config import BENCH_SECTIONS, SECTIONS, TrainConfig
 
-THC_OPTIONS = "bits, granularity, p, rotation_block, correlated, spread_clamp, error_feedback"
+THC_OPTIONS = ("bits, granularity, p, rotation_block, correlated, spread_clamp, scales, "
+               "error_feedback, feedback_bound")
 
 
 @pytest.fixture
