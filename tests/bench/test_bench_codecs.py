@@ -64,11 +64,12 @@ def test_real_input_is_gradients_of_a_digits_model():
     ("argv", "message"),
     [
         (["bench", "codecs", "--input", "bogus"], "--input: unknown bogus"),
-        (["bench", "codecs", "--codecs", "thc,zip"], "--codecs: unknown zip"),
+        (["bench", "codecs", "--codecs", "thc,zip"], "--codecs zip: unknown codec 'zip'"),
+        (["bench", "codecs", "--codecs", "thc(bogus=1)"], "codec 'thc' has no option bogus"),
+        (["bench", "codecs", "--codecs", "thc(correlated=maybe)"], "is not true or false"),
         (["bench", "codecs", "--size", "lots"], "not a size"),
         (["bench", "codecs", "--workers", "0"], "must be at least 1"),
-        (["bench", "codecs", "--options", "thc:bogus=1"], "thc has no option bogus"),
-        (["bench", "codecs", "--options", "rotation_block=4"], "expected CODEC:name=value"),
+        (["bench", "codecs", "--options", "thc:bits=4"], "--codecs 'thc(...)'"),
     ],
 )
 def test_bad_flags_are_clear_errors(argv, message, capsys):
@@ -80,24 +81,24 @@ def test_bad_flags_are_clear_errors(argv, message, capsys):
 
 def test_seeds_measure_several_draws_and_pair_each_codec_with_the_first(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    codecs = "thc,thc+correlated=true"
+    codecs = "thc,thc(correlated=true)"
     argv = ["bench", "codecs", "--size", "2^12", "--repeats", "1", "--input", "real",
             "--codecs", codecs, "--seeds", "0-2", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     rows = json.loads(out.read_text())
     assert sorted((r["seed"], r["codec"]) for r in rows) == sorted(
-        (s, c) for s in range(3) for c in ("thc", "thc+correlated=true")
+        (s, c) for s in range(3) for c in ("thc", "thc(correlated=true)")
     )
     # different draws are different gradients: the NMSE moves between them
     assert len({r["nmse"] for r in rows if r["codec"] == "thc"}) == 3
     assert all(0 < r["norm_spread"] <= 1 for r in rows)
     ratios = [
-        next(r["nmse"] for r in rows if r["seed"] == s and r["codec"] == "thc+correlated=true")
+        next(r["nmse"] for r in rows if r["seed"] == s and r["codec"] == "thc(correlated=true)")
         / next(r["nmse"] for r in rows if r["seed"] == s and r["codec"] == "thc")
         for s in range(3)
     ]
     text = capsys.readouterr().out
-    line = next(x for x in text.splitlines() if x.startswith("thc+correlated=true ") and "[" in x)
+    line = next(x for x in text.splitlines() if x.startswith("thc(correlated=true) ") and "[" in x)
     assert f"{sum(ratios) / 3:.4f}" in line
     assert f"{min(ratios):.3f}" in line and f"{max(ratios):.3f}" in line
 

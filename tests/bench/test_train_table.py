@@ -119,6 +119,14 @@ def test_bench_train_writes_each_row_as_it_ends_and_runs_on_past_a_failed_one(
     }
 
 
+def _base(args):
+    """The configuration a ``bench train`` command line sets, before its methods and schedules."""
+    from gradsum.config import given
+    from gradsum.train.config import BENCH_SECTIONS, TrainConfig
+
+    return TrainConfig(**{**bench_train.DEFAULTS, **given(args, BENCH_SECTIONS)})
+
+
 def test_a_testbed_that_fails_fails_every_job_it_had_left(monkeypatch):
     refused = "gradsum switch on switch did not start: address in use"
 
@@ -130,8 +138,8 @@ def test_a_testbed_that_fails_fails_every_job_it_had_left(monkeypatch):
     args = build_parser().parse_args(
         ["bench", "train", "--model", "digits-mlp", "--link-rate", "100mbit", "--workers", "2"]
     )
-    fields = method_fields("switch:thc")
-    outcomes = list(bench_train._testbed_outcomes(args, fields, ["a", "b", "c"]))
+    outcomes = list(bench_train._testbed_outcomes(args, _base(args), method_fields("switch:thc"),
+                                                  ["a", "b", "c"]))  # fmt: skip
     assert [scheduler for scheduler, _ in outcomes] == ["a", "b", "c"]
     assert outcomes[0][1] == {"samples_per_s": 1.0}
     assert outcomes[1][1] is outcomes[2][1]
@@ -177,7 +185,7 @@ def test_a_testbed_job_of_a_ddp_method_gets_its_hook(monkeypatch):
                                       "--batch-size", "1", "--link-rate", "100mbit",
                                       "--layers", "3", "--max-steps", "20"])  # fmt: skip
     fields = parse_methods("ddp:powersgd4")[0][1]
-    list(bench_train._testbed_outcomes(args, fields, ["fusion"]))
+    list(bench_train._testbed_outcomes(args, _base(args), fields, ["fusion"]))
     flags = " ".join(seen["flags"])
     assert seen["aggregator"] == "ddp"
     assert "--ddp-hook powersgd" in flags and "--powersgd-rank 4" in flags

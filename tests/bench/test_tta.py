@@ -47,41 +47,32 @@ def test_methods_split_at_commas_outside_a_codecs_options():
             parse_methods(unbalanced)
 
 
-def test_a_testbed_job_gets_every_workload_flag_back():
+@pytest.mark.parametrize(
+    "method", ["ddp:powersgd4", "switch:thc(correlated=true,bits=4)", "ps:topk(ratio=0.01)"]
+)
+def test_a_testbed_job_gets_every_workload_flag_back(method):
+    """The flags a testbed's `gradsum train` gets rebuild the bench's configuration, less what
+    does not apply to the method (a codec under DDP, a window on DDP's links)."""
+    from gradsum.cli import UsageError
+    from gradsum.train.cli import job_config
+
     config = TrainConfig(model="gpt", dataset="stdlib", batch_size=2, optimizer="adamw",
-                         ddp_hook="powersgd", powersgd_rank=4, context=64, data_bytes=10_000,
-                         time_budget=30.0, eval_every=5, eval_seconds=2.5, eval_samples=8,
-                         fallback="none",
-                         fusion_elements=12345, codec="thc",
-                         codec_options="correlated=true,bits=4",
-                         window_bytes=262144, fixed_cost=(1e-3, 3.3e-8))  # fmt: skip
-    args = build_parser().parse_args(["train", "--aggregator", "ddp", *train_flags(config)])
-    for name in (
-        "model",
-        "dataset",
-        "batch_size",
-        "optimizer",
-        "ddp_hook",
-        "powersgd_rank",
-        "context",
-        "data_bytes",
-        "time_budget",
-        "eval_every",
-        "eval_seconds",
-        "eval_samples",
-        "fallback",
-        "fusion_elements",
-        "lr",
-        "seed",
-        "layers",
-        "width",
-        "heads",
-        "codec",
-        "codec_options",
-        "window_bytes",
-        "fixed_cost",
-    ):
-        assert getattr(args, name) == getattr(config, name), name  # fmt: skip
+                         context=64, data_bytes=10_000, time_budget=30.0, eval_every=5,
+                         eval_seconds=2.5, eval_samples=8, fallback="none", lr=3e-4, seed=3,
+                         layers=2, width=64, heads=2, fusion_elements=12345, uncompressed_steps=2,
+                         window_bytes=262144, fixed_cost=(1e-3, 3.3e-8),
+                         **method_fields(method))  # fmt: skip
+    flags = train_flags(config)
+    assert "--codec" not in flags if config.aggregator == "ddp" else "--ddp-hook" not in flags
+    args = build_parser().parse_args(["train", "--aggregator", config.aggregator, *flags])
+    try:
+        rebuilt = job_config(args)
+    except UsageError as error:
+        raise AssertionError(f"{flags}: {error}") from None
+    expected = {**config.__dict__, "device": rebuilt.device}
+    if config.aggregator == "ddp":  # the codec and the window do not apply: train's defaults
+        expected.update(codec="thc", codec_options="", window_bytes=None, message_delay=0.0)
+    assert rebuilt.__dict__ == expected
 
 
 def test_bytes_per_step_of_the_ddp_hooks_follow_the_tensor_shapes():
@@ -142,8 +133,8 @@ def test_the_run_tabulates_writes_and_plots_each_method(tmp_path, monkeypatch, c
         "ddp:fp16": RuntimeError("no route to host"),
     }
 
-    def fake(args, fields):
-        outcome = outcomes[method_name(TrainConfig(**fields))]
+    def fake(args, config):
+        outcome = outcomes[method_name(config)]
         if isinstance(outcome, Exception):
             return tta.Failure.of(outcome)
         return outcome
@@ -185,9 +176,9 @@ def test_several_seeds_compare_each_run_with_its_seeds_baseline_and_take_medians
     }
     seen = []
 
-    def fake(args, fields):
-        seen.append((fields["seed"], method_name(TrainConfig(**fields))))
-        return _summary(*curves[fields["seed"]][seen[-1][1]])
+    def fake(args, config):
+        seen.append((config.seed, method_name(config)))
+        return _summary(*curves[config.seed][seen[-1][1]])
 
     monkeypatch.setattr(tta, "_outcome", fake)
     path, png = tmp_path / "rows.json", tmp_path / "tta.png"

@@ -264,8 +264,11 @@ def test_a_scheduler_spec_gives_its_policy_and_options(spec, expected):
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("imerge(bogus=1)", r"policy 'imerge' takes options .*got \['bogus'\]"),
-        ("nosuch", "unknown scheduling policy 'nosuch'"),
+        ("imerge(bogus=1)", "scheduler 'imerge' has no option bogus; its options are window, "
+         "interleave, fuse, max_evaluations"),
+        ("imerge(interleave=maybe)", "interleave=maybe is not true or false or none"),
+        ("fusion(threshold=0.5)", "threshold=0.5 is not an integer"),
+        ("nosuch", "unknown scheduler 'nosuch'; choose one of default, wfbp"),
         ("imerge(window=group", "options go as NAME"),
         ("imerge(window)", "scheduler option 'window' is not of the form name=value"),
     ],

@@ -499,7 +499,7 @@ def test_calibration_sizes_stop_at_the_largest_message_a_plan_can_send():
 
 
 def test_a_fixed_cost_on_the_command_line_is_two_numbers_that_make_a_cost():
-    from gradsum.bench.cli import fixed_cost
+    from gradsum.config import fixed_cost
 
     assert fixed_cost("1e-3, 3.3e-8") == (1e-3, 3.3e-8)
     for bad in ("1e-3", "1e-3,3e-8,1", "a,b", "-1e-3,3e-8", "1e-3,nan", "1e-3,inf"):

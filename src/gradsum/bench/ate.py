@@ -35,7 +35,8 @@ METHODS = {  # name -> (aggregator kind, codec); "gloo" is torch.distributed
 
 
 def register(benches: argparse._SubParsersAction) -> None:
-    from .cli import parse_size, positive_int
+    from ..config import positive_int
+    from .cli import parse_size
 
     parser = benches.add_parser(
         "ate",

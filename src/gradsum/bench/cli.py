@@ -13,6 +13,7 @@ BENCH_MODULES = (
     "gradsum.bench.ate",
     "gradsum.bench.train",
     "gradsum.bench.tta",
+    "gradsum.bench.quality",
     "gradsum.bench.scale",
     "gradsum.bench.plays",
 )
@@ -61,47 +62,3 @@ def parse_list(text: str, convert, flag: str) -> list:
     if not values:
         raise UsageError(f"--{flag} is empty")
     return values
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    return _int_from(text, 1)
-
-
-def non_negative_int(text: str) -> int:
-    return _int_from(text, 0)
-
-
-def _int_from(text: str, least: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < least:
-        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
-    return value
-
-
-def fixed_cost(text: str) -> tuple[float, float]:
-    """``--fixed-cost``'s value: (α s per message, β s per byte), α >= 0 and β > 0."""
-    parts = text.split(",")
-    try:
-        alpha, beta = (float(part) for part in parts)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: want ALPHA,BETA, seconds per message and seconds per byte"
-        ) from None
-    if not (0 <= alpha < float("inf") and 0 < beta < float("inf")):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: α must be >= 0 s and β > 0 s per byte, both finite"
-        )
-    return alpha, beta

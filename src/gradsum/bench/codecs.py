@@ -25,8 +25,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..config import positive_int, refuse_flag
 from ..devices import DEVICE_NAMES
-from .cli import parse_size, positive_int
+from .cli import parse_size
 
 if TYPE_CHECKING:  # torch loads when a benchmark runs, not when `gradsum --help` parses
     import torch
@@ -87,20 +88,16 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--codecs",
         default=",".join(CODEC_NAMES),
-        help="comma-separated codecs (all); NAME+option=value+... is a variant with options of "
-        "its own, e.g. thc,thc+correlated=true",
+        help="comma-separated codecs (all), each with options of its own in parentheses if any: "
+        "a row per variant, e.g. 'thc,thc(correlated=true,bits=8)'",
     )
     parser.add_argument("--seed", type=int, default=0, help="the inputs' draw (0)")
+    refuse_flag(parser, "--options", "give each codec's options with it, --codecs 'thc(...)'")
     parser.add_argument(
         "--seeds", type=seed_list, default=None,
         help="several draws, e.g. 0-19 or 0,4,7 (instead of --seed): rows per draw, then each "
         "codec's NMSE over them and its ratio to the first codec's, draw by draw",
     )  # fmt: skip
-    parser.add_argument(
-        "--options",
-        default="",
-        help="codec options, e.g. 'thc:rotation_block=1024;qsgd:levels=15' (codec defaults)",
-    )
     parser.add_argument(
         "--wall-clock",
         action="store_true",
@@ -126,12 +123,10 @@ def register(benches: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..codecs import CODEC_NAMES
     from .inputs import INPUT_KINDS
 
     inputs = _choices(args.input, INPUT_KINDS, "--input")
-    codecs = _variants(args.codecs, CODEC_NAMES)
-    args.codec_options = _codec_options(args.options, codecs)
+    codecs = _variants(args.codecs)
     from ..devices import resolve_device
 
     args.device = resolve_device(getattr(args, "device", None))
@@ -176,8 +171,7 @@ def _measure_all(inputs, codecs, args, clock, seed: int) -> list[CodecRow]:
                 args.repeats,
                 args.error_feedback,
                 clock,
-                args.codec_options.get(name, {}),
-                input_shapes(kind, args.size),
+                shapes=input_shapes(kind, args.size),
             )
             row.seed = seed
             rows.append(row)
@@ -187,53 +181,30 @@ def _measure_all(inputs, codecs, args, clock, seed: int) -> list[CodecRow]:
     return rows
 
 
-def _refuses_feedback(name: str) -> bool:
-    from ..codecs import make_codec
+def _refuses_feedback(spec: str) -> bool:
+    from ..codecs import make_codec, split_spec
 
-    codec = make_codec(name.partition("+")[0], error_feedback=False)
+    codec = make_codec(split_spec(spec)[0], error_feedback=False)
     return codec.feedback_refusal is not None and not codec.keeps_own_feedback
 
 
-def _variants(text: str, allowed: tuple[str, ...]) -> list[str]:
-    """``--codecs``: names, each optionally with options of its own (``thc+correlated=true``:
-    a row per variant, side by side with the plain codec)."""
+def _variants(text: str) -> list[str]:
+    """``--codecs``: codecs, each optionally with options of its own (``thc(correlated=true)``:
+    a row per variant, side by side with the plain codec), every one checked."""
     from ..cli import UsageError
-    from ..codecs import codec_options, parse_options
+    from ..spec import split_list
+    from ..train.methods import codec_spec
 
-    chosen = [item.strip() for item in text.split(",") if item.strip()]
-    _choices(",".join(item.partition("+")[0] for item in chosen) or text, allowed, "--codecs")
-    for item in chosen:
-        name, _, rest = item.partition("+")
-        try:
-            options = parse_options(rest.replace("+", ","))
-        except ValueError as error:
-            raise UsageError(f"--codecs {item!r}: {error}") from None
-        unknown = sorted(set(options) - set(codec_options(name)))
-        if unknown:
-            raise UsageError(f"--codecs {item!r}: {name} has no option {', '.join(unknown)}")
+    try:
+        chosen = split_list(text, "--codecs")
+        for item in chosen:
+            try:
+                codec_spec(item)
+            except ValueError as error:
+                raise ValueError(f"--codecs {item}: {error}") from None
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     return chosen
-
-
-def _codec_options(text: str, codecs: list[str]) -> dict[str, dict]:
-    from ..cli import UsageError
-    from ..codecs import codec_options, parse_options
-
-    options: dict[str, dict] = {}
-    for item in filter(None, (part.strip() for part in text.split(";"))):
-        name, sep, values = item.partition(":")
-        if not sep or name not in codecs:
-            raise UsageError(
-                f"--options {item!r}: expected CODEC:name=value,... for a chosen codec"
-            )
-        try:
-            parsed = parse_options(values)
-        except ValueError as error:
-            raise UsageError(f"--options {item!r}: {error}") from None
-        unknown = sorted(set(parsed) - set(codec_options(name)))
-        if unknown:
-            raise UsageError(f"--options {item!r}: {name} has no option {', '.join(unknown)}")
-        options[name] = parsed
-    return options
 
 
 def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
@@ -272,12 +243,12 @@ def measure_codec(
     """One warm-up round, then ``repeats`` timed rounds of the reference round (the round every
     aggregator runs, with ``codec.aggregate`` as its SUM); NMSE from the first round.
     ``shapes``: the tensors the input holds (codecs that work per tensor split it by them)."""
-    from ..codecs import make_codec, nmse, parse_options
+    from ..codecs import make_codec, nmse, parse_options, split_spec
     from ..codecs.round import PhaseClock, run_round
 
     workers = len(inputs)
-    base, _, variant = name.partition("+")  # a variant's own options (``thc+correlated=true``)
-    options = {**parse_options(variant.replace("+", ",")), **(options or {})}
+    base, variant = split_spec(name)  # a variant's own options (``thc(correlated=true)``)
+    options = {**parse_options(variant), **(options or {})}
     codec = make_codec(base, workers=workers, error_feedback=error_feedback, **options)
     if shapes:
         codec.describe(None, shapes)

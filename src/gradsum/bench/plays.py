@@ -25,8 +25,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..config import fixed_cost, positive_int
 from ..schedule.placement import PLACEMENTS
-from .cli import fixed_cost, positive_int
 
 
 @dataclass(frozen=True)

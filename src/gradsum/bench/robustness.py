@@ -58,14 +58,15 @@ def run(args: argparse.Namespace) -> None:
         name = point_name(rate, delay, model)
         common = ["--model", model, "--dataset", args.dataset, "--workers", str(args.workers),
                   "--epochs", str(args.epochs), "--batch-size", str(BATCH), "--lr", str(args.lr),
-                  "--link-rate", rate, "--message-delay", str(delay), "--window-bytes",
-                  str(args.window_bytes or incast_window(rate, args.workers)),
-                  *args.train_flags]  # fmt: skip
+                  "--link-rate", rate, *args.train_flags]  # fmt: skip
+        # the PS path's own: torch DDP's messages do not go through gradsum's senders
+        ps_path = ["--message-delay", str(delay), "--window-bytes",
+                   str(args.window_bytes or incast_window(rate, args.workers))]  # fmt: skip
         # static fusion at each threshold is one more schedule of the same call, so that rounds
         # alternate it with the others
         fusions = [f"fusion(threshold={threshold})" for threshold in args.thresholds]
         schedules = [placed(s, args.placement) for s in [*args.schedulers, *fusions]]
-        calls = [("ps", ["--methods", "ps:none", "--shards", str(args.shards),
+        calls = [("ps", [*ps_path, "--methods", "ps:none", "--shards", str(args.shards),
                          "--schedulers", ",".join(schedules),
                          "--rounds", str(args.rounds)])]  # fmt: skip
         if args.ddp:

@@ -34,7 +34,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .cli import parse_list, positive_int
+from ..config import add_flags, non_negative_float, positive_int
+from ..train.config import Optimizer, Steps, Workload
+from .cli import parse_list
 
 DEFAULT_WORKERS = (4, 8, 16, 32, 64)
 DEFAULT_METHODS = ("none", "thc", "topk", "qsgd")
@@ -134,30 +136,30 @@ def register(benches: argparse._SubParsersAction) -> None:
         type=positive_int,
         help="scale the global batch instead: each worker gets this many sequences",
     )
-    parser.add_argument("--layers", type=positive_int, default=defaults.layers)
-    parser.add_argument("--width", type=positive_int, default=defaults.width)
-    parser.add_argument("--heads", type=positive_int, default=defaults.heads)
-    parser.add_argument("--context", type=positive_int, default=defaults.context)
-    parser.add_argument("--lr", type=float, default=defaults.lr, help="AdamW's")
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--eval-every", type=positive_int, default=defaults.eval_every)
-    parser.add_argument("--eval-samples", type=positive_int, default=defaults.eval_samples)
-    parser.add_argument("--data-bytes", type=positive_int, default=defaults.data_bytes)
     parser.add_argument(
         "--straggler-delay",
-        type=float,
+        type=non_negative_float,
         default=defaults.straggler_delay,
         help="mean of a worker's exponential delay, in step times",
     )
     parser.add_argument("--grads", choices=("auto", "vmap", "loop"), default="auto")
     parser.add_argument("--json", type=Path, help="rows here, kept across invocations")
     parser.add_argument("--plot", type=Path, help="PNG of the gap to fp32 against workers")
+    # the training job's flags where a simulated run has the field: the gpt's sizes, AdamW's
+    # rate, the seed and the evaluations
+    add_flags(parser, _SECTIONS, defaults, only=_SHARED)
     parser.set_defaults(run=run)
+
+
+_SHARED = ("layers", "width", "heads", "context", "data_bytes", "seed", "lr", "eval_every",
+           "eval_samples")  # fmt: skip
+_SECTIONS = (Workload, Optimizer, Steps)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
     from ..codecs.registry import make_codec, parse_options
+    from ..config import given
     from ..failures import Failure
     from ..train.methods import codec_spec, split_methods
 
@@ -168,29 +170,19 @@ def run(args: argparse.Namespace) -> int:
         if n < 1 or (args.per_worker_batch is None and args.global_batch % n):
             raise UsageError(f"--workers {n}: must divide --global-batch {args.global_batch}")
     for method in methods:
-        name, options = codec_spec(method)
-        try:  # the codec's own checks, before any row runs
+        try:  # the name, options and values, then the codec's own checks, before any row runs
+            name, options = codec_spec(method)
             make_codec(name, workers=max(workers), **parse_options(options))
         except ValueError as error:
             raise UsageError(f"--methods {method}: {error}") from None
     if any(not 0.0 < q <= 1.0 for q in quorums):
         raise UsageError(f"--quorums {args.quorums}: each must be in (0, 1]")
-    if args.straggler_delay < 0:
-        raise UsageError(f"--straggler-delay must be >= 0, got {args.straggler_delay}")
     setup = ScaleSetup(
         steps=args.steps,
         global_batch=args.global_batch,
         per_worker_batch=args.per_worker_batch,
-        layers=args.layers,
-        width=args.width,
-        heads=args.heads,
-        context=args.context,
-        lr=args.lr,
-        seed=args.seed,
-        eval_every=args.eval_every,
-        eval_samples=args.eval_samples,
-        data_bytes=args.data_bytes,
         straggler_delay=args.straggler_delay,
+        **given(args, _SECTIONS, only=_SHARED),
     )
     rows = load_rows(args.json) if args.json and args.json.exists() else []
     done = {row.key for row in rows}
@@ -354,7 +346,7 @@ def train_simulated(
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0)
     name, options = codec_spec(method)
-    codec = make_codec(name, workers=workers, **parse_options(options))
+    codec = make_codec(name, workers=workers, optimizer=optimizer, **parse_options(options))
     # the flat gradient's tensors, in order, as training's senders describe them (PowerSGD
     # factors each weight matrix, not the whole buffer viewed as one)
     codec.describe("gpt", [tuple(p.shape) for p in model.parameters()])

@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from ..config import positive_int
 from ..failures import Failure, report
-from .cli import fixed_cost, positive_int
 
 DEFAULT_METHODS = (
     "allreduce:none",
@@ -79,9 +79,13 @@ class TrainRow:
         return self.error is not None
 
 
+# a bench's runs: two epochs each, quiet but for their rows
+DEFAULTS = dict(epochs=2, progress=False)
+
+
 def register(benches: argparse._SubParsersAction) -> None:
-    from ..train.cli import add_workload_flags
-    from ..train.config import TrainConfig
+    from ..config import add_flags
+    from ..train.config import BENCH_SECTIONS, METHODS, SCHEDULERS, TrainConfig
 
     parser = benches.add_parser(
         "train",
@@ -90,51 +94,10 @@ def register(benches: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--methods",
-        default=",".join(DEFAULT_METHODS),
-        help="comma-separated methods, the first the baseline: AGGREGATOR:CODEC, "
-        "AGGREGATOR:CODEC(option=value,...), ddp, ddp:fp16, ddp:bf16, ddp:powersgdR (torch DDP "
-        "and its hooks)",
-    )
-    parser.add_argument(
-        "--schedulers",
-        default="wfbp",
-        help="comma-separated communication schedules, each run with every method, options "
-        "in parentheses (e.g. default,wfbp,imerge,imerge(interleave=true); docs/scheduling.md)",
-    )
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--model", default="digits-mlp")
-    parser.add_argument("--dataset", default="digits")
-    parser.add_argument("--workers", type=positive_int, default=4)
-    parser.add_argument("--epochs", type=positive_int, default=2)
-    parser.add_argument("--batch-size", type=positive_int, default=16, help="per worker")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
         "--link-rate",
         help="run inside an emulated cluster (gradsum testbed; root) whose links have this rate, "
         "e.g. 100mbit: a switch host, or one PS shard per worker host",
     )
-    parser.add_argument(
-        "--message-delay", type=float, default=0.0, metavar="SECONDS",
-        help="seconds injected per message on each worker's communication thread "
-        "(gradsum train --message-delay)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--fixed-cost", type=fixed_cost, default=None, metavar="ALPHA,BETA",
-        help="plan with this per-message cost instead of the start-up calibration "
-        "(gradsum train --fixed-cost)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--fusion-elements", type=positive_int, default=500_000,
-        help="static fusion's threshold (gradsum train --fusion-elements)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--window-bytes", type=positive_int, default=None, metavar="BYTES",
-        help="bytes each worker keeps in flight per switch/server stream "
-        "(gradsum train --window-bytes; default: 32 chunks). Through PS shards in the testbed "
-        "every worker's window meets in the queue of a shard host's link: give them a share "
-        "of it, as the robustness map does",
-    )  # fmt: skip
     parser.add_argument(
         "--shards", type=positive_int,
         help="PS shards in the testbed, beside the first workers (default: one per worker)",
@@ -145,8 +108,8 @@ def register(benches: argparse._SubParsersAction) -> None:
         "the host's drift falls on each alike",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the rows as a JSON list here")
-    # the training job's other flags (gpt sizes, step-based runs, the guard), as gradsum train
-    add_workload_flags(parser, TrainConfig())
+    sweeps = {METHODS: ",".join(DEFAULT_METHODS), SCHEDULERS: "wfbp"}
+    add_flags(parser, BENCH_SECTIONS, TrainConfig(**DEFAULTS), sweeps)
     parser.set_defaults(run=run)
 
 
@@ -163,7 +126,7 @@ def parse_schedulers(text: str) -> list[str]:
     """``--schedulers``: policies, each with its options in parentheses if any
     (``wfbp,imerge(interleave=true)``), checked as ``gradsum train --scheduler`` checks one."""
     from ..cli import UsageError
-    from ..schedule import PLANNER_NAMES, parse_scheduler
+    from ..schedule import parse_scheduler
     from ..train.methods import split_methods
 
     specs = split_methods(text, "--schedulers")
@@ -171,35 +134,35 @@ def parse_schedulers(text: str) -> list[str]:
         try:
             parse_scheduler(spec)
         except ValueError as error:
-            raise UsageError(
-                f"--schedulers {spec!r}: {error} (policies: {', '.join(PLANNER_NAMES)})"
-            ) from None
+            raise UsageError(f"--schedulers {spec!r}: {error}") from None
     return specs
 
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
+    from ..config import runs_from
+    from ..train.config import BENCH_SECTIONS, TrainConfig
     from ..train.methods import parse_methods
 
     if args.shards is not None and not args.link_rate:
         raise UsageError("--shards places PS shards in the testbed: give --link-rate too")
-    if not 0 <= args.message_delay < 1:
-        raise UsageError(f"--message-delay {args.message_delay}: seconds in [0, 1)")
     methods = parse_methods(args.methods)
     order = played_order(parse_schedulers(args.schedulers), args.rounds)
     schedulers = [scheduler for _, scheduler in order]
+    runs = [{**fields, "scheduler": s} for _, fields in methods for s in dict.fromkeys(schedulers)]
+    base, _ = runs_from(args, BENCH_SECTIONS, TrainConfig(**DEFAULTS), runs)
     rows = _Rows(args.json)
     try:
         for name, fields in methods:
             outcomes = (
-                _testbed_outcomes(args, fields, schedulers)
+                _testbed_outcomes(args, base, fields, schedulers)
                 if args.link_rate
-                else _local_outcomes(args, fields, schedulers)
+                else _local_outcomes(base, fields, schedulers)
             )
             with contextlib.closing(outcomes):  # a testbed comes down now, also on a failure
                 for (k, _), (scheduler, outcome) in zip(order, outcomes, strict=True):
-                    row = _row(args, name, _config(args, fields, scheduler), outcome)
-                    rows.add(replace(row, round=k))
+                    config = replace(base, **fields, scheduler=scheduler)
+                    rows.add(replace(_row(args, name, config, outcome), round=k))
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM while a testbed is up
         kept = f", kept in {args.json}" if args.json else ""
         print(
@@ -245,39 +208,26 @@ def write_rows(path: Path, rows: list[dict]) -> None:
     os.replace(partial, path)
 
 
-def _config(args, fields: dict, scheduler: str):
-    from ..train.cli import workload_fields
-    from ..train.config import TrainConfig
-
-    return TrainConfig(
-        scheduler=scheduler, model=args.model, dataset=args.dataset, workers=args.workers,
-        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-        message_delay=args.message_delay, fusion_elements=args.fusion_elements,
-        fixed_cost=args.fixed_cost, window_bytes=args.window_bytes, progress=False,
-        **{**workload_fields(args), **fields},
-    )  # fmt: skip
-
-
 def _row(args, name: str, config, outcome: dict | Failure) -> TrainRow:
     """The row of one run: from rank 0's summary, or the failure that ended it."""
     error = outcome if isinstance(outcome, Failure) else None
     summary = {} if error else outcome
-    testbed_shards = args.shards or args.workers  # train_in_testbed's default: one per worker
+    testbed_shards = args.shards or config.workers  # train_in_testbed's default: one per worker
     return TrainRow(
         method=f"{name}/{config.scheduler}",
         aggregator=config.aggregator,
         codec=name.partition(":")[2] or "allreduce" if config.aggregator == "ddp" else config.codec,
         scheduler=config.scheduler,
-        model=args.model,
-        workers=args.workers,
-        epochs=args.epochs,
+        model=config.model,
+        workers=config.workers,
+        epochs=config.epochs,
         samples_per_s=summary.get("samples_per_s"),
         test_accuracy=summary.get("test_accuracy"),
         train_seconds=summary.get("train_seconds"),
         link_rate=args.link_rate or "loopback",
         plan=summary.get("plan", ""),
         error=error,
-        message_delay=args.message_delay,
+        message_delay=config.message_delay,
         final_loss=summary.get("final_loss"),
         val_loss=summary.get("val_loss"),
         parameter_digest=summary.get("parameter_digest", ""),
@@ -285,20 +235,20 @@ def _row(args, name: str, config, outcome: dict | Failure) -> TrainRow:
         median_step_s=summary.get("median_step_s"),
         transport=summary.get("transport") or {},
         transport_start_up=summary.get("transport_start_up") or {},
-        batch_size=args.batch_size,
+        batch_size=config.batch_size,
         shards=testbed_shards if config.aggregator == "ps" and args.link_rate else None,
     )
 
 
 def _local_outcomes(
-    args, fields: dict, schedulers: list[str]
+    base, fields: dict, schedulers: list[str]
 ) -> Iterator[tuple[str, dict | Failure]]:
     """Each scheduler's run on local workers: rank 0's summary, or why it failed."""
     from ..train.launch import run_local
     from ..train.methods import method_name
 
     for scheduler in schedulers:
-        config = _config(args, fields, scheduler)
+        config = replace(base, **fields, scheduler=scheduler)
         print(f"  training with {method_name(config)}, scheduler {scheduler} ...", flush=True)
         try:
             outcome: dict | Failure = run_local(config)
@@ -308,15 +258,15 @@ def _local_outcomes(
 
 
 def _testbed_outcomes(
-    args, fields: dict, schedulers: list[str]
+    args, base, fields: dict, schedulers: list[str]
 ) -> Iterator[tuple[str, dict | Failure]]:
     """Each scheduler's run in the testbed, as it ends; when the testbed or its aggregators fail,
     that failure is every remaining run's."""
     from .train_testbed import train_flags, train_in_testbed
 
-    config = _config(args, fields, schedulers[0])  # the testbed adds each job's scheduler
+    config = replace(base, **fields, scheduler=schedulers[0])  # the testbed adds each's scheduler
     jobs = train_in_testbed(
-        config.aggregator, schedulers, rate=args.link_rate, workers=args.workers,
+        config.aggregator, schedulers, rate=args.link_rate, workers=config.workers,
         train_flags=train_flags(config), shards=args.shards,
     )  # fmt: skip
     # next() apart from the yield: only the testbed's own errors are caught, never one thrown

@@ -187,28 +187,10 @@ def _cause(err: Path, context: int = 12) -> str:
 
 
 def train_flags(config) -> list[str]:
-    """`gradsum train` flags for ``config`` (all but the aggregator, scheduler and addresses,
-    which the testbed adds)."""
-    flags = ["--model", config.model, "--dataset", config.dataset, "--codec", config.codec]
-    flags += ["--batch-size", str(config.batch_size), "--lr", str(config.lr)]
-    flags += ["--seed", str(config.seed), "--optimizer", config.optimizer]
-    flags += ["--fusion-elements", str(config.fusion_elements), "--epochs", str(config.epochs)]
-    optional = {
-        "--ddp-hook": config.ddp_hook, "--powersgd-rank": config.powersgd_rank,
-        "--powersgd-start": config.powersgd_start,
-        "--uncompressed-steps": config.uncompressed_steps or None, "--layers": config.layers,
-        "--width": config.width, "--heads": config.heads, "--context": config.context,
-        "--data-bytes": config.data_bytes, "--max-steps": config.max_steps,
-        "--eval-every": config.eval_every, "--eval-seconds": config.eval_seconds,
-        "--eval-samples": config.eval_samples,
-        "--time-budget": config.time_budget, "--target-loss": config.target_loss,
-        "--divergence-factor": config.divergence_factor, "--fallback": config.fallback,
-        "--message-delay": config.message_delay or None,
-        "--fixed-cost": ",".join(map(repr, config.fixed_cost)) if config.fixed_cost else None,
-        "--codec-options": config.codec_options or None,
-        "--window-bytes": config.window_bytes,
-    }  # fmt: skip
-    for flag, value in optional.items():
-        if value is not None:
-            flags += [flag, str(value)]
-    return flags
+    """`gradsum train` flags for ``config`` (all but the aggregator, scheduler and workers,
+    which the testbed sets, and the flags that do not apply to its method)."""
+    from ..config import to_flags
+    from ..train.config import BENCH_SECTIONS, TrainConfig
+
+    return to_flags(config, BENCH_SECTIONS, TrainConfig(),
+                    skip=("aggregator", "scheduler", "workers"))  # fmt: skip

@@ -25,12 +25,12 @@ import contextlib
 import json
 import math
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..failures import Failure
 from ..train.methods import parse_methods
-from .cli import parse_list, positive_int
+from .cli import parse_list
 from .train_testbed import train_flags
 
 DEFAULT_METHODS = (
@@ -69,9 +69,16 @@ class TTARow:
         return self.error is not None
 
 
+# a TTA run: AdamW, the gpt model on the stdlib text, an evaluation every 10 steps on 64
+# windows, 120 s each, static fusion into groups of a million elements as DDP fuses its buckets
+DEFAULTS = dict(model="gpt", dataset="stdlib", batch_size=4, lr=1e-3, optimizer="adamw",
+                scheduler="fusion", fusion_elements=1 << 20, eval_every=10, eval_samples=64,
+                time_budget=120.0, progress=False)  # fmt: skip
+
+
 def register(benches: argparse._SubParsersAction) -> None:
-    from ..train.cli import add_workload_flags
-    from ..train.config import TrainConfig
+    from ..config import add_flags
+    from ..train.config import BENCH_SECTIONS, METHODS, SEEDS, TrainConfig
 
     parser = benches.add_parser(
         "tta",
@@ -79,32 +86,6 @@ def register(benches: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--methods",
-        default=",".join(DEFAULT_METHODS),
-        help="comma-separated methods, the first the baseline: AGGREGATOR:CODEC, "
-        "AGGREGATOR:CODEC(option=value,...), ddp, ddp:fp16, ddp:bf16, ddp:powersgdR",
-    )
-    parser.add_argument("--model", default="gpt")
-    parser.add_argument("--dataset", default="stdlib")
-    parser.add_argument("--workers", type=positive_int, default=4)
-    parser.add_argument("--batch-size", type=positive_int, default=4, help="per worker")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument(
-        "--seeds", default="0",
-        help="comma-separated seeds: each method runs once per seed (weights, batches and the "
-        "codecs' randomness), and the table adds each method's median over them",
-    )  # fmt: skip
-    parser.add_argument(
-        "--scheduler", default="fusion",
-        help="gradsum's communication plan (default: static fusion into groups of "
-        "--fusion-elements, as DDP fuses its buckets)",
-    )  # fmt: skip
-    parser.add_argument("--fusion-elements", type=positive_int, default=1 << 20)
-    parser.add_argument(
-        "--window-bytes", type=positive_int, default=None, metavar="BYTES",
-        help="gradsum train --window-bytes for the switch/server methods (default: 32 chunks)",
-    )  # fmt: skip
     parser.add_argument(
         "--link-rate",
         help="run in an emulated cluster (gradsum testbed; root) with links of this rate, "
@@ -119,66 +100,62 @@ def register(benches: argparse._SubParsersAction) -> None:
         help="train nothing: tabulate (and --plot) the rows of an earlier --json, with this "
         "run's --target-loss",
     )  # fmt: skip
-    # the training job's flags (optimizer, DDP hooks, model sizes, schedule, guard), with the
-    # defaults of a TTA run: AdamW, an evaluation every 10 steps on 64 windows, 120 s each
-    defaults = TrainConfig(optimizer="adamw", eval_every=10, eval_samples=64, time_budget=120.0)
-    add_workload_flags(parser, defaults)
+    sweeps = {METHODS: ",".join(DEFAULT_METHODS), SEEDS: "0"}
+    add_flags(parser, BENCH_SECTIONS, TrainConfig(**DEFAULTS), sweeps)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
+    from ..config import given, runs_from
+    from ..train.config import BENCH_SECTIONS, TrainConfig
 
+    target = given(args, BENCH_SECTIONS).get("target_loss")
     if args.from_json:
-        rows = [with_target(row_from_dict(r), args.target_loss)
+        rows = [with_target(row_from_dict(r), target)
                 for r in json.loads(args.from_json.read_text())]  # fmt: skip
-        print(format_table(rows, args.target_loss))
+        print(format_table(rows, target))
         if args.plot:
-            plot_runs(rows, args.plot, args.target_loss)
+            plot_runs(rows, args.plot, target)
         return 0
     methods = parse_methods(args.methods)
     seeds = parse_seeds(args.seeds)
-    if args.time_budget is None and args.max_steps is None:
+    # a seed's methods together: one seed's table is whole early
+    runs = [(name, {**fields, "seed": seed}) for seed in seeds for name, fields in methods]
+    base, configs = runs_from(args, BENCH_SECTIONS, TrainConfig(**DEFAULTS),
+                              [fields for _, fields in runs])  # fmt: skip
+    if base.time_budget is None and base.max_steps is None:
         raise UsageError("give --time-budget or --max-steps: runs must end")
-    if args.stop_at_target and args.target_loss is None:
+    if args.stop_at_target and base.target_loss is None:
         raise UsageError("--stop-at-target needs --target-loss")
     rows: list[TTARow] = []
-    for seed in seeds:  # a seed's methods together: one seed's table is whole early
-        for name, fields in methods:
-            fields = {**fields, "seed": seed}
-            print(f"  {name} seed {seed} ...", flush=True)
-            outcome = _outcome(args, fields)
-            rows.append(make_row(args, name, fields, outcome))
-            _print_row(rows[-1], args.target_loss)
-            if args.json:
-                from .train import write_rows
+    for (name, _), config in zip(runs, configs, strict=True):
+        print(f"  {name} seed {config.seed} ...", flush=True)
+        if not args.stop_at_target:
+            config = replace(config, target_loss=None)  # measured from the curve; it goes on
+        rows.append(run_method(name, config, args.link_rate, base.target_loss))
+        _print_row(rows[-1], base.target_loss)
+        if args.json:
+            from .train import write_rows
 
-                write_rows(args.json, [asdict(row) for row in rows])
-    print(format_table(rows, args.target_loss))
+            write_rows(args.json, [asdict(row) for row in rows])
+    print(format_table(rows, base.target_loss))
     if args.plot:
-        plot_runs(rows, args.plot, args.target_loss)
+        plot_runs(rows, args.plot, base.target_loss)
         print(f"plot: {args.plot}")
     return 1 if any(row.failed for row in rows) else 0
 
 
-def _config(args, fields: dict):
-    from ..train.cli import workload_fields
-    from ..train.config import TrainConfig
-
-    workload = workload_fields(args)
-    if args.stop_at_target is False:
-        workload["target_loss"] = None  # measured from the curve; the run goes on
-    return TrainConfig(
-        model=args.model, dataset=args.dataset, workers=args.workers, batch_size=args.batch_size,
-        lr=args.lr, scheduler=args.scheduler, progress=False,
-        fusion_elements=args.fusion_elements, window_bytes=args.window_bytes,
-        **{**workload, **fields},
-    )  # fmt: skip
+def run_method(name: str, config, link_rate: str | None = None,
+               target: float | None = None) -> TTARow:  # fmt: skip
+    """One method's run of ``config``, as its row (a failed run's carries the failure): local
+    workers on loopback, or with ``link_rate`` one worker per host of an emulated cluster."""
+    args = argparse.Namespace(link_rate=link_rate)
+    return make_row(args, name, config, _outcome(args, config), target)
 
 
-def _outcome(args, fields: dict) -> dict | Failure:
+def _outcome(args, config) -> dict | Failure:
     """Rank 0's summary of one method's run, or the failure that ended it."""
-    config = _config(args, fields)
     try:
         if args.link_rate:
             return _in_testbed(args, config)
@@ -227,20 +204,20 @@ def with_target(row: TTARow, target: float | None) -> TTARow:
     return row
 
 
-def make_row(args, name: str, fields: dict, outcome: dict | Failure) -> TTARow:
+def make_row(args, name: str, config, outcome: dict | Failure, target: float | None) -> TTARow:
     rate = args.link_rate or "loopback"
     if isinstance(outcome, Failure):
-        return TTARow(name, rate, args.workers, fields["seed"], error=outcome)
+        return TTARow(name, rate, config.workers, config.seed, error=outcome)
     evals = outcome.get("evals", [])
     step_s, compute_s = outcome.get("step_s"), outcome.get("compute_s")
     ratio = (step_s - compute_s) / compute_s if step_s and compute_s else None
     return TTARow(
-        method=name, link_rate=rate, workers=args.workers, seed=fields["seed"],
+        method=name, link_rate=rate, workers=config.workers, seed=config.seed,
         steps=outcome.get("steps"),
         train_seconds=outcome.get("train_seconds"), step_s=step_s, compute_s=compute_s,
-        comm_to_compute=ratio, time_to_target=first_at_target(evals, args.target_loss),
+        comm_to_compute=ratio, time_to_target=first_at_target(evals, target),
         final_val_loss=outcome.get("val_loss"), bits_per_byte=outcome.get("bits_per_byte"),
-        bytes_per_step=bytes_per_step(_config(args, fields)),
+        bytes_per_step=bytes_per_step(config),
         fallbacks=outcome.get("fallbacks"), evals=evals,
     )  # fmt: skip
 
@@ -262,7 +239,7 @@ def bytes_per_step(config) -> int:
     from ..codecs.round import run_round
 
     size = sum(p.numel() for p in model.parameters())
-    codec = make_codec(config.codec, workers=config.workers,
+    codec = make_codec(config.codec, workers=config.workers, optimizer=config.optimizer,
                        **parse_options(config.codec_options))  # fmt: skip
     # the tensors the flat gradient holds, as training's senders describe them: a codec that
     # works per tensor (PowerSGD's matrices) sends what it sends in training, not what it would

@@ -22,6 +22,7 @@ _HOMES = {
     "codec_options": "registry",
     "make_codec": "registry",
     "parse_options": "registry",
+    "split_spec": "registry",
     "RoundResult": "round",
     "nmse": "round",
     "run_round": "round",

@@ -40,6 +40,7 @@ class ErrorFeedback(Codec):
         self.lane_fields = inner.lane_fields
         self.linear_decode = inner.linear_decode
         self.costly_preparation = inner.costly_preparation
+        self.carries_momentum = inner.carries_momentum
         self.memory: dict[Hashable, torch.Tensor] = {}
 
     def precondition(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
@@ -62,6 +63,12 @@ class ErrorFeedback(Codec):
         limit = self.bound * torch.linalg.vector_norm(x)
         norm = torch.linalg.vector_norm(error)
         return error.mul_(torch.where(norm > limit, limit / norm.clamp(min=1e-30), 1.0))
+
+    def describe(self, key: Hashable, shapes: Sequence[tuple[int, ...]]) -> None:
+        self.inner.describe(key, shapes)
+
+    def partitions(self, key: Hashable, total: int, size: int) -> list[tuple[int, int]] | None:
+        return self.inner.partitions(key, total, size)
 
     @property
     def needs_summary(self) -> bool:
@@ -137,8 +144,9 @@ class FeedbackTransform(Protocol):
     """A codec that encodes an orthogonal transform of its input (THC: the rotation) and can
     keep its error feedback there, saving the inverse transform of every reconstruction."""
 
-    def transform_keeps_length(self, length: int) -> bool:
-        """Whether the transform of ``length`` coordinates is square (THC: needs no padding)."""
+    def transform_keeps_length(self, length: int, ctx: CodecContext) -> bool:
+        """Whether this round's input of ``length`` coordinates is encoded through a square
+        transform alone (THC: no padding, and no scale per tensor set before it)."""
 
     def transform(
         self, x: torch.Tensor, ctx: CodecContext, add: torch.Tensor | None = None
@@ -173,7 +181,7 @@ class TransformedErrorFeedback(ErrorFeedback):
 
     def precondition(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         x = self.inner.precondition(x, ctx).reshape(-1).to(torch.float32)
-        transformed = self.inner.transform_keeps_length(x.numel())
+        transformed = self.inner.transform_keeps_length(x.numel(), ctx)
         self._lengths[ctx.state_key] = x.numel() if transformed else None
         error = self.memory.get(ctx.state_key)
         if error is not None and error.numel() != x.numel():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
 
+from ..spec import Option, check_options, parse_options, signature_options, split_spec
 from .base import Codec
 from .bfp import BlockFloatingPoint
 from .feedback import feedback_for
@@ -17,13 +17,25 @@ from .sparse import DGC, TopK
 from .terngrad import TernGrad
 from .thc.codec import THC, UniformTHC, UnrotatedUniformTHC
 
-# name -> (class, error feedback on by default)
-_CODECS: dict[str, tuple[type[Codec], bool]] = {
+__all__ = ["adaptive", "check_codec", "codec_options", "make_codec", "parse_options", "split_spec"]
+
+# Error feedback's default: on, off, or on unless the optimizer is adaptive. An unbiased codec
+# (THC's stochastic rounding) needs no feedback to converge; what feedback adds is the previous
+# step's error minus this step's, twice the variance of either. SGD sums its steps, where those
+# differences cancel; Adam divides every coordinate by its running RMS, which the doubled noise
+# inflates, so each step shrinks (docs/benchmarks.md, "Codec quality across models").
+UNLESS_ADAPTIVE = "unless adaptive"
+# optimizers that scale each coordinate by its own gradient history
+ADAPTIVE_OPTIMIZERS = ("adam", "adamw", "adamax", "nadam", "radam", "adagrad", "adadelta",
+                       "rmsprop", "adafactor", "lamb")  # fmt: skip
+
+# name -> (class, error feedback by default)
+_CODECS: dict[str, tuple[type[Codec], bool | str]] = {
     "none": (NoCompression, False),
     "fp16": (FP16, False),
     "bfp": (BlockFloatingPoint, False),
-    "thc": (THC, True),
-    "thc-uniform": (UniformTHC, True),  # error feedback as THC's
+    "thc": (THC, UNLESS_ADAPTIVE),
+    "thc-uniform": (UniformTHC, True),  # the authors' THC, as they run it
     "thc-uniform-unrotated": (UnrotatedUniformTHC, False),
     "topk": (TopK, True),
     "dgc": (DGC, False),  # DGC accumulates locally by itself
@@ -37,11 +49,14 @@ if tuple(_CODECS) != CODEC_NAMES:  # names.py lists them for command lines witho
 
 
 def make_codec(name: str, workers: int = 1, error_feedback: bool | None = None,
-               feedback_bound: float | None = None, **options) -> Codec:  # fmt: skip
+               feedback_bound: float | None = None, optimizer: object = None,
+               **options) -> Codec:  # fmt: skip
     """Build a codec by name, e.g. ``make_codec("thc", workers=4, bits=4, granularity=30)``.
     ``feedback_bound``: error feedback's memory added is at most that times the gradient's
     norm (``feedback.ErrorFeedback``); None: the codec's own (``Codec.feedback_bound``); inf:
-    unbounded."""
+    unbounded. ``optimizer``: the optimizer the averages feed (its name, ``"adamw"``, or the
+    optimizer itself), which sets error feedback's default where a codec's depends on it
+    (THC's: off under adaptive optimizers); None: as under SGD."""
     if name not in _CODECS:
         raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
     cls, feedback_default = _CODECS[name]
@@ -56,10 +71,20 @@ def make_codec(name: str, workers: int = 1, error_feedback: bool | None = None,
             f"codec {name!r} has no option {', '.join(unknown)}; "
             f"its options are {', '.join(accepted) or '(none)'}"
         )
-    use_feedback = feedback_default if error_feedback is None else error_feedback
+    if error_feedback is not None:
+        use_feedback = error_feedback
+    elif feedback_default == UNLESS_ADAPTIVE:
+        use_feedback = not adaptive(optimizer)
+    else:
+        use_feedback = feedback_default
     if feedback_bound is not None and (cls.keeps_own_feedback or not use_feedback):
-        why = "it keeps its own" if cls.keeps_own_feedback else "it runs without"
-        raise ValueError(f"codec {name!r} takes no feedback_bound: {why} error feedback")
+        why = (
+            "it keeps its own error feedback" if cls.keeps_own_feedback
+            else "it runs without error feedback"
+            + (" (off by default under an adaptive optimizer; error_feedback=true turns it on)"
+               if feedback_default == UNLESS_ADAPTIVE else "")
+        )  # fmt: skip
+        raise ValueError(f"codec {name!r} takes no feedback_bound: {why}")
     if feedback_bound is None:
         feedback_bound = cls.feedback_bound
     elif feedback_bound == math.inf:
@@ -71,6 +96,33 @@ def make_codec(name: str, workers: int = 1, error_feedback: bool | None = None,
     return feedback_for(codec, feedback_bound) if use_feedback else codec
 
 
+def adaptive(optimizer: object) -> bool:
+    """Whether ``optimizer`` (a name, an optimizer or its class; None: unknown, taken as SGD)
+    scales each coordinate by its own gradient history, as Adam does."""
+    if optimizer is None:
+        return False
+    if isinstance(optimizer, str):
+        name = optimizer
+    else:
+        name = (optimizer if isinstance(optimizer, type) else type(optimizer)).__name__
+    return name.lower() in ADAPTIVE_OPTIMIZERS
+
+
+def check_codec(name: str, options: dict) -> dict:
+    """A codec's name and options checked as a command line gives them, before anything is
+    built: the name one of ``CODEC_NAMES``, each option one the codec has, each value of its
+    type (ValueError naming what is wrong and listing what is valid). Returns the options with
+    their values as the codec takes them."""
+    if name not in _CODECS:
+        raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
+    cls, _ = _CODECS[name]
+    accepted = signature_options(cls.__init__, skip=("self", "workers"))
+    accepted["error_feedback"] = Option(None, frozenset({"bool"}))
+    if not cls.keeps_own_feedback:
+        accepted["feedback_bound"] = Option(cls.feedback_bound, frozenset({"float", "None"}))
+    return check_options("codec", name, options, accepted)
+
+
 def codec_options(name: str) -> dict[str, object]:
     """A codec's tunable options and their defaults, error feedback's among them."""
     cls, feedback_default = _CODECS[name]
@@ -80,41 +132,3 @@ def codec_options(name: str) -> dict[str, object]:
     if not cls.keeps_own_feedback:
         feedback["feedback_bound"] = cls.feedback_bound
     return {**options, **feedback}
-
-
-def split_spec(spec: str) -> tuple[str, str]:
-    """``NAME(option=value,...)`` → its name and its options' text (empty without options);
-    a codec's in ``--methods``, a scheduler's in ``--scheduler``."""
-    name, bracket, options = spec.partition("(")
-    if bracket and not options.endswith(")"):
-        raise ValueError(f"{spec!r}: options go as NAME(option=value,...)")
-    return name.strip(), options.removesuffix(")").strip()
-
-
-def parse_options(text: str, what: str = "codec option") -> dict[str, object]:
-    """Parse ``"bits=4,granularity=30,p=0.03125"`` into typed values (``what``: the option's
-    kind, for the error)."""
-    options: dict[str, object] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"{what} {item!r} is not of the form name=value")
-        options[key.strip()] = _parse_value(value.strip())
-    return options
-
-
-def _parse_value(value: str) -> object:
-    converters: tuple[Callable[[str], object], ...] = (int, float)
-    for convert in converters:
-        try:
-            return convert(value)
-        except ValueError:
-            continue
-    if value.lower() in ("none", "full"):
-        return None
-    if value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    if "/" in value:
-        numerator, _, denominator = value.partition("/")
-        return float(numerator) / float(denominator)
-    return value

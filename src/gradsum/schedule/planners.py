@@ -398,13 +398,16 @@ PLANNER_NAMES: tuple[str, ...] = tuple(_PLANNERS)
 
 def parse_scheduler(spec: str) -> tuple[str, dict]:
     """A policy with its options, ``imerge(interleave=true,window=group)``: its name and its
-    options, checked against the planner's signature (ValueError naming what is wrong)."""
-    from ..codecs.registry import parse_options, split_spec
+    options, checked against the planner's signature: each option one it has, each value of
+    its type (ValueError naming what is wrong and listing what is valid)."""
+    from ..spec import check_options, parse_options, signature_options, split_spec
 
-    name, text = split_spec(spec.strip())
+    name, text = split_spec(spec)
     options = parse_options(text, what="scheduler option")
-    make_planner(name, **options)  # an unknown name or option fails here
-    return name, options
+    if name not in _PLANNERS:
+        raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(PLANNER_NAMES)}")
+    accepted = dict(list(signature_options(_PLANNERS[name]).items())[2:])  # after profile, cluster
+    return name, check_options("scheduler", name, options, accepted)
 
 
 def takes_option(name: str, option: str) -> bool:

@@ -1,8 +1,8 @@
 """Names of training methods, as ``bench tta`` and ``bench train`` take them and as tables and
 messages print them: torch DDP and its hooks (``ddp``, ``ddp:fp16``, ``ddp:bf16``,
 ``ddp:powersgdR``, train/peers.py) or gradsum's ``AGGREGATOR:CODEC``, optionally with the codec's
-options in parentheses: ``switch:thc(correlated=true,bits=4)``, as ``--codec-options`` takes
-them. Light: the command line parses them before torch is imported."""
+options in parentheses: ``switch:thc(correlated=true,bits=4)``, the codec written as ``--codec``
+takes it (gradsum/spec.py). Light: the command line parses them before torch is imported."""
 
 from __future__ import annotations
 
@@ -32,33 +32,24 @@ def split_methods(text: str, flag: str = "--methods") -> list[str]:
     codec's or a scheduler's options may hold commas of their own:
     ``ddp,switch:thc(correlated=true,bits=4)``."""
     from ..cli import UsageError
+    from ..spec import split_list
 
-    names, depth, start = [], 0, 0
-    for i, char in enumerate(text + ","):
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if depth < 0:
-            raise UsageError(f"{flag} {text!r}: a ')' without its '('")
-        if char == "," and depth == 0:
-            names.append(text[start:i].strip())
-            start = i + 1
-    if depth:
-        raise UsageError(f"{flag} {text!r}: a '(' without its ')'")
-    names = [name for name in names if name]
-    if not names:
-        raise UsageError(f"{flag} is empty")
-    return names
+    try:
+        return split_list(text, flag)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def codec_spec(text: str) -> tuple[str, str]:
     """A codec with its options, ``thc(correlated=true,bits=4)``: its name and its options'
-    text (``--codec-options``'s form, empty when it has none)."""
-    from ..cli import UsageError
-    from ..codecs.registry import split_spec
+    text (empty when it has none), both checked: the name one of the codecs, each option one it
+    has, each value of the option's type (ValueError naming what is wrong and what is valid)."""
+    from ..codecs.registry import check_codec
+    from ..spec import parse_options, split_spec
 
-    try:
-        return split_spec(text)
-    except ValueError:
-        raise UsageError(f"--methods {text}: options go as CODEC(name=value,...)") from None
+    name, options = split_spec(text)
+    check_codec(name, parse_options(options))
+    return name, options
 
 
 def method_fields(name: str) -> dict:
@@ -66,13 +57,12 @@ def method_fields(name: str) -> dict:
     ``ddp:powersgdR``, or gradsum's ``AGGREGATOR:CODEC`` (``method_name`` is the inverse), as
     ``bench tta`` and ``bench train`` take them."""
     from ..cli import UsageError
-    from ..codecs import parse_options
+    from ..spec import parse_options
     from .aggregators import IncompatibleChoice, check_compatible
 
     head, _, tail = name.partition(":")
     if "(" in tail and (head == DDP or not tail.endswith(")")):
         raise UsageError(f"--methods {name}: options go as AGGREGATOR:CODEC(name=value,...)")
-    tail, options = codec_spec(tail)
     if head == DDP:
         if tail in ("", "allreduce"):
             return {"aggregator": DDP, "ddp_hook": "allreduce"}
@@ -86,7 +76,8 @@ def method_fields(name: str) -> dict:
     if not tail:
         raise UsageError(f"--methods: {name!r} is not AGGREGATOR:CODEC nor a ddp method")
     try:
-        check_compatible(head, tail, parse_options(options))
+        codec, options = codec_spec(tail)
+        check_compatible(head, codec, parse_options(options))
     except (IncompatibleChoice, ValueError) as error:
         raise UsageError(f"--methods {name}: {error}") from None
-    return {"aggregator": head, "codec": tail, "codec_options": options}
+    return {"aggregator": head, "codec": codec, "codec_options": options}

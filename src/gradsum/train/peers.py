@@ -117,6 +117,11 @@ class DDPSync:
         self.net = DistributedDataParallel(model)
         self.step = 0
         self._manual = False
+        # steps the hook itself sends uncompressed: torch's PowerSGD hook averages its first
+        # start_powerSGD_iter steps in fp32 on its own, so the run's uncompressed steps are those
+        # same steps, not as many again before the hook is first called
+        self._hook_warmup = 0
+        self.hook_state = None  # the PowerSGD hook's, where it runs
         if config.ddp_hook == "fp16":
             self.net.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif config.ddp_hook == "bf16":
@@ -127,14 +132,16 @@ class DDPSync:
                     f"--powersgd-start {config.powersgd_start}: torch's PowerSGD hook needs at "
                     "least 2 uncompressed steps with error feedback or warm start"
                 )
+            self._hook_warmup = max(config.powersgd_start, config.uncompressed_steps)
             state = powersgd.PowerSGDState(
                 process_group=None,
                 matrix_approximation_rank=config.powersgd_rank,
-                start_powerSGD_iter=config.powersgd_start,
+                start_powerSGD_iter=self._hook_warmup,
                 use_error_feedback=True,
                 warm_start=True,
                 random_seed=config.seed,
             )
+            self.hook_state = state
             self.net.register_comm_hook(state, in_order(powersgd.powerSGD_hook))
 
     def wait(self) -> None:
@@ -153,7 +160,11 @@ class DDPSync:
 
     @contextlib.contextmanager
     def uncompressed(self) -> Iterator[None]:
-        """Steps inside skip the hook (DDP's ``no_sync``) and are averaged in fp32 by ``wait``."""
+        """Steps inside skip the hook (DDP's ``no_sync``) and are averaged in fp32 by ``wait``;
+        during the PowerSGD hook's own uncompressed start the hook averages them in fp32."""
+        if self.step < self._hook_warmup:
+            yield
+            return
         self._manual = True
         try:
             with self.net.no_sync():

@@ -9,10 +9,11 @@ re-encoded in between, which is what lets an integer-only switch aggregate THC.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -332,8 +333,25 @@ class GridCodec(Codec):
         return self._coordinates(length)
 
 
+SCALES = ("tensor", "partition")
+
+
 class THC(GridCodec):
-    """Lookup-table THC with a randomized Hadamard rotation and clamping (Algorithm 2)."""
+    """Lookup-table THC with a randomized Hadamard rotation and clamping (Algorithm 2).
+
+    ``scales``: what one grid scale covers. ``"partition"`` is the paper's: the rotation spreads
+    every coordinate's share of the partition's norm evenly, so the error each coordinate gets
+    is the partition's RMS, whatever its own gradient's size. Where a round carries several
+    tensors (a fusion group, a DDP bucket), one with large gradients (a token embedding) sets
+    the error of all the others; a tensor whose gradients are 10x smaller then receives noise
+    larger than its signal, and Adam, which divides each coordinate by its own magnitude,
+    turns that noise into full-size steps. ``"tensor"`` (the default) first divides each
+    described tensor's coordinates by that tensor's RMS (the largest over the workers, from the
+    same MAX round, so every worker uses the same factors and the sum stays homomorphic), rounds
+    the result on the partition's grid, and multiplies the decoded average back: each tensor's
+    error is then a fraction of its own gradient. It needs the tensors' shapes
+    (``Codec.describe``); a buffer nobody described has one scale per partition.
+    """
 
     name = "thc"
     aggregation = Aggregation.LOOKUP_SUM
@@ -351,7 +369,10 @@ class THC(GridCodec):
         rotation_block: int | None = None,
         correlated: bool = False,
         spread_clamp: bool | None = None,
+        scales: str = "tensor",
     ):
+        if scales not in SCALES:
+            raise ValueError(f"THC scales is one of {', '.join(SCALES)}, got {scales!r}")
         # Correlated rounding's table: 31 grid steps (n * 31 sums need the bits n * 30 do at
         # every n, so the wire is THC's), and the table and clamp that minimise its error.
         if granularity is None:
@@ -378,6 +399,12 @@ class THC(GridCodec):
         self._device_clamps: dict[torch.device, torch.Tensor] = {}
         self.rotation_block = rotation_block
         self._rotations: OrderedDict[tuple, Rotation] = OrderedDict()  # least recently used first
+        self.scales = scales
+        # tensor scales: the numel of every tensor a key's flat buffer holds (``describe``), and
+        # per round key (key, partition) the lengths of the tensors' pieces in that partition
+        self._layouts: dict[Hashable, tuple[int, ...]] = {}
+        self._segments: dict[Hashable, tuple[int, ...]] = {}
+        self._segment_tensors: dict[tuple, torch.Tensor] = {}
 
     @staticmethod
     def _table(bits: int, granularity: int, p: float, correlated: int | None) -> tuple[int, ...]:
@@ -387,8 +414,95 @@ class THC(GridCodec):
             return solve_table(bits, granularity, p)
         return correlated_table(bits, granularity, p, correlated)
 
+    # -- tensor scales ---------------------------------------------------------------------------
+    def describe(self, key: Hashable, shapes: Sequence[tuple[int, ...]]) -> None:
+        if self.scales != "tensor":
+            return
+        sizes = tuple(math.prod(int(d) for d in shape) for shape in shapes)
+        with self._lock:
+            self._layouts[key] = sizes
+
+    def partitions(self, key: Hashable, total: int, size: int) -> list[tuple[int, int]] | None:
+        """The round's partitions of ``size`` coordinates, as for any codec; what tensor scales
+        add is the record of which tensors' pieces each partition holds."""
+        with self._lock:
+            sizes = self._layouts.get(key)
+        if sizes is None:
+            return None
+        if sum(sizes) != total:
+            raise ValueError(
+                f"thc: the tensors described for {key!r} hold {sum(sizes):,} coordinates, its "
+                f"flat gradient {total:,}"
+            )
+        bounds = [(a, min(a + size, total)) for a in range(0, total, size)]
+        ends = list(itertools.accumulate(sizes))
+        with self._lock:
+            for i, (a, b) in enumerate(bounds):
+                cuts = sorted({a, b, *(e for e in ends if a < e < b)})
+                pieces = tuple(hi - lo for lo, hi in itertools.pairwise(cuts))
+                self._segments[(key, i)] = pieces
+        return bounds
+
+    def _pieces(self, ctx: CodecContext | None) -> tuple[int, ...] | None:
+        """The lengths of the tensors' pieces in this round's partition; None: one scale."""
+        if ctx is None or self.scales != "tensor":
+            return None
+        with self._lock:
+            pieces = self._segments.get(ctx.key)
+        return pieces if pieces is not None and len(pieces) > 1 else None
+
+    def _lengths(self, pieces: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        key = (pieces, device)
+        lengths = self._segment_tensors.get(key)
+        if lengths is None:
+            lengths = torch.tensor(pieces, dtype=torch.int64, device=device)
+            with self._lock:
+                self._segment_tensors[key] = lengths
+        return lengths
+
+    def _piece_norms(self, flat: torch.Tensor, pieces: tuple[int, ...],
+                     ctx: CodecContext) -> torch.Tensor:  # fmt: skip
+        """This worker's norm of every piece, in its row of a (workers x pieces) summary."""
+        lengths = self._lengths(pieces, flat.device)
+        squares = torch.segment_reduce(flat.square(), "sum", lengths=lengths)
+        norms = squares.sqrt_()
+        require(finite(norms).all(), lambda: self._norm_overflow(flat))
+        placed = norms.new_zeros(self.workers, len(pieces))
+        placed[(ctx.worker if ctx is not None else 0) % self.workers] = norms
+        return placed.reshape(-1)
+
+    def _tensor_scales(self, shared: torch.Tensor | None, pieces: tuple[int, ...],
+                       device: torch.device) -> tuple[Scalar, Scalar, torch.Tensor]:  # fmt: skip
+        """From every worker's piece norms: the largest norm of the normalized partition and
+        its clamp (as ``_norm_and_clamp`` gives them for one scale), and every coordinate's
+        scale, the RMS of its piece (the largest over the workers; 0 where all are 0)."""
+        count = self.workers * len(pieces)
+        if shared is None or shared.numel() != count:
+            raise ValueError(
+                f"{self.name} with tensor scales needs the preliminary round's {count} norms "
+                f"({self.workers} workers x {len(pieces)} tensors); got "
+                f"{None if shared is None else shared.numel()}"
+            )
+        norms = shared.reshape(self.workers, len(pieces)).to(torch.float64)
+
+        def fail() -> None:
+            raise ValueError(f"{self.name}: invalid norms {norms.tolist()}")
+
+        require(finite(norms).all() & (norms >= 0).all(), fail)
+        lengths = self._lengths(pieces, device)
+        rms = norms.amax(dim=0) / lengths.to(torch.float64).sqrt()
+        inverse = torch.where(rms > 0, 1.0 / rms.clamp(min=1e-300), 0.0)
+        # each worker's norm once every piece is divided by its scale: at most sqrt(length)
+        normalized = (norms * inverse).square().sum(dim=1).sqrt()
+        largest, clamp = self._largest_and_clamp(normalized)
+        scale = torch.repeat_interleave(rms.to(torch.float32), lengths)
+        return largest, clamp, scale
+
     def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         flat = x.reshape(-1).to(torch.float32)
+        pieces = self._pieces(ctx)
+        if pieces is not None:
+            return self._piece_norms(flat, pieces, ctx)
         norm = torch.linalg.vector_norm(flat)
         if not _reads_scalars(flat):  # checked on the device, read after the round
             # Finite coordinates whose squares overflow float32 take the float64 norm.
@@ -427,6 +541,19 @@ class THC(GridCodec):
                 f"{self.name} with spread_clamp needs the preliminary round's {self.workers} "
                 f"norms, one per worker; got {None if shared is None else shared.numel()}"
             )
+        return self._largest_and_clamp(shared)
+
+    def _largest_and_clamp(self, norms: torch.Tensor) -> tuple[Scalar, Scalar]:
+        """The largest of the workers' ``norms`` and the clamp for their spread (the fixed
+        clamp without ``spread_clamp``)."""
+        if not self.spread_clamp:
+            if _reads_scalars(norms):
+                largest = max(float(v) for v in norms.reshape(-1))
+                if not math.isfinite(largest) or largest < 0:
+                    raise ValueError(f"{self.name}: invalid norms {norms.tolist()}")
+                return largest, self.threshold
+            return norms.reshape(-1).amax().to(torch.float64), self.threshold
+        shared = norms
         first, step = SPREADS[0], SPREADS[1] - SPREADS[0]
         if _reads_scalars(shared):
             norms = [float(v) for v in shared.reshape(-1)]
@@ -465,23 +592,34 @@ class THC(GridCodec):
     def encode(
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> Payload:
-        max_norm, clamp = self._norm_and_clamp(shared)
+        flat = x.reshape(-1).to(torch.float32)
+        pieces = self._pieces(ctx)
+        if pieces is None:
+            max_norm, clamp = self._norm_and_clamp(shared)
+        else:
+            max_norm, clamp, scale = self._tensor_scales(shared, pieces, flat.device)
+            flat = torch.where(scale > 0, flat / scale, 0.0)
         rotation = self._rotation(x.numel(), ctx, x.device)
         a = self._grid_scale(max_norm, rotation.padded, clamp)
-        flat = x.reshape(-1).to(torch.float32)
         return self._encode_grid(flat, a, self.granularity / 2, ctx, rotation)
 
     def decode(
         self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        max_norm, clamp = self._norm_and_clamp(shared)
+        pieces = self._pieces(ctx)
+        scale = None
+        if pieces is None:
+            max_norm, clamp = self._norm_and_clamp(shared)
+        else:
+            max_norm, clamp, scale = self._tensor_scales(shared, pieces, _device_of(payload))
         rotation = self._rotation(payload.length, ctx, _device_of(payload))
         step = self._step(max_norm, rotation.padded, clamp)
         # y = (S / contributors - g/2) * step
         g = self.granularity
-        return self._decode_grid(payload, _per_contributor(step, payload), -step * g / 2,
-                                 rotation, out=out)  # fmt: skip
+        y = self._decode_grid(payload, _per_contributor(step, payload), -step * g / 2,
+                              rotation, out=out)  # fmt: skip
+        return y if scale is None else y.mul_(scale)
 
     def decode_into(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
                     out: torch.Tensor) -> None:  # fmt: skip
@@ -494,8 +632,10 @@ class THC(GridCodec):
         self.decode_into(payload, ctx, shared, out)  # the decode divides lane by lane
 
     # -- error feedback in the rotated domain (feedback.TransformedErrorFeedback) --------------
-    def transform_keeps_length(self, length: int) -> bool:
-        return self._coordinates(length) == length
+    def transform_keeps_length(self, length: int, ctx: CodecContext) -> bool:
+        # tensor scales are set by norms of the unrotated tensors, after the memory is added:
+        # the memory of a partition of several tensors stays in the gradient's own domain
+        return self._pieces(ctx) is None and self._coordinates(length) == length
 
     def transform(
         self, x: torch.Tensor, ctx: CodecContext, add: torch.Tensor | None = None
@@ -573,7 +713,7 @@ class THC(GridCodec):
         return (
             f"THC(workers={self.workers}, bits={self.bits}, granularity={self.granularity}, "
             f"p={self.p:g}, rotation_block={self.rotation_block}, correlated={self.correlated}, "
-            f"spread_clamp={self.spread_clamp})"
+            f"spread_clamp={self.spread_clamp}, scales={self.scales!r})"
         )
 
 
@@ -588,7 +728,9 @@ class UniformTHC(THC):
 
     def __init__(self, workers: int = 1, bits: int = 4, p: float = 2e-4,
                  rotation_block: int | None = None, correlated: bool = False):  # fmt: skip
-        super().__init__(workers, bits, (1 << bits) - 1, p, rotation_block, correlated)
+        # one scale per partition, as the authors run it
+        super().__init__(workers, bits, (1 << bits) - 1, p, rotation_block, correlated,
+                         scales="partition")  # fmt: skip
 
     @staticmethod
     def _table(bits: int, granularity: int, p: float, correlated: int | None) -> tuple[int, ...]:
