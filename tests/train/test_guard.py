@@ -16,8 +16,9 @@ from gradsum.sync.gradient_sync import GradientSync
 from gradsum.sync.session import Session
 from gradsum.train.config import TrainConfig
 from gradsum.train.guard import DivergenceError, DivergenceGuard
-from gradsum.train.loop import _gradients_finite, _Stepper
+from gradsum.train.loop import Worker, _gradients_finite
 from gradsum.train.models import build_model
+from gradsum.train.trainer import Report, Schedule, Trainer
 
 
 def test_the_guard_names_non_finite_losses_and_jumps_past_its_factor():
@@ -79,6 +80,11 @@ class _CorruptingChannel(Channel):
         return average
 
 
+def _trainer(net, model, optimizer, sync, guard) -> Trainer:
+    """The one training loop around a real worker, to take its steps one by one."""
+    return Trainer(Worker(net, model, optimizer, sync), None, Report(), Schedule(), guard=guard)
+
+
 def _steps(fallback, bad_steps, count=6):
     torch.manual_seed(0)
     model = build_model("digits-mlp")
@@ -86,11 +92,11 @@ def _steps(fallback, bad_steps, count=6):
     aggregator = _Corrupting(bad_steps)
     sync = GradientSync(model, Session(make_codec("thc", workers=1), aggregator))
     guard = DivergenceGuard("allreduce:thc", fallback=fallback)
-    step = _Stepper(model, model, optimizer, sync, guard)
+    trainer = _trainer(model, model, optimizer, sync, guard)
     inputs = torch.rand(16, 64, generator=torch.Generator().manual_seed(1))
     labels = torch.arange(16) % 10
     try:
-        losses = [float(step(inputs, labels)[0]) for _ in range(count)]
+        losses = [float(trainer.step(inputs, labels)[0]) for _ in range(count)]
     finally:
         sync.close()
     return losses, guard, aggregator, model
@@ -138,17 +144,17 @@ def test_a_loss_jump_under_ddp_is_retried_outside_its_hook_and_counted(gloo_alon
     sync = DDPSync(model, TrainConfig(aggregator="ddp", ddp_hook="fp16"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     guard = DivergenceGuard("ddp:fp16", factor=3.0, fallback="none", warmup=3)
-    step = _Stepper(sync.net, model, optimizer, sync, guard)
+    trainer = _trainer(sync.net, model, optimizer, sync, guard)
     inputs = torch.rand(16, 64, generator=torch.Generator().manual_seed(1))
     labels = torch.arange(16) % 10
     for _ in range(4):
-        step(inputs, labels)
+        trainer.step(inputs, labels)
     assert guard.fallbacks == 0
     optimizer.param_groups[0]["lr"] = 0.0  # (that step's update would wreck the next ones)
-    step(inputs * 400.0, labels)  # a batch whose loss is far above the running mean
+    trainer.step(inputs * 400.0, labels)  # a batch whose loss is far above the running mean
     optimizer.param_groups[0]["lr"] = 0.05
     assert guard.fallbacks == 1
     for _ in range(2):
-        step(inputs, labels)
-    assert guard.fallbacks == 1 and step.count == 7 and sync.step == 7
+        trainer.step(inputs, labels)
+    assert guard.fallbacks == 1 and trainer.count == 7 and sync.step == 7
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -102,7 +102,7 @@ def test_evaluations_come_every_eval_seconds_of_training_on_worker_0s_clock(
 ):
     """0.7 s steps, an evaluation every 2 s of training: after steps 3 (2.1 s), 6 (4.2 s), ...;
     the evaluations' own time is not training time, and the step schedule still applies."""
-    from gradsum.train import loop
+    from gradsum.train import loop, trainer
 
     now = [0.0]
 
@@ -111,26 +111,40 @@ def test_evaluations_come_every_eval_seconds_of_training_on_worker_0s_clock(
         def perf_counter():
             return now[0]
 
-    class Step:
-        count = 0
+    class Replicas:
+        step = 0
 
-        def __call__(self, inputs, labels, stop=False):
+        def forward(self, inputs, labels):
             now[0] += 0.7
-            self.count += 1
             return torch.zeros(()), None
+
+        def agree(self, loss, stop):
+            return 0.0, stop
+
+        def backward(self, loss):
+            self.step += 1
+
+        zero_grad = apply = lambda self: None
+
+    class Batches:
+        def epoch(self, epoch):
+            return [(torch.zeros(1), torch.zeros(1))] * 1000
+
+        def prepare(self, inputs, labels):
+            return inputs, labels
 
     def validation(model, data, samples):
         now[0] += 100.0  # evaluating takes long; none of it counts as training
         return 1.0, 0.5
 
-    monkeypatch.setattr(loop, "time", Clock)
+    monkeypatch.setattr(trainer, "time", Clock)
     monkeypatch.setattr(loop, "validation", validation)
-    monkeypatch.setattr(loop, "shard_batches",
-                        lambda *args: [(torch.zeros(1), torch.zeros(1))] * 1000)  # fmt: skip
     config = TrainConfig(max_steps=20, eval_seconds=2.0, eval_every=every, progress=False)
     log = type("Log", (), {"write": lambda self, record: None})()
     dataset = type("Data", (), {"train": None, "test": None})()
-    evals, durations = loop._train_steps(config, 0, 1, Step(), torch.nn.Linear(1, 1), dataset, log)
+    report = loop._Evaluations(config, 0, 1, torch.nn.Linear(1, 1), dataset, log, None)
+    run = trainer.Trainer(Replicas(), Batches(), report, loop.schedule_of(config)).run()
+    evals, durations = report.evals, run.durations
     assert [e["step"] for e in evals] == steps
     assert [e["seconds"] for e in evals] == pytest.approx([0.7 * s for s in steps])
     assert durations == pytest.approx([0.7] * 20)  # each step's, evaluations left out

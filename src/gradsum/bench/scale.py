@@ -27,6 +27,7 @@ against modelled time).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -36,6 +37,7 @@ from pathlib import Path
 
 from ..config import add_flags, non_negative_float, positive_int
 from ..train.config import Optimizer, Steps, Workload
+from ..train.trainer import Report
 from .cli import parse_list
 
 DEFAULT_WORKERS = (4, 8, 16, 32, 64)
@@ -321,10 +323,8 @@ def train_simulated(
     codec round; ``quorum``: the workers each round aggregates (all when None)."""
     import torch
 
-    from ..codecs import make_codec, parse_options, run_round
-    from ..train.loop import validation
-    from ..train.methods import codec_spec
     from ..train.models import build_model, count_parameters
+    from ..train.trainer import Schedule, Trainer
 
     global_batch = setup.batch(workers)
     if global_batch % workers:
@@ -336,61 +336,16 @@ def train_simulated(
     dataset = dataset if dataset is not None else lm_dataset(setup)
     started = time.perf_counter()
     torch.manual_seed(setup.seed)
-    model = build_model(
-        "gpt",
-        dataset.num_classes,
-        layers=setup.layers,
-        width=setup.width,
-        heads=setup.heads,
-        context=setup.context,
-    )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0)
-    name, options = codec_spec(method)
-    codec = make_codec(name, workers=workers, optimizer=optimizer, **parse_options(options))
-    # the flat gradient's tensors, in order, as training's senders describe them (PowerSGD
-    # factors each weight matrix, not the whole buffer viewed as one)
-    codec.describe("gpt", [tuple(p.shape) for p in model.parameters()])
-    gradients = WorkerGradients(model, how)
-    stragglers = Stragglers(workers, setup.straggler_delay, setup.seed)
-    order = torch.Generator().manual_seed(setup.seed)
-    train = dataset.train
-    per_worker = global_batch // workers
-    evals, losses, modelled, bits_up, errors = [], [], 0.0, 0.0, []
-
-    def evaluate(step: int) -> None:
-        loss, _ = validation(model, dataset.test, samples=setup.eval_samples)
-        evals.append({"step": step, "val_loss": loss, "modelled_time": modelled})
-        model.train()
-
-    evaluate(0)
-    for step in range(1, setup.steps + 1):
-        batch = torch.randint(0, len(train), (global_batch,), generator=order)
-        inputs = train.inputs[batch].view(workers, per_worker, -1)
-        labels = train.labels[batch].view(workers, per_worker, -1)
-        flat, loss = gradients(inputs, labels)
-        losses.append(loss)
-        chosen, ends = stragglers.round(step, quorum)
-        modelled += ends
-        result = run_round(
-            codec,
-            flat,
-            seed=setup.seed,
-            step=step,
-            key="gpt",
-            contributors=None if quorum == workers else chosen,
-        )
-        bits_up = result.bits_per_coordinate()[0]
-        errors.append(_relative_error(result.average, [flat[w] for w in chosen]))
-        offset = 0
-        for parameter in model.parameters():
-            count = parameter.numel()
-            parameter.grad = result.average[offset : offset + count].view_as(parameter).clone()
-            offset += count
-        optimizer.step()
-        if step % setup.eval_every == 0 or step == setup.steps:
-            evaluate(step)
-    val_loss = evals[-1]["val_loss"]
-    tail = losses[-max(1, len(losses) // 10) :]
+    sizes = dict(layers=setup.layers, width=setup.width, heads=setup.heads, context=setup.context)
+    model = build_model("gpt", dataset.num_classes, **sizes)
+    replicas = SimulatedWorkers(method, workers, quorum, model, setup, how)
+    report = _Report(model, dataset, setup, replicas)
+    schedule = Schedule(max_steps=setup.steps, eval_every=setup.eval_every)
+    draws = _Draws(dataset.train, workers, global_batch, setup.seed)
+    # unguarded: a codec that diverges is a result of the sweep, its row's loss says so
+    Trainer(replicas, draws, report, schedule).run()
+    val_loss = report.evals[-1]["val_loss"]
+    tail = report.losses[-max(1, len(report.losses) // 10) :]
     return ScaleRow(
         method=method,
         workers=workers,
@@ -399,14 +354,141 @@ def train_simulated(
         val_loss=val_loss,
         bits_per_byte=val_loss / math.log(2),
         train_loss=sum(tail) / len(tail),
-        bits_up=bits_up,
-        modelled_time=modelled,
+        bits_up=replicas.bits_up,
+        modelled_time=replicas.modelled,
         parameters=count_parameters(model),
         grads=how,
         seconds=time.perf_counter() - started,
-        evals=evals,
-        relative_error=sum(errors) / len(errors),
+        evals=report.evals,
+        relative_error=sum(replicas.errors) / len(replicas.errors),
     )
+
+
+class SimulatedWorkers:
+    """The Trainer's replicas for n workers in one process: every worker's gradient of its
+    micro-batch, averaged by the codec's exact in-process round over the quorum the straggler
+    model lets in, then applied by AdamW to the one model all of them share."""
+
+    def __init__(
+        self, method: str, workers: int, quorum: int, model, setup: ScaleSetup, how: str
+    ) -> None:
+        import torch
+
+        from ..codecs import make_codec, parse_options
+        from ..train.methods import codec_spec
+
+        self.model, self.workers, self.quorum, self.seed = model, workers, quorum, setup.seed
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0)
+        name, options = codec_spec(method)
+        self.codec = make_codec(
+            name, workers=workers, optimizer=self.optimizer, **parse_options(options)
+        )
+        # the flat gradient's tensors, in order, as training's senders describe them (PowerSGD
+        # factors each weight matrix, not the whole buffer viewed as one)
+        self.codec.describe("gpt", [tuple(p.shape) for p in model.parameters()])
+        self.gradients = WorkerGradients(model, how)
+        self.stragglers = Stragglers(workers, setup.straggler_delay, setup.seed)
+        self.step = 0  # rounds
+        self.modelled, self.bits_up, self.errors = 0.0, 0.0, []
+        self._flat: list = []
+
+    def forward(self, inputs, labels):
+        self._flat, loss = self.gradients(inputs, labels)
+        return loss, None
+
+    def agree(self, loss: float, stop: bool) -> tuple[float, bool]:
+        return loss, stop
+
+    def backward(self, loss) -> None:
+        from ..codecs import run_round
+
+        self.step += 1
+        chosen, ends = self.stragglers.round(self.step, self.quorum)
+        contributors = None if self.quorum == self.workers else chosen
+        result = run_round(
+            self.codec,
+            self._flat,
+            seed=self.seed,
+            step=self.step,
+            key="gpt",
+            contributors=contributors,
+        )
+        self.modelled += ends
+        self.bits_up = result.bits_per_coordinate()[0]
+        self.errors.append(_relative_error(result.average, [self._flat[w] for w in chosen]))
+        offset = 0
+        for parameter in self.model.parameters():
+            count = parameter.numel()
+            parameter.grad = result.average[offset : offset + count].view_as(parameter).clone()
+            offset += count
+
+    def gradients_finite(self) -> bool:
+        return all(bool(p.grad.isfinite().all()) for p in self.model.parameters())
+
+    def uncompressed(self):
+        from ..codecs import make_codec
+
+        return _swapped(self, "codec", make_codec("none", workers=self.workers))
+
+    def zero_grad(self) -> None:
+        """Each round assigns the gradient whole."""
+
+    def apply(self) -> None:
+        self.optimizer.step()
+
+
+class _Draws:
+    """Each step's global batch, drawn with replacement from one seeded generator and split
+    into the workers' micro-batches: (workers, batch / workers, context)."""
+
+    def __init__(self, train, workers: int, global_batch: int, seed: int) -> None:
+        import torch
+
+        self.train, self.workers, self.global_batch = train, workers, global_batch
+        self.order = torch.Generator().manual_seed(seed)
+
+    def epoch(self, epoch: int):
+        import torch
+
+        train, shape = self.train, (self.workers, self.global_batch // self.workers, -1)
+        while True:
+            batch = torch.randint(0, len(train), (self.global_batch,), generator=self.order)
+            yield train.inputs[batch].view(shape), train.labels[batch].view(shape)
+
+    def prepare(self, inputs, labels):
+        return inputs, labels
+
+
+class _Report(Report):
+    """The validation loss at the schedule's steps against the modelled time so far, and each
+    step's training loss (the workers' mean)."""
+
+    def __init__(self, model, dataset, setup: ScaleSetup, replicas: SimulatedWorkers) -> None:
+        self.model, self.dataset, self.setup, self.replicas = model, dataset, setup, replicas
+        self.evals: list[dict] = []
+        self.losses: list[float] = []
+
+    def after_step(self, outcome, labels, index: int) -> None:
+        self.losses.append(outcome[0])
+
+    def evaluate(self, step: int, clock: float) -> float:
+        from ..train.loop import validation
+
+        loss, _ = validation(self.model, self.dataset.test, samples=self.setup.eval_samples)
+        self.evals.append({"step": step, "val_loss": loss, "modelled_time": self.replicas.modelled})
+        self.model.train()
+        return loss
+
+
+@contextlib.contextmanager
+def _swapped(owner, name: str, value):
+    """``owner.name`` is ``value`` inside."""
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
 
 
 def _relative_error(estimate, contributed) -> float:

@@ -6,7 +6,6 @@ replica check, the evaluation result -- while gradients travel through the chose
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -23,12 +22,13 @@ from ..schedule import AlphaBeta, parse_scheduler
 from ..sync.gradient_sync import GradientSync
 from ..sync.scheduling import agree_on_plan
 from .aggregators import open_session
-from .config import DDP, TrainConfig
+from .config import DDP, TrainConfig, stepped
 from .data import augment_images, load_dataset, shard_batches, steps_per_epoch
 from .guard import DivergenceGuard
 from .methods import method_name
 from .models import build_model, model_sizes, sample_shape
 from .peers import DDPSync
+from .trainer import Report, Schedule, Trainer
 
 
 @dataclass
@@ -76,10 +76,10 @@ def _make_optimizer(config: TrainConfig, model: torch.nn.Module,
 def _train(config, rank, world, dataset, model, session) -> dict:
     codec = session.codec if session is not None else None
     optimizer = _make_optimizer(config, model, codec)
-    stepped = any(v is not None for v in (config.max_steps, config.eval_every, config.eval_seconds))
+    stepwise = stepped(config)
     # the compute of a step, every worker at once (as in training) but exchanging nothing:
     # what the communication-to-compute ratio of bench tta divides by
-    compute_s = _compute_seconds(model, dataset, config) if stepped else None
+    compute_s = _compute_seconds(model, dataset, config) if stepwise else None
     if session is None:
         sync = DDPSync(model, config)
         net, describe, order = sync.net, f"torch DDP, hook {config.ddp_hook}", []
@@ -119,36 +119,43 @@ def _train(config, rank, world, dataset, model, session) -> dict:
     log.write({"event": "plan", "describe": describe, "order": order})
     if rank == 0 and config.progress:
         print(describe, flush=True)
-    history: list[EpochMetrics] = []
-    evals: list[dict] = []
-    augment = torch.Generator().manual_seed(config.seed * 7919 + rank)
-    step = _Stepper(net, model, optimizer, sync, guard, config.uncompressed_steps)
+    save = _saver(config, rank, model, optimizer, codec, sync)
+    report = (_Evaluations if stepwise else _Epochs)(config, rank, world, model, dataset, log, save)
+    batches = _Shards(config, rank, world, dataset, augment=dataset.augment and not stepwise)
+    replicas = Worker(net, model, optimizer, sync)
+    schedule = schedule_of(config, first_epoch)
+    trainer = Trainer(replicas, batches, report, schedule, guard=guard, decides=rank == 0)
     try:
-        if stepped:
-            evals, durations = _train_steps(config, rank, world, step, model, dataset, log)
-        else:
-            for epoch in range(first_epoch, config.epochs):
-                metrics = _train_epoch(config, rank, world, epoch, step, model, dataset, augment)
-                history.append(metrics)
-                log.write({"event": "epoch", **asdict(metrics)})
-                if rank == 0 and config.progress:
-                    print(_epoch_line(metrics, config.epochs), flush=True)
-                if config.checkpoint:
-                    _save(config, rank, epoch, model, optimizer, codec, sync)
+        trainer.run()
         digest = check_replicas(model)
         total = {} if session is None else session.aggregator.transport_stats()
     finally:
         sync.close()
-    summary = _summary(config, world, history, digest, describe)
+    summary = _summary(config, world, report.history, digest, describe)
     # rank 0's datagrams: what loss recovery cost it in training, and apart, at start-up
     summary["transport"] = {key: n - start_up.get(key, 0) for key, n in total.items()}
     summary["transport_start_up"] = start_up
     summary["predicted_step_s"] = predicted
-    summary.update(method=method_name(config), fallbacks=guard.fallbacks, steps=step.count)
-    if stepped:
-        summary.update(_stepped_summary(evals, compute_s, durations, config.batch_size * world))
+    summary.update(method=method_name(config), fallbacks=guard.fallbacks, steps=trainer.count)
+    if stepwise:
+        samples = config.batch_size * world  # per step
+        summary.update(_stepped_summary(report.evals, compute_s, trainer.durations, samples))
     log.write({"event": "summary", **summary})
     return summary
+
+
+def schedule_of(config: TrainConfig, first_epoch: int = 0) -> Schedule:
+    """The run's stopping rules and evaluations: by steps, or by ``config.epochs``."""
+    return Schedule(
+        epochs=None if stepped(config) else config.epochs,
+        max_steps=config.max_steps,
+        time_budget=config.time_budget,
+        target_loss=config.target_loss,
+        eval_every=config.eval_every,
+        eval_seconds=config.eval_seconds,
+        uncompressed_steps=config.uncompressed_steps,
+        first_epoch=first_epoch,
+    )
 
 
 def task_loss(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -158,59 +165,41 @@ def task_loss(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(outputs, labels.long())
 
 
-class _Stepper:
-    """One training step under the divergence guard (train/guard.py).
+class Worker:
+    """A real worker's side of the Trainer's step: its model (``net``: the model, or DDP's
+    wrapper of it), its optimizer and its sync (``GradientSync`` over the Session, or
+    ``DDPSync``). The loss is averaged over workers in one small all-reduce of the control
+    group, which also carries a request to stop."""
 
-    The step's loss, averaged over workers in one small all-reduce of the control group (which
-    also carries a request to stop, from worker 0's clock or its evaluation), is checked before
-    backward; the averaged gradient, the same on every worker, after it. A problem either ends
-    training (``DivergenceError`` naming the step and the method) or, with ``--fallback none``,
-    the step is taken again through the lossless codec and counted.
-    """
+    def __init__(self, net, model, optimizer, sync) -> None:
+        self.net, self.model, self.optimizer, self.sync = net, model, optimizer, sync
 
-    def __init__(self, net, model, optimizer, sync, guard: DivergenceGuard,
-                 uncompressed_steps: int = 0) -> None:  # fmt: skip
-        self.net, self.model, self.optimizer, self.sync, self.guard = (
-            net, model, optimizer, sync, guard,
-        )  # fmt: skip
-        self.uncompressed_steps = uncompressed_steps  # the first steps' (--uncompressed-steps)
-        self.count = 0  # steps taken
+    @property
+    def step(self) -> int:
+        return self.sync.step
 
-    def __call__(self, inputs, labels, stop: bool = False):
-        """(loss, outputs) of the step, or None when a worker asked to stop (nothing taken)."""
+    def forward(self, inputs, labels):
+        outputs = self.net(inputs)
+        return task_loss(outputs, labels), outputs
+
+    def agree(self, loss, stop: bool) -> tuple[float, bool]:
+        return _agree(loss.detach(), stop)
+
+    def backward(self, loss) -> None:
+        loss.backward()
+        self.sync.wait()
+
+    def gradients_finite(self) -> bool:
+        return _gradients_finite(self.model)
+
+    def uncompressed(self):
+        return self.sync.uncompressed()
+
+    def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=False)
-        # the first steps go uncompressed (--uncompressed-steps); the sync counts steps, so a
-        # resumed run warms up only where the first one had not. DDP's no_sync must see the
-        # forward too, so the whole step is inside.
-        warming = self.sync.step < self.uncompressed_steps
-        with self.sync.uncompressed() if warming else contextlib.nullcontext():
-            outputs = self.net(inputs)
-            loss = task_loss(outputs, labels)
-            mean, stopping = _agree(loss.detach(), stop)
-            if stopping:
-                return None
-            problem = self.guard.loss_problem(mean)
-            if problem is None:
-                loss.backward()
-                self.sync.wait()
-                problem = self.guard.gradient_problem(_gradients_finite(self.model))
-        if problem is not None:
-            if not self.guard.should_retry(problem):
-                raise self.guard.diverged(self.count + 1, problem)
-            self.guard.fallbacks += 1
-            self.optimizer.zero_grad(set_to_none=False)
-            with self.sync.uncompressed():
-                outputs = self.net(inputs)
-                loss = task_loss(outputs, labels)
-                loss.backward()
-                self.sync.wait()
-            if not _gradients_finite(self.model):
-                problem = "the gradient is not finite uncompressed either"
-                raise self.guard.diverged(self.count + 1, problem)
+
+    def apply(self) -> None:
         self.optimizer.step()
-        self.guard.accept(mean)
-        self.count += 1
-        return loss, outputs
 
 
 def _agree(loss: torch.Tensor, stop: bool) -> tuple[float, bool]:
@@ -249,71 +238,106 @@ def _compute_seconds(model, dataset, config, steps: int = 3) -> float:
     return sorted(times[1:])[steps // 2]  # the first one warms up
 
 
-def _train_steps(config, rank, world, step, model, dataset, log) -> tuple[list[dict], list[float]]:
-    """Train by steps, evaluating every ``eval_every`` steps and every ``eval_seconds`` of
-    training (worker 0's clock, so only worker 0 decides) outside the timed region, until
-    ``max_steps``, ``time_budget`` seconds of training (worker 0's clock) or ``target_loss``.
-    Returns the evaluations (step, seconds of training so far, validation loss and accuracy)
-    and the seconds of each step."""
-    every = config.eval_every or (
-        None if config.eval_seconds else max(1, (config.max_steps or 1) // 10)
-    )
-    next_eval_at = config.eval_seconds  # seconds of training
-    evals: list[dict] = []
-    durations: list[float] = []  # of each step worker 0 took
-    clock = 0.0
-    stop = False
+class _Shards:
+    """This worker's shard of each epoch's batches; images augmented where the dataset asks
+    for it (``augment``), from a generator of the worker's own."""
 
-    def evaluate_now() -> None:
-        nonlocal stop
-        if rank != 0:
-            return
-        loss, accuracy = validation(model, dataset.test, config.eval_samples)
-        record = {"step": step.count, "seconds": clock, "val_loss": loss, "val_accuracy": accuracy}
-        evals.append(record)
-        log.write({"event": "eval", **record})
-        if config.progress:
-            print(f"step {step.count}  {clock:.1f} s  val loss {loss:.4f}  "
-                  f"({loss / math.log(2):.3f} bits per byte)", flush=True)  # fmt: skip
-        if config.target_loss is not None and loss <= config.target_loss:
-            stop = True
+    def __init__(self, config, rank, world, dataset, augment: bool) -> None:
+        self.config, self.rank, self.world, self.dataset = config, rank, world, dataset
+        self.device = device_of(config)
+        self.augment = torch.Generator().manual_seed(config.seed * 7919 + rank) if augment else None
 
-    evaluate_now()
-    model.train()
-    epoch = 0
-    while True:  # until a step finds that a worker asked to stop, or max_steps
-        batches = shard_batches(dataset.train, rank, world, config.batch_size, epoch, config.seed)
-        taken = 0
-        for inputs, labels in batches:
-            over = config.time_budget is not None and clock >= config.time_budget
-            start = time.perf_counter()
-            inputs = inputs.to(device_of(config), non_blocking=True)
-            labels = labels.to(device_of(config), non_blocking=True)
-            outcome = step(inputs, labels, stop=rank == 0 and (stop or over))
-            if outcome is None:  # some worker asked to stop: all stop here, together
-                if not evals or evals[-1]["step"] != step.count:
-                    evaluate_now()  # worker 0's final evaluation; the others wait for it
-                return evals, durations
-            durations.append(time.perf_counter() - start)
-            clock += durations[-1]
-            taken += 1
-            if config.max_steps is not None and step.count >= config.max_steps:
-                if not evals or evals[-1]["step"] != step.count:
-                    evaluate_now()
-                return evals, durations
-            timely = next_eval_at is not None and clock >= next_eval_at
-            if timely:
-                while next_eval_at <= clock:
-                    next_eval_at += config.eval_seconds
-            if timely or (every is not None and step.count % every == 0):
-                evaluate_now()
-                model.train()
-        if taken == 0:
+    def epoch(self, epoch: int):
+        config, train = self.config, self.dataset.train
+        if steps_per_epoch(train, self.world, config.batch_size) == 0:
             raise ValueError(
-                f"--batch-size {config.batch_size} x {world} workers exceeds the "
-                f"{len(dataset.train)} training samples"
+                f"--batch-size {config.batch_size} x {self.world} workers exceeds "
+                f"the {len(train)} training samples"
             )
-        epoch += 1
+        return shard_batches(train, self.rank, self.world, config.batch_size, epoch, config.seed)
+
+    def prepare(self, inputs, labels):
+        if self.augment is not None:
+            inputs = augment_images(inputs, self.augment)
+        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
+
+class _WorkerReport(Report):
+    def __init__(self, config, rank, world, model, dataset, log, save) -> None:
+        self.config, self.rank, self.world, self.model = config, rank, world, model
+        self.dataset, self.log, self.save = dataset, log, save
+        self.history: list[EpochMetrics] = []  # by epochs
+        self.evals: list[dict] = []  # by steps: worker 0's evaluations
+
+
+class _Evaluations(_WorkerReport):
+    """Worker 0 evaluates on the schedule's steps and seconds, outside the timed region: the
+    step, seconds of training so far, validation loss and accuracy."""
+
+    def evaluate(self, step: int, clock: float) -> float | None:
+        if self.rank != 0:
+            return None
+        config = self.config
+        loss, accuracy = validation(self.model, self.dataset.test, config.eval_samples)
+        record = {"step": step, "seconds": clock, "val_loss": loss, "val_accuracy": accuracy}
+        self.evals.append(record)
+        self.log.write({"event": "eval", **record})
+        if config.progress:
+            bits = loss / math.log(2)
+            line = f"step {step}  {clock:.1f} s  val loss {loss:.4f}  ({bits:.3f} bits per byte)"
+            print(line, flush=True)
+        self.model.train()
+        return loss
+
+
+class _Epochs(_WorkerReport):
+    """Each epoch's training loss and accuracy (summed on the device, read once at its end),
+    test accuracy, throughput and median step; a checkpoint after each, when asked."""
+
+    def begin_epoch(self, epoch: int) -> None:
+        self.model.train()
+        config = self.config
+        steps = steps_per_epoch(self.dataset.train, self.world, config.batch_size)
+        self.progress = _progress_bar(steps, epoch, config) if self.rank == 0 else None
+        device = device_of(config)
+        # float64: the sum a Python float would make
+        self.total_loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.correct = torch.zeros((), dtype=torch.int64, device=device)
+        self.seen, self.samples = 0, 0
+        self.start = time.perf_counter()
+
+    def after_step(self, outcome, labels, index: int) -> None:
+        loss, outputs = outcome
+        self.total_loss += loss.detach().to(torch.float64) * labels.numel()
+        self.correct += (outputs.argmax(dim=-1) == labels).sum()
+        self.seen += labels.numel()
+        self.samples += len(labels)
+        if self.progress is not None:
+            self.progress.update(1)
+            if labels.device.type == "cpu" or index % 50 == 0:  # on a GPU a read waits for it
+                self.progress.set_postfix(loss=f"{loss.item():.3f}")
+
+    def close_epoch(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+
+    def end_epoch(self, epoch: int, durations) -> None:
+        total_loss, correct = float(self.total_loss), int(self.correct)  # the epoch's one read
+        seconds = time.perf_counter() - self.start
+        metrics = EpochMetrics(
+            epoch=epoch + 1,
+            loss=total_loss / max(self.seen, 1),
+            train_accuracy=correct / max(self.seen, 1),
+            test_accuracy=evaluate(self.model, self.dataset.test),
+            samples_per_s=self.world * self.samples / seconds if seconds > 0 else 0.0,
+            seconds=seconds,
+            median_step_s=statistics.median(durations),
+        )
+        self.history.append(metrics)
+        self.log.write({"event": "epoch", **asdict(metrics)})
+        if self.rank == 0 and self.config.progress:
+            print(_epoch_line(metrics, self.config.epochs), flush=True)
+        self.save(epoch)
 
 
 def _stepped_summary(
@@ -332,56 +356,6 @@ def _stepped_summary(
         "bits_per_byte": val_loss / math.log(2) if val_loss is not None else None,
         "train_seconds": seconds,
     }
-
-
-def _train_epoch(config, rank, world, epoch, step, model, dataset, augment) -> EpochMetrics:
-    model.train()
-    steps = steps_per_epoch(dataset.train, world, config.batch_size)
-    if steps == 0:
-        raise ValueError(
-            f"--batch-size {config.batch_size} x {world} workers exceeds the "
-            f"{len(dataset.train)} training samples"
-        )
-    batches = shard_batches(dataset.train, rank, world, config.batch_size, epoch, config.seed)
-    progress = _progress_bar(steps, epoch, config) if rank == 0 else None
-    device = device_of(config)
-    # accumulated on the device (float64: the sum a Python float would make), read once
-    total_loss = torch.zeros((), dtype=torch.float64, device=device)
-    correct = torch.zeros((), dtype=torch.int64, device=device)
-    seen, samples = 0, 0
-    durations = []  # each step's seconds, host clock: a step ends reading its averaged loss
-    start = time.perf_counter()
-    try:
-        for index, (inputs, labels) in enumerate(batches):
-            began = time.perf_counter()
-            if dataset.augment:
-                inputs = augment_images(inputs, augment)
-            inputs = inputs.to(device, non_blocking=True)
-            labels = labels.to(device, non_blocking=True)
-            loss, outputs = step(inputs, labels)
-            durations.append(time.perf_counter() - began)
-            total_loss += loss.detach().to(torch.float64) * labels.numel()
-            correct += (outputs.argmax(dim=-1) == labels).sum()
-            seen += labels.numel()
-            samples += len(labels)
-            if progress is not None:
-                progress.update(1)
-                if device.type == "cpu" or index % 50 == 0:  # on a GPU a read waits for it
-                    progress.set_postfix(loss=f"{loss.item():.3f}")
-    finally:
-        if progress is not None:  # also on an error, whose report then starts a line of its own
-            progress.close()
-    total_loss, correct = float(total_loss), int(correct)  # the epoch's one read
-    seconds = time.perf_counter() - start
-    return EpochMetrics(
-        epoch=epoch + 1,
-        loss=float(total_loss) / max(seen, 1),
-        train_accuracy=int(correct) / max(seen, 1),
-        test_accuracy=evaluate(model, dataset.test),
-        samples_per_s=world * samples / seconds if seconds > 0 else 0.0,
-        seconds=seconds,
-        median_step_s=statistics.median(durations),
-    )
 
 
 def device_of(config: TrainConfig) -> torch.device:
@@ -497,6 +471,13 @@ class _Log:
 
 def _rank_file(path: str, rank: int) -> Path:
     return Path(f"{path}.rank{rank}")
+
+
+def _saver(config, rank, model, optimizer, codec, sync):
+    """What saves a checkpoint after an epoch: nothing without ``--checkpoint``."""
+    if not config.checkpoint:
+        return lambda epoch: None
+    return lambda epoch: _save(config, rank, epoch, model, optimizer, codec, sync)
 
 
 def _save(config, rank, epoch, model, optimizer, codec, sync) -> None:

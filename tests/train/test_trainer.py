@@ -1,0 +1,150 @@
+"""The one training loop (train/trainer.py): its stopping rules and evaluations, and that a
+real worker's run (`gradsum train`, `bench train`, `bench tta`) and `bench scale`'s simulated
+workers both take their steps through it."""
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradsum.train.trainer import Report, Schedule, Trainer
+
+
+class _Replicas:
+    """Steps whose loss is whatever ``losses`` says next."""
+
+    def __init__(self, losses=None):
+        self.step, self.losses = 0, iter(losses or [])
+
+    def forward(self, inputs, labels):
+        return torch.tensor(next(self.losses, 1.0)), None
+
+    def agree(self, loss, stop):
+        return float(loss), stop
+
+    def backward(self, loss):
+        self.step += 1
+
+    def gradients_finite(self):
+        return True
+
+    zero_grad = apply = lambda self: None
+
+
+class _Batches:
+    def __init__(self, per_epoch):
+        self.per_epoch = per_epoch
+
+    def epoch(self, epoch):
+        return [(torch.zeros(1), torch.zeros(1))] * self.per_epoch
+
+    def prepare(self, inputs, labels):
+        return inputs, labels
+
+
+class _Recorded(Report):
+    def __init__(self, losses=()):
+        self.events, self.losses = [], iter(losses)
+
+    def begin_epoch(self, epoch):
+        self.events.append(("begin", epoch))
+
+    def end_epoch(self, epoch, durations):
+        self.events.append(("end", epoch, len(durations)))
+
+    def evaluate(self, step, clock):
+        self.events.append(("eval", step))
+        return next(self.losses, 9.0)
+
+
+def test_by_epochs_the_report_sums_up_each_epoch_from_the_first_one_not_yet_trained():
+    report = _Recorded()
+    schedule = Schedule(epochs=3, first_epoch=1)
+    trainer = Trainer(_Replicas(), _Batches(4), report, schedule).run()
+    assert trainer.count == 8
+    assert report.events == [("begin", 1), ("end", 1, 4), ("begin", 2), ("end", 2, 4)]
+
+
+def test_by_steps_it_evaluates_at_the_start_every_k_steps_and_at_max_steps_across_epochs():
+    report = _Recorded()
+    schedule = Schedule(max_steps=7, eval_every=3)
+    trainer = Trainer(_Replicas(), _Batches(4), report, schedule).run()
+    assert trainer.count == 7
+    evals = [event[1] for event in report.events if event[0] == "eval"]
+    assert evals == [0, 3, 6, 7]
+
+
+def test_reaching_the_target_loss_stops_at_the_next_step_without_taking_it():
+    report = _Recorded(losses=[5.0, 3.0, 1.0])  # at steps 0, 2, 4
+    schedule = Schedule(max_steps=100, eval_every=2, target_loss=2.0)
+    trainer = Trainer(_Replicas(), _Batches(50), report, schedule).run()
+    assert trainer.count == 4
+    assert [event[1] for event in report.events if event[0] == "eval"] == [0, 2, 4]
+
+
+def test_an_epoch_without_a_batch_is_an_error():
+    with pytest.raises(ValueError, match="without a batch"):
+        Trainer(_Replicas(), _Batches(0), Report(), Schedule(epochs=1)).run()
+
+
+@pytest.fixture
+def counted_steps(monkeypatch):
+    """Every step any entry point takes, counted at the Trainer."""
+    counted = []
+    step = Trainer.step
+
+    def counting(self, *args, **kwargs):
+        counted.append(type(self.replicas).__name__)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "step", counting)
+    return counted
+
+
+@pytest.mark.parametrize(
+    "fields", [{"epochs": 1}, {"max_steps": 3, "eval_every": 3}], ids=["epochs", "steps"]
+)
+def test_a_real_worker_steps_through_the_trainer(counted_steps, tmp_path, fields):
+    """What `gradsum train`, `bench train` and `bench tta` run in each worker."""
+    from gradsum.train import loop
+    from gradsum.train.config import TrainConfig
+
+    config = TrainConfig(
+        model="digits-mlp",
+        aggregator="allreduce",
+        codec="thc",
+        workers=1,
+        batch_size=256,
+        progress=False,
+        **fields,
+    )
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group(
+        "gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60)
+    )
+    try:
+        summary = loop.train_worker(config, 0, 1)
+    finally:
+        dist.destroy_process_group()
+    assert counted_steps and set(counted_steps) == {"Worker"}
+    assert summary["steps"] == len(counted_steps)
+
+
+def test_bench_scale_steps_its_simulated_workers_through_the_trainer(counted_steps):
+    from gradsum.bench.scale import ScaleSetup, train_simulated
+
+    setup = ScaleSetup(
+        steps=2,
+        global_batch=4,
+        layers=1,
+        width=16,
+        heads=2,
+        context=8,
+        eval_every=2,
+        eval_samples=8,
+        data_bytes=1 << 14,
+    )
+    row = train_simulated("thc", 2, setup)
+    assert counted_steps == ["SimulatedWorkers"] * 2
+    assert [e["step"] for e in row.evals] == [0, 2]
