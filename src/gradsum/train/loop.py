@@ -1,4 +1,6 @@
-"""The training loop one worker runs, readable top to bottom.
+"""What one real worker plugs into the one training loop (``trainer.Trainer``): its model and
+sync as the step's ``Worker``, its shard of the data, and its report (epoch metrics and
+checkpoints, or evaluations on a step schedule); and the run's summary.
 
 Workers form a torch.distributed (Gloo) group for control -- identical initial weights, the
 replica check, the evaluation result -- while gradients travel through the chosen aggregator.
@@ -80,35 +82,7 @@ def _train(config, rank, world, dataset, model, session) -> dict:
     # the compute of a step, every worker at once (as in training) but exchanging nothing:
     # what the communication-to-compute ratio of bench tta divides by
     compute_s = _compute_seconds(model, dataset, config) if stepwise else None
-    if session is None:
-        sync = DDPSync(model, config)
-        net, describe, order = sync.net, f"torch DDP, hook {config.ddp_hook}", []
-        predicted = None
-    else:
-        scheduler, options = parse_scheduler(config.scheduler)
-        if scheduler == "fusion":
-            options = {"threshold": config.fusion_elements, **options}
-        batch = dataset.train.inputs[: config.batch_size].to(device_of(config))
-        chosen = agree_on_plan(
-            scheduler,
-            model,
-            batch,
-            session,
-            options=options,
-            model_name=config.model,
-            fit=AlphaBeta(*config.fixed_cost) if config.fixed_cost else None,
-            message_delay=config.message_delay,
-        )
-        sync = GradientSync(
-            model,
-            session,
-            plan=chosen.plan,
-            order=chosen.order,
-            timeout=config.timeout,
-            message_delay=config.message_delay,
-        )
-        net, describe, order = model, chosen.describe(), chosen.order
-        predicted = chosen.predicted_step_s()
+    sync, net, describe, order, predicted = _sync_for(config, model, dataset, session)
     # what start-up sent (the plan's calibration), so that the counters after training say what
     # training alone cost in datagrams, retransmissions and timeouts
     start_up = {} if session is None else session.aggregator.transport_stats()
@@ -142,6 +116,37 @@ def _train(config, rank, world, dataset, model, session) -> dict:
         summary.update(_stepped_summary(report.evals, compute_s, trainer.durations, samples))
     log.write({"event": "summary", **summary})
     return summary
+
+
+def _sync_for(config, model, dataset, session):
+    """(sync, the module a step runs, the plan's description, its order, its predicted step):
+    torch's DDP without a Session, else ``GradientSync`` on the plan the workers agree on."""
+    if session is None:
+        sync = DDPSync(model, config)
+        return sync, sync.net, f"torch DDP, hook {config.ddp_hook}", [], None
+    scheduler, options = parse_scheduler(config.scheduler)
+    if scheduler == "fusion":
+        options = {"threshold": config.fusion_elements, **options}
+    batch = dataset.train.inputs[: config.batch_size].to(device_of(config))
+    chosen = agree_on_plan(
+        scheduler,
+        model,
+        batch,
+        session,
+        options=options,
+        model_name=config.model,
+        fit=AlphaBeta(*config.fixed_cost) if config.fixed_cost else None,
+        message_delay=config.message_delay,
+    )
+    sync = GradientSync(
+        model,
+        session,
+        plan=chosen.plan,
+        order=chosen.order,
+        timeout=config.timeout,
+        message_delay=config.message_delay,
+    )
+    return sync, model, chosen.describe(), chosen.order, chosen.predicted_step_s()
 
 
 def schedule_of(config: TrainConfig, first_epoch: int = 0) -> Schedule:
