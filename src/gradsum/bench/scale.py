@@ -346,7 +346,7 @@ def train_simulated(
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0)
     name, options = codec_spec(method)
-    codec = make_codec(name, workers=workers, optimizer=optimizer, **parse_options(options))
+    codec = make_codec(name, workers=workers, **parse_options(options))
     # the flat gradient's tensors, in order, as training's senders describe them (PowerSGD
     # factors each weight matrix, not the whole buffer viewed as one)
     codec.describe("gpt", [tuple(p.shape) for p in model.parameters()])
