@@ -78,10 +78,12 @@ def split_list(text: str, flag: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Option:
-    """An option's default and the types it takes (``{"int", "None"}``; empty: anything)."""
+    """An option's default and the types it takes (``{"int", "None"}``; empty: anything);
+    ``words``: the values a word-valued option takes (None: any word)."""
 
     default: object
     types: frozenset[str]
+    words: tuple[str, ...] | None = None
 
 
 def signature_options(function: Callable, skip: Iterable[str] = ("self",)) -> dict[str, Option]:
@@ -122,8 +124,13 @@ def check_options(kind: str, name: str, given: dict, accepted: dict[str, Option]
         )
     checked = {}
     for key, value in given.items():
-        types = accepted[key].types
+        types, words = accepted[key].types, accepted[key].words
         checked[key] = value
+        if isinstance(value, str) and words is not None and value not in words:
+            raise ValueError(
+                f"{kind} {name!r}: {key}={value} is not one of {', '.join(words)}; its options "
+                f"are {listed}"
+            )
         if not types or _takes(types, value):
             continue
         if isinstance(value, int) and not isinstance(value, bool) and "float" in types:

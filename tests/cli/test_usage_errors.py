@@ -42,3 +42,23 @@ def test_a_fixed_cost_must_be_a_cost():
         assert "argument --fixed-cost: '1e-3': want ALPHA,BETA" in last
         last = _usage_error(*command, "--fixed-cost", "1e-3,0")
         assert "α must be >= 0 s and β > 0 s per byte" in last
+
+
+def test_a_codec_spec_is_checked_without_loading_torch():
+    """A bad option, value or word is refused before torch loads, so the usage error comes at
+    once (the table in codecs/names.py; the registry checks it against the codecs when it loads)."""
+    script = (
+        "import sys\n"
+        "from gradsum.train.methods import codec_spec, method_fields\n"
+        "for spec in ('thc(bogus=1)', 'thc(correlated=maybe)', 'thc(scales=row)'):\n"
+        "    try:\n"
+        "        codec_spec(spec)\n"
+        "    except ValueError as error:\n"
+        "        print(error)\n"
+        "assert 'torch' not in sys.modules, 'torch was loaded'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    lines = out.stdout.splitlines()
+    assert "no option bogus" in lines[0] and "scales" in lines[0]
+    assert "correlated=maybe is not true or false" in lines[1]
+    assert "scales=row is not one of tensor, partition" in lines[2]

@@ -65,7 +65,7 @@ def test_correlated_thc_at_4_workers_4_bits_beats_thc_on_gaussian_input():
 def test_the_clamp_and_table_are_re_solved_for_correlated_rounding():
     p = correlated_clamp(4, 31, 4)
     assert 2.3 <= clamp_threshold(p) <= 2.7  # out from independent rounding's 2.15
-    inner = make_codec("thc", workers=4, correlated=True).inner
+    inner = make_codec("thc", workers=4, correlated=True)
     assert inner.p == p and inner.table == correlated_table(4, 31, p, 4)
 
 
@@ -141,7 +141,7 @@ def test_the_spread_clamp_needs_correlated_rounding_and_no_fixed_clamp():
         make_codec("thc", workers=4, spread_clamp=True)
     with pytest.raises(ValueError, match="spread_clamp"):
         make_codec("thc", workers=4, correlated=True, p=0.01, spread_clamp=True)
-    assert not make_codec("thc", workers=4, correlated=True, p=0.01).inner.spread_clamp
+    assert not make_codec("thc", workers=4, correlated=True, p=0.01).spread_clamp
     # the summary: one norm per worker, in its own slot
     codec = make_codec("thc", workers=4, error_feedback=False, correlated=True)
     x = torch.ones(64)

@@ -18,9 +18,9 @@ def test_in_steady_state_the_bound_changes_no_bit(name):
     """THC's memory is a fraction of the gradient's norm, so it is added whole: the same
     payloads. (TopK's is not: it holds the coordinates not yet sent, often more than the
     gradient, so a bound of 1 acts on every step there.)"""
-    bounded = make_codec(name, workers=4)
+    bounded = make_codec(name, workers=4, error_feedback=True)
     assert bounded.bound == 1.0  # THC's own
-    plain = make_codec(name, workers=4, feedback_bound=UNBOUNDED)
+    plain = make_codec(name, workers=4, feedback_bound=UNBOUNDED, error_feedback=True)
     assert plain.bound is None
     for step in range(6):
         inputs = gaussian_inputs(4, 3000, seed=step)
@@ -33,7 +33,7 @@ def test_in_steady_state_the_bound_changes_no_bit(name):
 @pytest.mark.parametrize("kind", [TransformedErrorFeedback, ErrorFeedback])
 def test_after_a_spike_the_memory_added_is_scaled_to_the_bound(kind, native, monkeypatch):
     monkeypatch.setenv("GRADSUM_NATIVE", native)
-    codec = make_codec("thc", workers=1, feedback_bound=0.5)
+    codec = make_codec("thc", workers=1, feedback_bound=0.5, error_feedback=True)
     if kind is ErrorFeedback:
         codec = ErrorFeedback(codec.inner, 0.5)
     spike = 100 * gaussian_inputs(1, 4096, seed=1)[0]
@@ -64,10 +64,10 @@ def test_the_bound_takes_a_spike_out_of_the_next_rounds_at_a_realistic_size():
     rounds = [draw(100.0), draw(), draw(), draw()]
     errors = {}
     for bound in (UNBOUNDED, 1.0):
-        codec = make_codec("thc", workers=4, feedback_bound=bound)
+        codec = make_codec("thc", workers=4, feedback_bound=bound, error_feedback=True)
         errors[bound] = [nmse(run_round(codec, xs, step=s).average, xs)
                          for s, xs in enumerate(rounds)]  # fmt: skip
-    steady = make_codec("thc", workers=4, feedback_bound=UNBOUNDED)
+    steady = make_codec("thc", workers=4, feedback_bound=UNBOUNDED, error_feedback=True)
     reference = [nmse(run_round(steady, xs, step=s).average, xs)
                  for s, xs in enumerate(rounds[1:])][-1]  # fmt: skip
     assert errors[UNBOUNDED][0] == errors[1.0][0]  # the spike round itself: nothing to bound yet
@@ -79,7 +79,7 @@ def test_the_bound_takes_a_spike_out_of_the_next_rounds_at_a_realistic_size():
 @pytest.mark.parametrize("bound", [0, -1.0, float("nan"), "1"])
 def test_a_bound_is_a_positive_finite_factor(bound):
     with pytest.raises(ValueError, match="feedback_bound"):
-        make_codec("thc", workers=2, feedback_bound=bound)
+        make_codec("thc", workers=2, feedback_bound=bound, error_feedback=True)
 
 
 def test_a_bound_needs_error_feedback():
@@ -90,5 +90,5 @@ def test_a_bound_needs_error_feedback():
     # a command line's options: parsed like the others
     from gradsum.codecs.registry import parse_options
 
-    codec = make_codec("thc", workers=2, **parse_options("feedback_bound=0.5"))
+    codec = make_codec("thc", workers=2, **parse_options("error_feedback=true,feedback_bound=0.5"))
     assert codec.bound == 0.5

@@ -13,7 +13,7 @@ from .conftest import gaussian_inputs
 
 
 def test_thc_runs_its_feedback_in_the_rotated_domain():
-    assert isinstance(make_codec("thc", workers=2), TransformedErrorFeedback)
+    assert isinstance(make_codec("thc", workers=2, error_feedback=True), TransformedErrorFeedback)
     assert type(make_codec("topk", workers=2)) is ErrorFeedback
     with pytest.raises(TypeError, match="no transformed domain"):
         TransformedErrorFeedback(make_codec("topk", error_feedback=False))
@@ -39,7 +39,7 @@ def test_same_payloads_as_feedback_in_the_original_domain():
 def test_padded_tensors_keep_their_memory_in_the_input_domain():
     """With padding the error's padding component would be fed back although the decoder drops
     it (measured: 1.6x the accumulated error of the input-domain memory), so it stays there."""
-    codec = make_codec("thc", workers=1)
+    codec = make_codec("thc", workers=1, error_feedback=True)
     ctx = CodecContext(key="bias")
     prepared = codec.precondition(torch.randn(1000), ctx)
     assert prepared.shape == (1000,)
@@ -48,7 +48,7 @@ def test_padded_tensors_keep_their_memory_in_the_input_domain():
 
 
 def test_memory_is_per_key_shape_checked_and_survives_a_checkpoint():
-    codec = make_codec("thc", workers=1)
+    codec = make_codec("thc", workers=1, error_feedback=True)
     ctx = CodecContext(key="layer1.weight")
     x = torch.randn(1024)
     prepared = codec.precondition(x, ctx)
@@ -58,19 +58,19 @@ def test_memory_is_per_key_shape_checked_and_survives_a_checkpoint():
     assert codec.memory[(0, "layer1.weight")].shape == (1024,)
     with pytest.raises(ValueError, match="holds 1024 coordinates, the gradient has 64"):
         codec.precondition(torch.randn(64), ctx)
-    restored = make_codec("thc", workers=1)
+    restored = make_codec("thc", workers=1, error_feedback=True)
     restored.load_state_dict(codec.state_dict())
     assert torch.equal(restored.precondition(x, ctx), codec.precondition(x, ctx))
 
 
 def test_encode_needs_its_precondition():
-    codec = make_codec("thc", workers=1)
+    codec = make_codec("thc", workers=1, error_feedback=True)
     with pytest.raises(RuntimeError, match="without its precondition"):
         codec.encode(torch.randn(64), CodecContext(), torch.ones(1))
 
 
 def test_non_finite_gradient_names_the_original_coordinate():
-    codec = make_codec("thc", workers=1)
+    codec = make_codec("thc", workers=1, error_feedback=True)
     x = torch.zeros(128)  # a power of two: rotated in precondition
     x[37] = float("nan")
     with pytest.raises(ValueError, match="37"):
@@ -100,7 +100,7 @@ def test_a_steady_loop_reuses_the_kernels_output_buffers():
 
     if not native.available():
         pytest.skip("about the native kernels' outputs: GRADSUM_NATIVE=0 or they are not built")
-    codec = make_codec("thc", workers=1)
+    codec = make_codec("thc", workers=1, error_feedback=True)
     x = torch.randn(1 << 16)
     addresses = set()
     for step in range(6):

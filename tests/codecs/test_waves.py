@@ -33,7 +33,8 @@ def test_waves_prepare_the_next_partitions_behind_the_current_sum():
     assert wave_partitions(1) == [[0]]
     assert wave_partitions(7) == [[0], [1, 2], [3, 4, 5, 6]]
     events = []
-    codec = make_codec("thc", workers=1)  # error feedback in the rotated domain: costly
+    # error feedback in the rotated domain: a costly preparation
+    codec = make_codec("thc", workers=1, error_feedback=True)
     assert codec.costly_preparation
     precondition = codec.precondition
 
@@ -51,7 +52,8 @@ def test_waves_prepare_the_next_partitions_behind_the_current_sum():
         ("prepare", 0), ("max", 1), ("encode", 0), ("prepare", 1), ("prepare", 2),
         ("max", 2), ("encode", 1), ("prepare", 3), ("encode", 2), ("max", 1), ("encode", 3),
     ]  # fmt: skip
-    reference = run_round(make_codec("thc", workers=1), [flat], key="t", partition_elements=4096)
+    reference = run_round(make_codec("thc", workers=1, error_feedback=True), [flat], key="t",
+                          partition_elements=4096)  # fmt: skip
     assert torch.equal(average, reference.average)
 
 

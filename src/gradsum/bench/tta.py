@@ -239,7 +239,7 @@ def bytes_per_step(config) -> int:
     from ..codecs.round import run_round
 
     size = sum(p.numel() for p in model.parameters())
-    codec = make_codec(config.codec, workers=config.workers, optimizer=config.optimizer,
+    codec = make_codec(config.codec, workers=config.workers,
                        **parse_options(config.codec_options))  # fmt: skip
     # the tensors the flat gradient holds, as training's senders describe them: a codec that
     # works per tensor (PowerSGD's matrices) sends what it sends in training, not what it would

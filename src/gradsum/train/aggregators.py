@@ -41,7 +41,7 @@ def open_session(config, rank: int, world: int) -> Session:
     builds another), the aggregator, and the round's options. The caller closes
     ``session.aggregator``."""
     options = parse_options(config.codec_options)
-    codec = make_codec(config.codec, workers=world, optimizer=config.optimizer, **options)
+    codec = make_codec(config.codec, workers=world, **options)
     aggregator = make_aggregator(config, rank, world, codec)
     try:
         return Session(codec, aggregator, options=options, seed=config.seed)

@@ -44,7 +44,7 @@ def codec_spec(text: str) -> tuple[str, str]:
     """A codec with its options, ``thc(correlated=true,bits=4)``: its name and its options'
     text (empty when it has none), both checked: the name one of the codecs, each option one it
     has, each value of the option's type (ValueError naming what is wrong and what is valid)."""
-    from ..codecs.registry import check_codec
+    from ..codecs.names import check_codec
     from ..spec import parse_options, split_spec
 
     name, options = split_spec(text)
@@ -58,7 +58,6 @@ def method_fields(name: str) -> dict:
     ``bench tta`` and ``bench train`` take them."""
     from ..cli import UsageError
     from ..spec import parse_options
-    from .aggregators import IncompatibleChoice, check_compatible
 
     head, _, tail = name.partition(":")
     if "(" in tail and (head == DDP or not tail.endswith(")")):
@@ -75,8 +74,13 @@ def method_fields(name: str) -> dict:
                          "ddp:powersgdR (R the rank)")  # fmt: skip
     if not tail:
         raise UsageError(f"--methods: {name!r} is not AGGREGATOR:CODEC nor a ddp method")
-    try:
+    try:  # the spec first, without torch: a bad option is refused at once
         codec, options = codec_spec(tail)
+    except ValueError as error:
+        raise UsageError(f"--methods {name}: {error}") from None
+    from .aggregators import IncompatibleChoice, check_compatible
+
+    try:
         check_compatible(head, codec, parse_options(options))
     except (IncompatibleChoice, ValueError) as error:
         raise UsageError(f"--methods {name}: {error}") from None
