@@ -166,7 +166,8 @@ def test_a_row_that_fails_is_named_and_the_others_are_written(tmp_path, capsys, 
 def test_methods_take_codec_options_and_rows_of_two_seeds_pair_by_seed(tmp_path, capsys):
     rows = tmp_path / "rows.json"
     flags = ["bench", "scale", "--workers", "2", "--methods",
-             "none,thc(feedback_bound=inf,bits=4)", "--steps", "2", "--global-batch", "4",
+             "none,thc(error_feedback=true,feedback_bound=inf,bits=4)", "--steps", "2",
+             "--global-batch", "4",
              "--layers", "1", "--width", "16", "--heads", "2", "--context", "8",
              "--eval-every", "2", "--eval-samples", "8", "--data-bytes", "16384",
              "--json", str(rows)]  # fmt: skip
@@ -174,8 +175,8 @@ def test_methods_take_codec_options_and_rows_of_two_seeds_pair_by_seed(tmp_path,
     assert main([*flags, "--seed", "1"]) == 0
     written = json.loads(rows.read_text())
     assert [(r["method"], r["setup"]["seed"]) for r in written] == [
-        ("none", 0), ("thc(feedback_bound=inf,bits=4)", 0),
-        ("none", 1), ("thc(feedback_bound=inf,bits=4)", 1),
+        ("none", 0), ("thc(error_feedback=true,feedback_bound=inf,bits=4)", 0),
+        ("none", 1), ("thc(error_feedback=true,feedback_bound=inf,bits=4)", 1),
     ]  # fmt: skip
     from gradsum.bench.scale import ScaleRow, format_table, gap
 
@@ -184,7 +185,7 @@ def test_methods_take_codec_options_and_rows_of_two_seeds_pair_by_seed(tmp_path,
     expected = [r["val_loss"] / base - 1 for r, base in zip(written, fp32, strict=True)]
     assert [gap(r, parsed) for r in parsed] == pytest.approx(expected)
     table = capsys.readouterr().out.splitlines()
-    assert table[-1].split()[:2] == ["thc(feedback_bound=inf,bits=4)", "1"]
+    assert table[-1].split()[:2] == ["thc(error_feedback=true,feedback_bound=inf,bits=4)", "1"]
     assert format_table(parsed).splitlines()[-2].split()[:2] == ["none", "1"]
     with pytest.raises(SystemExit) as usage:
         main([*flags[:5], "thc(nonsense=1)", *flags[6:]])

@@ -380,9 +380,7 @@ class SimulatedWorkers:
         self.model, self.workers, self.quorum, self.seed = model, workers, quorum, setup.seed
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0)
         name, options = codec_spec(method)
-        self.codec = make_codec(
-            name, workers=workers, optimizer=self.optimizer, **parse_options(options)
-        )
+        self.codec = make_codec(name, workers=workers, **parse_options(options))
         # the flat gradient's tensors, in order, as training's senders describe them (PowerSGD
         # factors each weight matrix, not the whole buffer viewed as one)
         self.codec.describe("gpt", [tuple(p.shape) for p in model.parameters()])
