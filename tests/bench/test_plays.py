@@ -8,9 +8,9 @@ import pytest
 from gradsum.bench import plays
 from gradsum.cli import main
 from gradsum.schedule import AlphaBeta, make_planner, uniform_profile
+from gradsum.schedule.calibration import cluster_from_fit
 from gradsum.schedule.costs import ps_step_seconds
 from gradsum.schedule.grouping import threshold_ladder
-from gradsum.sync.scheduling import cluster_from_fit
 
 # a start-up fit of the gpt model at 1 Gbit/s, 4 workers, 2 shards (docs/scheduling.md)
 TESTBED = cluster_from_fit(AlphaBeta(4.6e-3, 1 / 37e6), 4, 2, remote=3, shared_cores=2)

@@ -15,6 +15,7 @@ from gradsum.schedule import (
     parse_scheduler,
     uniform_profile,
 )
+from gradsum.schedule.calibration import cluster_from_fit
 from gradsum.schedule.costs import ps_step_end
 from gradsum.schedule.grouping import (
     mgwfbp_groups,
@@ -27,7 +28,6 @@ from gradsum.schedule.placement import (
     place_spread,
     place_whole,
 )
-from gradsum.sync.scheduling import cluster_from_fit
 
 
 def linear(alpha, beta):

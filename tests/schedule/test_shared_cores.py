@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 
 from gradsum.schedule import AlphaBeta, ClusterSpec, make_planner, uniform_profile
+from gradsum.schedule.calibration import cluster_from_fit
 from gradsum.schedule.costs import ps_step_end
 from gradsum.schedule.plan import Group, Part, Plan
-from gradsum.sync.scheduling import cluster_from_fit
 
 # digits-cnn's three layers, backward order, as profiled on this host
 CNN = uniform_profile([1_290, 4_640, 160], [0.27e-3, 1.0e-3, 0.37e-3], [0.5e-3, 0.3e-3, 0.8e-3])

@@ -5,12 +5,13 @@ from __future__ import annotations
 import warnings
 
 from gradsum.codecs import make_codec
+from gradsum.schedule.calibration import CALIBRATION_SIZES
 from gradsum.sync.allreduce import AllReduceAggregator
 from gradsum.sync.gradient_sync import GradientSync
-from gradsum.sync.scheduling import CALIBRATION_SIZES, agree_on_plan, calibrate
 from gradsum.sync.service import JobSettings
 from gradsum.sync.session import Session
 from gradsum.sync.sharded import ShardedServiceAggregator
+from gradsum.sync.startup import agree_on_plan, calibrate
 
 from .workers import _batches, tiny_model, train_steps
 

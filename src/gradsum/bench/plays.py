@@ -4,7 +4,7 @@ leaves to imerge (docs/scheduling.md, "What a tuned threshold leaves").
 
 Each model is profiled on this host, as `gradsum train` profiles it at start-up (scaled where
 the workers outnumber the cores), and every plan is played with ``costs.ps_step_seconds`` on
-the cluster start-up makes of ``--fixed-cost`` (``sync.scheduling.cluster_from_fit``: the
+the cluster start-up makes of ``--fixed-cost`` (``schedule.calibration.cluster_from_fit``: the
 testbed's layout, the shards beside the first workers and every node on this host's cores),
 with ``--message-delays`` injected per message. Nothing is sent.
 
@@ -113,7 +113,7 @@ def profile_model(name: str, options: dict, batch_size: int, workers: int, cores
     """The profile start-up would play: measured here, scaled where workers outnumber cores."""
     import torch
 
-    from ..sync.scheduling import start_up_profile
+    from ..sync.startup import start_up_profile
     from ..train.models import GPTSizes, build_model, input_shape
 
     torch.manual_seed(0)
@@ -159,7 +159,7 @@ def register(benches: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
     from ..schedule import AlphaBeta
-    from ..sync.scheduling import cluster_from_fit
+    from ..schedule.calibration import cluster_from_fit
     from ..train.methods import split_methods
     from .cli import parse_list
 

@@ -14,7 +14,7 @@ per-message CPU queues on those cores, so parts spread over shards no longer run
 costs in parallel. Only the closed-form play (``costs.ps_group_ends``) prices it; the
 simulator's presets are clusters of real machines and leave it unset.
 
-A cluster fitted from measurements (``sync.scheduling.cluster_from_fit``) also carries the
+A cluster fitted from measurements (``calibration.cluster_from_fit``) also carries the
 ``resolution`` of its play: the relative difference in a step's end below which two plans
 count as equal. A planner that picks among plays within it keeps the plan with fewer messages
 (``planners.plan_imerge``), since an extra message costs for sure what a gain smaller than the

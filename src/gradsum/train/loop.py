@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..codecs import Codec
 from ..schedule import AlphaBeta, parse_scheduler
 from ..sync.gradient_sync import GradientSync
-from ..sync.scheduling import agree_on_plan
+from ..sync.startup import agree_on_plan
 from .aggregators import open_session
 from .config import DDP, TrainConfig, stepped
 from .data import augment_images, load_dataset, shard_batches, steps_per_epoch

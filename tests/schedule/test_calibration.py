@@ -1,35 +1,31 @@
-"""Start-up's α–β calibration: fitted, measured again, or the stated default; never a failure."""
+"""Start-up's α–β calibration decided from timings alone (``schedule/calibration.py``): fitted,
+measured again, or the stated default, never a failure; and the cluster a fit implies."""
 
 import argparse
-import os
-import threading
-import time
-from typing import ClassVar
 
 import numpy as np
 import pytest
-import torch
 
-from gradsum.schedule import PLANNER_NAMES, AlphaBeta, ClusterSpec, make_planner, uniform_profile
-from gradsum.sync import scheduling
-from gradsum.sync.scheduling import (
+from gradsum.schedule import (
+    PLANNER_NAMES,
+    AlphaBeta,
+    ClusterSpec,
+    calibration,
+    make_planner,
+    uniform_profile,
+)
+from gradsum.schedule.calibration import (
     CALIBRATION_ATTEMPTS,
     COST_FREE,
     DEFAULT_COST,
     CostModel,
-    agree_on_plan,
-    calibrate,
     cluster_from_fit,
+    cost_without_measuring,
     judge_calibration,
 )
 
-from .distributed import run_distributed
-from .fakes import answering_session
-from .plan_workers import calibrate_over_allreduce
-from .workers import tiny_model
-
 TRUTH = AlphaBeta(alpha=1e-3, beta=1e-8)  # 1 ms per message, 100 MB/s
-SIZES = [4.0 * n for n in scheduling.CALIBRATION_SIZES]
+SIZES = [4.0 * n for n in calibration.CALIBRATION_SIZES]
 
 
 def _round(delays=(0.0, 0.0, 0.0)):
@@ -76,7 +72,7 @@ def test_rounds_that_never_fit_fall_back_to_the_stated_default():
 def test_a_round_with_a_time_that_is_not_one_is_left_out(broken):
     samples = [(SIZES[0], 1e-3), (SIZES[1], broken)]
     with pytest.raises(ValueError, match=f"need at least two .*{broken} s was left out"):
-        scheduling.fit_measurements([samples])
+        calibration.fit_measurements([samples])
     cost = judge_calibration([samples, _round()])  # the next round is fitted without it
     assert cost.source == "refitted" and "was left out" in cost.reason
     assert (cost.fit.alpha, cost.fit.beta) == pytest.approx((TRUTH.alpha, TRUTH.beta))
@@ -97,7 +93,7 @@ def test_time_that_falls_with_size_in_every_round_is_bounded_as_flat_at_the_last
 
 # digits-cnn on the 1 Gbit/s testbed: its 6,090 gradients fit in 24 KB, and 4 KiB and 24 KB
 # took the same ~3.5 ms by their medians (the larger one a little faster).
-CNN_SIZES = [4.0 * n for n in scheduling.calibration_sizes(6_090)]
+CNN_SIZES = [4.0 * n for n in calibration.calibration_sizes(6_090)]
 FLAT = [(CNN_SIZES[0], 3.52e-3), (CNN_SIZES[1], 3.47e-3)]
 
 
@@ -107,7 +103,7 @@ def test_time_flat_over_the_sizes_is_a_per_message_cost_not_a_failure():
     assert "per-message cost dominates" in cost.describe()
     # β: the steepest slope the sizes cannot tell from flat (10% of the largest size's time
     # over 20 KB); α: the line through the middle of the transfers
-    beta = scheduling.RESOLUTION * 3.47e-3 / (CNN_SIZES[1] - CNN_SIZES[0])
+    beta = calibration.RESOLUTION * 3.47e-3 / (CNN_SIZES[1] - CNN_SIZES[0])
     assert cost.fit.beta == pytest.approx(beta)
     assert cost.fit.alpha == pytest.approx(np.median([t - beta * b for b, t in FLAT]))
     assert cost.fit.alpha > 5 * beta * CNN_SIZES[1]  # α dominates the largest message
@@ -134,7 +130,7 @@ def test_a_slope_the_transfers_noise_cannot_pin_down_is_not_taken():
     cost = judge_calibration([TESTBED_ROUND])
     assert cost.source == "fitted" and "within 10% and its noise" in cost.reason
     assert "medians of 10 transfers: 4,096 B 4.11 ms, 24,360 B 6.96 ms" in cost.reason
-    bound = scheduling.RESOLUTION * 6.96e-3 / (CNN_SIZES[1] - CNN_SIZES[0])
+    bound = calibration.RESOLUTION * 6.96e-3 / (CNN_SIZES[1] - CNN_SIZES[0])
     assert cost.fit.beta == pytest.approx(bound)  # 29 MB/s, where the medians said 7
     # α: the middle of the ten transfers, not the lower median (4.11 ms) or the lowest (0.73)
     middle = np.median([t - bound * b for b, t in TESTBED_ROUND])
@@ -147,7 +143,7 @@ def test_a_slope_the_transfers_noise_cannot_pin_down_is_not_taken():
 def _round_under_load(rng, sizes, beta):
     """A round of ``CALIBRATION_REPEATS`` transfers per size: 1 ms plus the bytes at ``beta``,
     plus exponential load with a 3 ms mean (the testbed round above: 0.7–19 ms)."""
-    turns = [b for _ in range(scheduling.CALIBRATION_REPEATS) for b in sizes]
+    turns = [b for _ in range(calibration.CALIBRATION_REPEATS) for b in sizes]
     return [(b, 1e-3 + beta * b + rng.exponential(3e-3)) for b in turns]
 
 
@@ -178,7 +174,7 @@ def test_under_load_a_small_models_sizes_are_rarely_told_apart():
     for _ in range(200):  # the rule before: a slope wherever the medians differ by 10%
         first = _round_under_load(rng, CNN_SIZES, 4 / LINK)
         small, large = (np.median([t for b, t in first if b == s]) for s in CNN_SIZES)
-        by_medians += large - small > scheduling.RESOLUTION * large
+        by_medians += large - small > calibration.RESOLUTION * large
     assert by_medians > 90  # nearly half of the rounds (110 of 200) took noise for a slope
 
 
@@ -192,24 +188,6 @@ def test_under_load_a_large_models_slope_is_still_fitted():
     betas = [c.fit.beta for c in costs]
     assert np.median(betas) == pytest.approx(truth, rel=0.05)
     assert all(abs(b / truth - 1) < 0.25 for b in betas)
-
-
-def test_transfers_take_turns_so_drifting_load_does_not_tilt_the_slope():
-    """Each transfer takes 1 ms longer than the last, whatever its size: a slope timing each
-    size in a block would read as 5 ms per 20 KB."""
-    sent = []
-
-    def send(tensor):
-        sent.append(tensor.numel())
-        time.sleep(1e-3 * len(sent))
-
-    sizes = scheduling.calibration_sizes(6_090)
-    samples = scheduling.time_transfers(send, sizes)
-    assert sent[:2] == [1_024, 6_090]  # the warm-up, untimed
-    assert sent[2:] == [1_024, 6_090, 6_090, 1_024] * 2 + [1_024, 6_090]
-    assert [b for b, _ in samples] == [4.0 * n for n in sent[2:]]
-    cost = judge_calibration([samples])
-    assert "per-message cost dominates" in cost.reason
 
 
 @pytest.mark.parametrize("scheduler", ["merge", "imerge"])
@@ -240,25 +218,6 @@ def test_any_noise_gives_a_usable_cost_model_within_the_attempts(seed):
     assert cost.fit.alpha >= 0 and cost.fit.beta > 0
 
 
-def _untouched(*_, **__):
-    raise AssertionError("calibration sent a transfer for a policy that needs no cost model")
-
-
-def _untouchable():
-    """A Session no transfer may reach."""
-    return answering_session(_untouched)
-
-
-@pytest.mark.parametrize("scheduler", sorted(COST_FREE))
-def test_policies_that_need_no_cost_model_do_not_calibrate(scheduler):
-    chosen = agree_on_plan(
-        scheduler, tiny_model(), torch.randn(8, 20), _untouchable()
-    )
-    assert chosen.cost == CostModel(None, "not needed", chosen.cost.reason)
-    assert chosen.plan.policy == scheduler
-    assert f"no α–β calibration ({scheduler} plans from element counts alone)" in chosen.describe()
-
-
 @pytest.mark.parametrize("scheduler", sorted(COST_FREE))
 def test_cost_free_plans_are_the_same_on_any_cluster_speed(scheduler):
     """What lets start-up skip the calibration for these policies."""
@@ -268,173 +227,6 @@ def test_cost_free_plans_are_the_same_on_any_cluster_speed(scheduler):
     assert planner(profile, fast) == planner(profile, slow)
     assert planner(profile, fast).order == "fifo"  # no transfer times needed to order the groups
     assert set(COST_FREE) <= set(PLANNER_NAMES)
-
-
-class _Canned:
-    """Stands in for ``time_transfers``: each call sends once per size and returns the next
-    prepared round of timings."""
-
-    def __init__(self, rounds):
-        self.rounds = list(rounds)
-
-    def __call__(self, send, sizes):
-        for size in sizes:
-            send(torch.zeros(size))
-        return self.rounds.pop(0)
-
-
-class _Recorder:
-    """The keys and steps of a Session's rounds (``session``), each answered with its input."""
-
-    def __init__(self):
-        self.keys = []
-        self.session = answering_session(self)
-
-    def __call__(self, tensor, *, key, step, shard):
-        self.keys.append((key, step))
-        return tensor
-
-
-def test_calibrate_measures_again_through_the_aggregator_until_a_fit_is_usable(monkeypatch):
-    canned = _Canned([STALLED, _round(), _round()])
-    monkeypatch.setattr(scheduling, "time_transfers", canned)
-    recorder = _Recorder()
-    cost = calibrate(recorder.session)
-    assert cost.source == "refitted"
-    assert len(canned.rounds) == 1  # two rounds measured, the third not needed
-    steps = [step for _, step in recorder.keys]
-    assert steps == list(range(len(steps))) and len(steps) == 6  # one new step per transfer
-
-
-class _CountedForward(torch.nn.Module):
-    """A model whose forward passes, by any copy of it, are counted with their thread (the
-    list is the class's: a deep copy shares it)."""
-
-    passes: ClassVar[list[tuple[int, str]]] = []
-
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(20, 4)
-
-    def forward(self, x):
-        _CountedForward.passes.append((id(self), threading.current_thread().name))
-        return self.layer(x)
-
-
-def test_the_step_load_runs_a_copy_beside_the_block_and_stops_after_it():
-    model = _CountedForward()
-    _CountedForward.passes.clear()
-    with scheduling.step_load(model, torch.randn(8, 20)):
-        deadline = time.monotonic() + 10.0
-        while len(_CountedForward.passes) < 3 and time.monotonic() < deadline:
-            time.sleep(0.001)
-    ran = list(_CountedForward.passes)
-    assert len(ran) >= 3  # forward and backward, again and again, while the block ran
-    assert all(who != id(model) and thread == "gradsum-calibration-load" for who, thread in ran)
-    time.sleep(0.05)
-    assert len(_CountedForward.passes) == len(ran)  # stopped with the block
-    assert model.layer.weight.grad is None  # the user's model is left alone
-
-
-def test_the_step_load_runs_the_4m_parameter_model_and_leaves_it_untouched():
-    from gradsum.train.models import build_model
-
-    model = build_model("digits-wide")  # 4,349,962 parameters, as the testbed map trains
-    before = [p.detach().clone() for p in model.parameters()]
-    with scheduling.step_load(model, torch.randn(16, 64)):
-        time.sleep(0.2)
-    assert all(p.grad is None for p in model.parameters())
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
-
-
-def test_the_step_load_ran_while_calibration_measured(monkeypatch):
-    seen = []
-
-    def timed(send, sizes):
-        seen.append(any(t.name == "gradsum-calibration-load" for t in threading.enumerate()))
-        return _round()
-
-    monkeypatch.setattr(scheduling, "time_transfers", timed)
-    model = tiny_model()
-    cost = calibrate(_Recorder().session,
-                     load=lambda: scheduling.step_load(model, torch.randn(8, 20)))  # fmt: skip
-    assert cost.source == "fitted" and seen == [True]
-    assert "(fitted under the step's load)" in cost.describe()
-    assert not any(t.name == "gradsum-calibration-load" for t in threading.enumerate())
-
-
-def test_a_step_load_that_fails_names_its_error():
-    broken = torch.nn.Linear(3, 3)  # the batch below has 20 features: the forward raises
-    failed = pytest.raises(RuntimeError, match="the calibration's step load failed: RuntimeError")
-    with failed, scheduling.step_load(broken, torch.randn(8, 20)):
-        pass  # the load's one pass at least runs, and fails
-
-
-def test_calibrate_warns_when_it_falls_back(monkeypatch):
-    monkeypatch.setattr(scheduling, "time_transfers", _Canned([BROKEN] * CALIBRATION_ATTEMPTS))
-    with pytest.warns(RuntimeWarning, match="planning with the default .*no usable fit"):
-        cost = calibrate(_Recorder().session)
-    assert cost.fit == DEFAULT_COST and cost.source == "default"
-
-
-def test_a_failed_calibration_still_gives_the_asked_policy_on_the_default_cost(monkeypatch):
-    monkeypatch.setattr(scheduling, "time_transfers", _Canned([BROKEN] * CALIBRATION_ATTEMPTS))
-    with pytest.warns(RuntimeWarning):
-        chosen = agree_on_plan(
-            "imerge", tiny_model(), torch.randn(8, 20), _Recorder().session
-        )
-    assert chosen.plan.policy == "imerge"
-    cores = scheduling.shared_host_cores()  # this process shares its host with itself
-    assert chosen.cluster == cluster_from_fit(DEFAULT_COST, 1, 1, shared_cores=cores)
-    assert "β 30 MB/s per message (default: 3 rounds of transfers gave no usable fit" in (
-        chosen.describe()
-    )
-
-
-def test_a_given_cost_replaces_the_calibration_and_must_be_a_cost():
-    args = (tiny_model(), torch.randn(8, 20), _untouchable())
-    chosen = agree_on_plan("imerge", *args, fit=TRUTH)
-    assert chosen.cost == CostModel(TRUTH, "given") and "(given)" in chosen.describe()
-    with pytest.raises(ValueError, match="a given cost needs α >= 0 s and β > 0 s/byte"):
-        agree_on_plan("imerge", *args, fit=AlphaBeta(1e-3, 0.0))
-
-
-def test_an_injected_message_delay_is_planned_with():
-    # calibration measures through the aggregator, not the senders that inject the delay
-    args = (tiny_model(), torch.randn(8, 20), _untouchable())
-    plain = agree_on_plan("imerge", *args, fit=TRUTH)
-    delayed = agree_on_plan("imerge", *args, fit=TRUTH, message_delay=0.002)
-    assert delayed.cluster.alpha_worker == pytest.approx(plain.cluster.alpha_worker + 0.002)
-    # the delay holds the sender's thread, not a core
-    assert delayed.cluster.worker_wait == pytest.approx(0.002)
-    assert delayed.cluster.worker_cpu == pytest.approx(plain.cluster.worker_cpu)
-
-
-def test_one_process_shares_its_hosts_cores_with_itself():
-    assert scheduling.shared_host_cores() == len(os.sched_getaffinity(0))
-
-
-def test_a_plan_made_on_shared_cores_says_so_and_scales_the_measured_compute(monkeypatch):
-    args = (tiny_model(), torch.randn(8, 20), _untouchable())
-    monkeypatch.setattr(scheduling, "shared_host_cores", lambda: None)  # a core per node
-    own = agree_on_plan("imerge", *args, fit=TRUTH)
-    monkeypatch.setattr(scheduling, "shared_host_cores", lambda: 1)
-    shared = agree_on_plan("imerge", *args, fit=TRUTH)
-    assert own.cluster.shared_cores is None and shared.cluster.shared_cores == 1
-    assert "1 workers and 1 shards on 1 shared cores" in shared.describe()
-    assert "shared cores" not in own.describe()
-
-
-@pytest.mark.slow
-def test_every_worker_follows_worker_0_through_repeated_rounds():
-    # One size only: no round can separate α from β, so every round is repeated until the
-    # default stands; a worker that stopped measuring early would leave the other one hanging.
-    first, second = run_distributed(calibrate_over_allreduce, 2, (1 << 10,), timeout=120)
-    assert first["cost"] == second["cost"]
-    assert first["cost"].fit == DEFAULT_COST and "need at least two" in first["cost"].reason
-    assert len(first["warnings"]) == 1 and second["warnings"] == []  # worker 0 speaks for all
-    first, second = run_distributed(calibrate_over_allreduce, 2, timeout=120)
-    assert first["cost"] == second["cost"] and first["cost"].fit.beta > 0
 
 
 LINK = 125e6  # bytes/s each way: a 1 Gbit/s link
@@ -478,24 +270,12 @@ def test_testbed_calibration_gives_the_link_rate(workers):
     assert min(cluster.shard_bw, cluster.worker_bw) >= cluster.nic_bw  # the link is the bottleneck
 
 
-def test_remote_workers_are_those_that_cannot_bind_the_shards_address():
-    class Shards:
-        def __init__(self, host):
-            self.shard_addresses = [(host, 7000), ("127.0.0.1", 7001)]
-
-    assert scheduling.remote_workers(Shards("127.0.0.1")) == 0
-    assert scheduling.remote_workers(Shards("192.0.2.1")) == 1  # TEST-NET-1: no host's own
-    assert scheduling.remote_workers(_Recorder().session.aggregator) == 0  # one machine
-    with pytest.raises(ValueError, match="5 of 4 workers"):
-        cluster_from_fit(TRUTH, 4, 2, remote=5)
-
-
 def test_calibration_sizes_stop_at_the_largest_message_a_plan_can_send():
-    assert scheduling.calibration_sizes(10_000_000) == scheduling.CALIBRATION_SIZES
-    assert scheduling.calibration_sizes(6_090) == (1 << 10, 6_090)  # digits-cnn: all of it
-    assert scheduling.calibration_sizes(500) == (62, 500)
+    assert calibration.calibration_sizes(10_000_000) == calibration.CALIBRATION_SIZES
+    assert calibration.calibration_sizes(6_090) == (1 << 10, 6_090)  # digits-cnn: all of it
+    assert calibration.calibration_sizes(500) == (62, 500)
     with pytest.raises(ValueError, match="at least 2 gradient elements"):
-        scheduling.calibration_sizes(1)
+        calibration.calibration_sizes(1)
 
 
 def test_a_fixed_cost_on_the_command_line_is_two_numbers_that_make_a_cost():
@@ -505,3 +285,17 @@ def test_a_fixed_cost_on_the_command_line_is_two_numbers_that_make_a_cost():
     for bad in ("1e-3", "1e-3,3e-8,1", "a,b", "-1e-3,3e-8", "1e-3,nan", "1e-3,inf"):
         with pytest.raises(argparse.ArgumentTypeError, match=f"'{bad}'"):
             fixed_cost(bad)
+
+
+def test_a_given_cost_replaces_the_calibration_and_must_be_a_cost():
+    assert cost_without_measuring("imerge", TRUTH) == CostModel(TRUTH, "given")
+    assert cost_without_measuring("imerge", None) is None  # measure
+    for scheduler in COST_FREE:  # a given cost still stands for a cost-free policy
+        assert cost_without_measuring(scheduler, TRUTH) == CostModel(TRUTH, "given")
+    with pytest.raises(ValueError, match="a given cost needs α >= 0 s and β > 0 s/byte"):
+        cost_without_measuring("imerge", AlphaBeta(1e-3, 0.0))
+
+
+def test_a_cluster_cannot_have_more_remote_workers_than_workers():
+    with pytest.raises(ValueError, match="5 of 4 workers"):
+        cluster_from_fit(TRUTH, 4, 2, remote=5)

@@ -1,46 +1,30 @@
-"""Choosing a communication plan at the start of training (the shell around ``gradsum.schedule``).
+"""The pure half of start-up's planning: fit the timed transfers, judge the rounds, and plan.
 
-Every worker runs :func:`agree_on_plan` together:
+``sync/startup.py`` measures (timed transfers through the run's Session, host probes, the
+step's load) and makes the workers agree; everything that decides from those measurements lives
+here, so every outcome is testable without sockets or processes:
 
-1. **α–β**, only for policies that reason with a per-message cost (not ``COST_FREE``): a few
-   transfers of known sizes through the run's Session (one PS shard when shards are
-   addressed one by one; otherwise the whole aggregator), every worker taking part as in
-   training. Worker 0 fits its timings (:func:`judge_calibration`); when noise leaves no usable
-   fit it has every worker measure again, and after ``CALIBRATION_ATTEMPTS`` rounds it falls
-   back to the stated ``DEFAULT_COST`` with a warning — start-up never fails on a busy machine.
-   A cost given by the caller (``fit=``) replaces the measurement.
-2. **Profile**: worker 0 times each layer's forward and backward with hooks on a copy of the
-   model (so no worker's weights, buffers or gradients change) on one real batch.
-3. **Plan**: worker 0 runs the planner on the profile and a :class:`ClusterSpec` derived from the
-   fit (:func:`cluster_from_fit`), fixes the send order (``schedule.ordering.send_order``)
-   and broadcasts both, so every worker executes the identical plan. The plan line
-   (:meth:`RuntimePlan.describe`) says where its cost model came from.
+* :func:`fit_measurements`: α, β from rounds of (bytes, seconds) transfers, or why none;
+* :func:`judge_calibration`: the :class:`CostModel` a start-up settles on after k rounds (fitted,
+  refitted, or ``DEFAULT_COST``), or that it must measure once more;
+* :func:`cluster_from_fit`: the :class:`ClusterSpec` a single-shard round trip implies;
+* :func:`plan_on`: worker 0's plan, send order and cluster from a profile and a cost model.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import dataclasses
 import math
-import os
-import socket
-import threading
-import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-import torch.distributed as dist
 from scipy.stats import theilslopes
 
-from ..schedule import AlphaBeta, ClusterSpec, ModelProfile, Plan, make_planner
-from ..schedule.cluster import crowding
-from ..schedule.costs import least_squares, ps_step_seconds
-from ..schedule.ordering import send_order
-from ..schedule.profiling import measure_profile
+from .cluster import ClusterSpec, crowding
+from .costs import AlphaBeta, least_squares, ps_step_seconds
+from .ordering import send_order
+from .plan import Plan
+from .profile import ModelProfile
 
 CALIBRATION_SIZES = (1 << 10, 1 << 15, 1 << 18)  # fp32 elements: 4 KiB, 128 KiB, 1 MiB
 CALIBRATION_ATTEMPTS = 3  # rounds of timed transfers before DEFAULT_COST stands
@@ -251,26 +235,6 @@ def fit_measurements(
     return AlphaBeta(max(alpha, 0.0), timings.bound), note
 
 
-def time_transfers(
-    send: Callable[[torch.Tensor], None], sizes: Sequence[int], repeats: int = CALIBRATION_REPEATS
-) -> list[tuple[float, float]]:
-    """(bytes, seconds) of every timed ``send(tensor)``, ``repeats`` per fp32 size, after one
-    untimed warm-up of each size. The sizes take turns, in alternating order, so load that
-    drifts during the round (the step load warming up, a peer descheduled for a while) falls
-    on every size alike instead of tilting the slope. All workers must call this together with
-    the same sizes."""
-    tensors = [torch.zeros(size) for size in sizes]
-    for tensor in tensors:
-        send(tensor)
-    samples = []
-    for turn in range(repeats):
-        for tensor in tensors if turn % 2 == 0 else reversed(tensors):
-            start = time.perf_counter()
-            send(tensor)
-            samples.append((4.0 * tensor.numel(), time.perf_counter() - start))
-    return samples
-
-
 def judge_calibration(
     measurements: Sequence[Samples], attempts: int = CALIBRATION_ATTEMPTS
 ) -> CostModel | None:
@@ -344,50 +308,6 @@ def cluster_from_fit(
     )
 
 
-def shared_host_cores() -> int | None:
-    """The cores every worker shares when all run on one host (same kernel boot id: network
-    namespaces share it), else None. The shards are taken to be where the workers are, as
-    the local launcher and the testbed place them. Every worker asks for itself."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as source:
-            mine = (source.read().strip(), len(os.sched_getaffinity(0)))
-    except (OSError, AttributeError):
-        mine = (None, 0)
-    everyone = [mine]
-    if dist.is_initialized():
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-    hosts = {host for host, _ in everyone}
-    if len(hosts) != 1 or None in hosts:
-        return None
-    return min(cores for _, cores in everyone)
-
-
-def remote_workers(aggregator) -> int:
-    """How many workers reach shard 0, the calibrated one, over a link rather than on their
-    own host (0 for an aggregator without addressed shards, or on one machine). A host is this
-    worker's own when a socket can bind to its address; every worker asks for itself."""
-    addresses = getattr(aggregator, "shard_addresses", None)
-    if not addresses:
-        return 0
-    remote = [0 if _is_own_address(addresses[0][0]) else 1]
-    if dist.is_initialized():
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, remote[0])
-        return sum(everyone)
-    return remote[0]
-
-
-def _is_own_address(host: str) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.bind((host, 0))
-        except OSError:
-            return False
-    return True
-
-
 def calibration_sizes(elements: int, sizes: Sequence[int] = CALIBRATION_SIZES) -> tuple[int, ...]:
     """The transfer sizes to fit α, β on, no larger than the largest message a plan of this
     model can send (all its gradients in one group): a fit over sizes the plan never sends
@@ -401,87 +321,9 @@ def calibration_sizes(elements: int, sizes: Sequence[int] = CALIBRATION_SIZES) -
     return tuple(capped)
 
 
-@contextlib.contextmanager
-def step_load(model: torch.nn.Module, batch: torch.Tensor) -> Iterator[None]:
-    """A copy of ``model`` running forward and backward on ``batch`` in a thread of its own
-    until the block ends: the load a training step puts beside its messages.
-
-    Calibrating under it measures what a message costs while the workers compute. Where the
-    workers and servers share a host's few cores (the testbed: 9 processes on 2 cores), every
-    hop of a message then waits for its process to be scheduled, a cost a quiet round trip
-    never meets: the quiet fit gave 0.5–1.4 ms where an added message cost a step 1–7 ms
-    (docs/scheduling.md, "Shared cores in the PS model")."""
-    replica = copy.deepcopy(model)
-    stop = threading.Event()
-    failures: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            while True:  # at least one pass: a model that cannot run fails here, not silently
-                replica.zero_grad(set_to_none=True)
-                replica(batch).float().square().mean().backward()
-                if stop.is_set():
-                    return
-        except Exception as error:  # raised in the caller's thread, below
-            failures.append(error)
-
-    worker = threading.Thread(target=run, name="gradsum-calibration-load", daemon=True)
-    worker.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        worker.join()
-    if failures:
-        raise RuntimeError(
-            f"the calibration's step load failed: {type(failures[0]).__name__}: {failures[0]}"
-        ) from failures[0]
-
-
-def calibrate(
-    session, sizes=CALIBRATION_SIZES, attempts: int = CALIBRATION_ATTEMPTS,
-    load: Callable[[], contextlib.AbstractContextManager] | None = None,
-) -> CostModel:  # fmt: skip
-    """The per-message cost of the Session's rounds (on shard 0 where it addresses shards),
-    the same on every worker (all call this together), timed under ``load()`` where given
-    (``step_load``: as the step runs). Worker 0's timings decide; measuring again is a
-    decision every worker follows, since every transfer needs all of them."""
-    if attempts < 1:
-        raise ValueError(f"calibration needs at least 1 attempt, got {attempts}")
-    step = iter(range(1 << 30))
-
-    def send(tensor: torch.Tensor) -> None:
-        key = ("calibrate", tensor.numel())
-        if session.shards:
-            session.part(0, tensor, key=key, step=next(step))
-        else:
-            session.synchronize(tensor, key=key, step=next(step))
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    measurements: list[Samples] = []
-    decision: list[CostModel | None] = [None]
-    while decision[0] is None:  # judge_calibration decides by round ``attempts`` at the latest
-        with load() if load is not None else contextlib.nullcontext():
-            measurements.append(time_transfers(send, sizes))
-        if rank == 0:
-            decision = [judge_calibration(measurements, attempts)]
-        if dist.is_initialized():
-            dist.broadcast_object_list(decision, src=0)
-    cost = dataclasses.replace(decision[0], loaded=load is not None)
-    if cost.source == "default" and rank == 0:
-        warnings.warn(
-            f"α–β calibration found no usable cost model, planning with the default "
-            f"(α {DEFAULT_COST.alpha * 1e6:.0f} µs, β {1e-6 / DEFAULT_COST.beta:.0f} MB/s "
-            f"per message): {cost.reason}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    return cost
-
-
-def _cost_model(
-    scheduler: str, fit: AlphaBeta | None, session, elements: int, load=None
-) -> CostModel:
+def cost_without_measuring(scheduler: str, fit: AlphaBeta | None) -> CostModel | None:
+    """The cost model a plan needs no transfers for: the caller's ``fit`` (checked), or none at
+    all for a ``COST_FREE`` policy; None where start-up must calibrate."""
     if fit is not None:
         if not (fit.alpha >= 0 and fit.beta > 0):
             raise ValueError(
@@ -490,59 +332,34 @@ def _cost_model(
         return CostModel(fit, "given")
     if scheduler in COST_FREE:
         return CostModel(None, "not needed", f"{scheduler} plans from element counts alone")
-    return calibrate(session, calibration_sizes(elements), load=load)
+    return None
 
 
-def start_up_profile(model, batch, model_name: str, workers: int, cores: int | None):
-    """The profile start-up plans with: measured alone on this host, then scaled by how many
-    times its CPU time a worker's compute takes when ``workers`` run on ``cores`` shared cores
-    (``cluster.crowding``: 1 where each has its own)."""
-    return measure_profile(model, batch, model_name=model_name).scaled(crowding(workers, cores))
-
-
-def agree_on_plan(
+def plan_on(
+    planner: Callable[[ModelProfile, ClusterSpec], Plan],
     scheduler: str,
-    model: torch.nn.Module,
-    batch: torch.Tensor,
-    session,
+    profile: ModelProfile,
+    cost: CostModel,
+    workers: int,
+    shards: int,
     *,
-    options: dict | None = None,
-    model_name: str = "model",
-    fit: AlphaBeta | None = None,
+    remote: int = 0,
+    cores: int | None = None,
     message_delay: float = 0.0,
-) -> RuntimePlan:
-    """Worker 0 profiles and plans; every worker returns the same plan and send order. ``fit``
-    replaces the start-up calibration with known per-message costs (reproducible plans);
-    ``message_delay``, the seconds the senders inject per message (``senders.MessageCost``),
-    is added to the cluster's α_worker: calibration measures through the aggregator, not the
-    senders, so it cannot see it."""
-    planner = make_planner(scheduler, **(options or {}))  # bad options fail on every worker
-    started = time.perf_counter()
-    elements = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    cost = _cost_model(scheduler, fit, session, elements,
-                       load=lambda: step_load(model, batch))  # fmt: skip
-    remote = remote_workers(session.aggregator) if cost.fit is not None else 0
-    cores = shared_host_cores() if cost.fit is not None else None
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    shards = session.shards or world
-    chosen: list = [None]
-    if rank == 0:
-        profile = start_up_profile(copy.deepcopy(model), batch, model_name, world, cores)
-        # A cost-free planner reads only the cluster's worker and shard counts.
-        cluster = (
-            ClusterSpec(workers=world, shards=shards)
-            if cost.fit is None
-            else cluster_from_fit(cost.fit, world, shards, remote, cores)
-        )
-        cluster = cluster.with_message_delay(message_delay)
-        plan = planner(profile, cluster)
-        order = send_order(plan, profile, _transfer_seconds(cost, cluster, scheduler))
-        chosen = [(plan, order, profile, cluster)]
-    if dist.is_initialized():
-        dist.broadcast_object_list(chosen, src=0)
-    plan, order, profile, cluster = chosen[0]
-    return RuntimePlan(plan, order, profile, cost, cluster, time.perf_counter() - started)
+) -> tuple[Plan, tuple[int, ...], ClusterSpec]:
+    """The plan, send order and cluster worker 0 decides on: the cluster the cost implies
+    (:func:`cluster_from_fit`; a cost-free planner reads only its worker and shard counts), with
+    ``message_delay`` added to α_worker (calibration times the aggregator, not the senders that
+    inject it), the planner's plan on it, and its send order."""
+    cluster = (
+        ClusterSpec(workers=workers, shards=shards)
+        if cost.fit is None
+        else cluster_from_fit(cost.fit, workers, shards, remote, cores)
+    )
+    cluster = cluster.with_message_delay(message_delay)
+    plan = planner(profile, cluster)
+    order = send_order(plan, profile, _transfer_seconds(cost, cluster, scheduler))
+    return plan, order, cluster
 
 
 def _transfer_seconds(cost: CostModel, cluster: ClusterSpec, scheduler: str):
@@ -554,7 +371,7 @@ def _transfer_seconds(cost: CostModel, cluster: ClusterSpec, scheduler: str):
     def unknown(_: int) -> float:
         raise RuntimeError(
             f"policy {scheduler!r} orders groups by transfer time, but is listed in COST_FREE "
-            "(sync/scheduling.py), so start-up measured none"
+            "(schedule/calibration.py), so start-up measured none"
         )
 
     return unknown
