@@ -474,8 +474,8 @@ class THC(GridCodec):
     def _tensor_scales(self, shared: torch.Tensor | None, pieces: tuple[int, ...],
                        device: torch.device) -> tuple[Scalar, Scalar, torch.Tensor]:  # fmt: skip
         """From every worker's piece norms: the largest norm of the normalized partition and
-        its clamp (as ``_norm_and_clamp`` gives them for one scale), and every coordinate's
-        scale, the RMS of its piece (the largest over the workers; 0 where all are 0)."""
+        its clamp (as ``_norm_and_clamp`` gives them for one scale), and every piece's scale,
+        its RMS (the largest over the workers; 0 where all are 0)."""
         count = self.workers * len(pieces)
         if shared is None or shared.numel() != count:
             raise ValueError(
@@ -495,8 +495,7 @@ class THC(GridCodec):
         # each worker's norm once every piece is divided by its scale: at most sqrt(length)
         normalized = (norms * inverse).square().sum(dim=1).sqrt()
         largest, clamp = self._largest_and_clamp(normalized)
-        scale = torch.repeat_interleave(rms.to(torch.float32), lengths)
-        return largest, clamp, scale
+        return largest, clamp, rms.to(torch.float32)
 
     def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         flat = x.reshape(-1).to(torch.float32)
@@ -597,8 +596,10 @@ class THC(GridCodec):
         if pieces is None:
             max_norm, clamp = self._norm_and_clamp(shared)
         else:
-            max_norm, clamp, scale = self._tensor_scales(shared, pieces, flat.device)
-            flat = torch.where(scale > 0, flat / scale, 0.0)
+            max_norm, clamp, rms = self._tensor_scales(shared, pieces, flat.device)
+            # a piece of RMS 0 is 0 on every worker: any positive divisor leaves it 0
+            divisor = torch.where(rms > 0, rms, 1.0)
+            flat = flat / torch.repeat_interleave(divisor, self._lengths(pieces, flat.device))
         rotation = self._rotation(x.numel(), ctx, x.device)
         a = self._grid_scale(max_norm, rotation.padded, clamp)
         return self._encode_grid(flat, a, self.granularity / 2, ctx, rotation)
@@ -612,7 +613,8 @@ class THC(GridCodec):
         if pieces is None:
             max_norm, clamp = self._norm_and_clamp(shared)
         else:
-            max_norm, clamp, scale = self._tensor_scales(shared, pieces, _device_of(payload))
+            max_norm, clamp, rms = self._tensor_scales(shared, pieces, _device_of(payload))
+            scale = torch.repeat_interleave(rms, self._lengths(pieces, rms.device))
         rotation = self._rotation(payload.length, ctx, _device_of(payload))
         step = self._step(max_norm, rotation.padded, clamp)
         # y = (S / contributors - g/2) * step
