@@ -22,7 +22,7 @@ from gradsum.train.trainer import Report, Schedule, Trainer
 
 
 def test_the_guard_names_non_finite_losses_and_jumps_past_its_factor():
-    guard = DivergenceGuard("switch:thc", factor=3.0, warmup=5)
+    guard = DivergenceGuard("switch:thc", factor=3.0, warmup=5, patience=1)  # one step decides
     assert guard.loss_problem(float("nan")) == "the loss is nan"
     assert guard.loss_problem(float("inf")) == "the loss is inf"
     for _ in range(4):
@@ -158,3 +158,49 @@ def test_a_loss_jump_under_ddp_is_retried_outside_its_hook_and_counted(gloo_alon
         trainer.step(inputs, labels)
     assert guard.fallbacks == 1 and trainer.count == 7 and sync.step == 7
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_one_noisy_batch_near_convergence_is_not_divergence_but_a_rise_that_holds_is():
+    """The fp32 run that stopped at step 253: a mean of 0.06 and one batch at 0.24."""
+    guard = DivergenceGuard("allreduce:none", compressed=False)
+    noisy = [0.05, 0.07, 0.04, 0.08, 0.06] * 10
+    for loss in noisy:
+        assert guard.loss_problem(loss) is None
+        guard.accept(loss)
+    for spike in (0.24, 0.5, 0.9):  # one at a time, healthy steps between
+        assert guard.loss_problem(spike) is None
+        guard.accept(spike)
+        for loss in noisy[:4]:
+            assert guard.loss_problem(loss) is None
+            guard.accept(loss)
+    assert guard.jumps == 3 and guard.running_mean < 0.07  # the spikes stay out of the mean
+    # a rise that holds: the third step past 3x the mean moves the median of five past it too
+    problems = []
+    for loss in (0.8, 0.9, 1.0):
+        problems.append(guard.loss_problem(loss))
+        guard.accept(loss)
+    assert problems[:2] == [None, None]
+    assert problems[2].startswith("the loss rose to 1; the median of the last 5 steps, 0.8")
+    error = str(guard.diverged(260, problems[2]))
+    assert "--fallback none" not in error and "a lower --lr" in error  # nothing to decompress
+
+
+def test_a_compressed_run_with_fallback_none_retries_a_single_jump():
+    guard = DivergenceGuard("switch:thc", fallback="none", warmup=3)
+    for _ in range(3):
+        guard.accept(2.0)
+    assert guard.loss_problem(6.5).startswith("the loss jumped to 6.5, 3.2x")
+    uncompressed = DivergenceGuard("switch:bfp", fallback="none", warmup=3, compressed=False)
+    for _ in range(3):
+        uncompressed.accept(2.0)
+    assert uncompressed.loss_problem(6.5) is None  # a retry through bfp again changes nothing
+
+
+def test_which_methods_compress():
+    from gradsum.train.methods import compresses
+
+    assert not compresses(TrainConfig(aggregator="ddp"))
+    assert compresses(TrainConfig(aggregator="ddp", ddp_hook="fp16"))
+    assert not compresses(TrainConfig(aggregator="allreduce", codec="none"))
+    assert not compresses(TrainConfig(aggregator="switch", codec="bfp"))
+    assert compresses(TrainConfig(aggregator="switch", codec="thc"))

@@ -332,7 +332,8 @@ class Guard(Section):
     title = "the divergence guard"
     divergence_factor: float = setting(
         3.0, parse=positive_float,
-        help="a loss above this times its running mean stops training (or falls back)",
+        help="a loss held above this times its running mean (the median of 5 steps) stops "
+        "training; one step above it is retried uncompressed with --fallback none",
     )  # fmt: skip
     fallback: str = setting(
         "stop", choices=FALLBACK_NAMES,

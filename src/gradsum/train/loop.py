@@ -27,7 +27,7 @@ from .aggregators import open_session
 from .config import DDP, TrainConfig, stepped
 from .data import augment_images, load_dataset, shard_batches, steps_per_epoch
 from .guard import DivergenceGuard
-from .methods import method_name
+from .methods import compresses, method_name
 from .models import build_model, model_sizes, sample_shape
 from .peers import DDPSync
 from .trainer import Report, Schedule, Trainer
@@ -86,7 +86,8 @@ def _train(config, rank, world, dataset, model, session) -> dict:
     # what start-up sent (the plan's calibration), so that the counters after training say what
     # training alone cost in datagrams, retransmissions and timeouts
     start_up = {} if session is None else session.aggregator.transport_stats()
-    guard = DivergenceGuard(method_name(config), config.divergence_factor, fallback=config.fallback)
+    guard = DivergenceGuard(method_name(config), config.divergence_factor,
+                            fallback=config.fallback, compressed=compresses(config))  # fmt: skip
     first_epoch = _resume(config, rank, model, optimizer, codec, sync) if config.resume else 0
     log = _Log(config.log if rank == 0 else None)
     log.write({"event": "config", "world": world, **asdict(config)})
@@ -110,7 +111,8 @@ def _train(config, rank, world, dataset, model, session) -> dict:
     summary["transport"] = {key: n - start_up.get(key, 0) for key, n in total.items()}
     summary["transport_start_up"] = start_up
     summary["predicted_step_s"] = predicted
-    summary.update(method=method_name(config), fallbacks=guard.fallbacks, steps=trainer.count)
+    summary.update(method=method_name(config), fallbacks=guard.fallbacks, loss_jumps=guard.jumps,
+                   steps=trainer.count)  # fmt: skip
     if stepwise:
         samples = config.batch_size * world  # per step
         summary.update(_stepped_summary(report.evals, compute_s, trainer.durations, samples))

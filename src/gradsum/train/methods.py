@@ -22,6 +22,14 @@ def method_name(config) -> str:
     return f"ddp:{config.ddp_hook}"
 
 
+def compresses(config) -> bool:
+    """Whether the method's gradients lose anything on the way: not fp32 DDP, nor gradsum's
+    lossless codecs (``none``, and ``bfp``, whose int32 lanes keep what fp32 training sees)."""
+    if config.aggregator == "ddp":
+        return config.ddp_hook != "allreduce"
+    return config.codec not in ("none", "bfp")
+
+
 def parse_methods(text: str) -> list[tuple[str, dict]]:
     """``--methods``: each method's name and ``TrainConfig`` fields."""
     return [(name, method_fields(name)) for name in split_methods(text)]
