@@ -34,6 +34,7 @@ class Setting:
     choices: Sequence | None = None
     metavar: str | None = None
     flag: str | None = None
+    aliases: tuple[str, ...] = ()
     sweep: str | None = None
     applies: Callable[[object], str | None] | None = None
     sets: tuple[str, ...] = ()
@@ -42,15 +43,16 @@ class Setting:
 
 
 def setting(default=MISSING, *, default_factory=MISSING, **how) -> dataclasses.Field:
-    """A section's field with its flag (``--batch-size`` for ``batch_size`` unless ``flag``
-    names another). ``how``: :class:`Setting`'s fields: ``help``; ``parse``, the flag's text to
-    the value (argparse's ``type``; an ``argparse.ArgumentTypeError`` is a usage error);
-    ``choices``; ``metavar``; ``sweep``, the list flag a benchmark offers instead to run several
-    values; ``applies(config)``, None where the field applies, else why not ("applies to
+    """A section's field with its flag (``--batch-size`` for ``batch_size`` unless ``flag`` names
+    another). ``how``: :class:`Setting`'s fields: ``help``; ``parse``, the flag's text to the
+    value (argparse's ``type``; an ``argparse.ArgumentTypeError`` is a usage error);
+    ``choices``; ``metavar``; ``aliases``, other spellings of the flag (where the first clashes
+    with a launcher's own flags); ``sweep``, the list flag a benchmark offers instead to run
+    several values; ``applies(config)``, None where the field applies, else why not ("applies to
     --aggregator ddp only"): a flag given where it does not apply is refused; ``sets``, the
     fields one value sets, when it sets several (``parse`` then returns one value each);
-    ``show``, the value back to the flag's text; ``shown_default``, what ``--help`` says of
-    the field's own default where that is resolved later ("cuda when present")."""
+    ``show``, the value back to the flag's text; ``shown_default``, what ``--help`` says of the
+    field's own default where that is resolved later ("cuda when present")."""
     return dataclasses.field(default=default, default_factory=default_factory,
                              metadata={_SETTING: Setting(**how)})  # fmt: skip
 
@@ -145,13 +147,13 @@ def add_flags(parser: argparse.ArgumentParser, sections: Iterable[type[Section]]
         help_text = f"{how.help or ''} (default: {default})".strip()
         if isinstance(value, bool) and how.parse is None:
             groups[flag.section].add_argument(
-                flag.name, dest=flag.field, action=argparse.BooleanOptionalAction,
+                flag.name, *how.aliases, dest=flag.field, action=argparse.BooleanOptionalAction,
                 default=argparse.SUPPRESS, help=help_text,
             )  # fmt: skip
             continue
         groups[flag.section].add_argument(
-            flag.name, dest=flag.field, type=how.parse, choices=how.choices, metavar=how.metavar,
-            default=argparse.SUPPRESS, help=help_text.replace("%", "%%"),
+            flag.name, *how.aliases, dest=flag.field, type=how.parse, choices=how.choices,
+            metavar=how.metavar, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"),
         )  # fmt: skip
 
 

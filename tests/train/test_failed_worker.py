@@ -78,3 +78,26 @@ def test_a_healthy_fp32_run_is_not_stopped_by_one_noisy_batch_near_convergence(t
     summary = json.loads(log.read_text().splitlines()[-1])
     assert summary["event"] == "summary" and summary["steps"] == 12 * 44
     assert summary["test_accuracy"] > 0.95 and summary["fallbacks"] == 0
+
+
+@pytest.mark.slow
+def test_torchrun_passes_the_log_flag_to_gradsum_and_the_summary_is_written(tmp_path):
+    """torchrun takes `--log` for an abbreviation of its own flags and refuses to start;
+    `--log-file` reaches gradsum."""
+    import shutil
+    from pathlib import Path
+
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+    log = tmp_path / "run.jsonl"
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}  # fmt: skip
+    done = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "gradsum.cli", "train",
+         "--aggregator", "allreduce", "--codec", "thc", "--epochs", "1", "--batch-size", "64",
+         "--no-progress", "--log-file", str(log)],
+        capture_output=True, text=True, timeout=300, env=environment,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert events[-1]["event"] == "summary" and events[-1]["workers"] == 2
+    assert events[-1]["method"] == "allreduce:thc"

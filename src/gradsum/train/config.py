@@ -367,7 +367,12 @@ class Run(Section):
         help="where the model trains: one GPU per local rank, gradients over NCCL where the "
         "aggregator is all-reduce",
     )  # fmt: skip
-    log: str | None = setting(None, help="write JSON lines here (last line: the summary)")
+    # torchrun reads a script's `--log` as an ambiguous abbreviation of its own --log-dir and
+    # --logs-specs and refuses to start; `--log-file` is no prefix of any flag of torchrun's
+    log: str | None = setting(
+        None, aliases=("--log-file",),
+        help="write JSON lines here (last line: the summary); under torchrun spell it --log-file",
+    )  # fmt: skip
     progress: bool = setting(True, help="print each epoch or evaluation as it ends")
 
 
