@@ -32,6 +32,17 @@ class _AnsweringChannel(Channel):
         return self.aggregator.answer(flat, key=key, step=step, shard=shard)
 
 
+class Alone:
+    """The in-process reducer of a world of one worker: the codec's own round, exactly."""
+
+    def max(self, summaries):
+        return list(summaries)
+
+    def sum(self, phase):
+        phase.deliver_all([phase.codec.aggregate([p], phase.aggregator_context(i))
+                           for i, p in enumerate(phase.payloads())])  # fmt: skip
+
+
 class Reducing(Aggregator):
     """One worker's rounds through an in-process reducer (``make()`` builds it per wire)."""
 

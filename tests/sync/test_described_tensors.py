@@ -6,27 +6,14 @@ from gradsum.codecs import make_codec
 from gradsum.sync.gradient_sync import GradientSync
 from gradsum.sync.session import Session
 
-from .fakes import Reducing
-
-
-class _Alone:
-    """The reducer of a world of one worker."""
-
-    def max(self, summaries):
-        return list(summaries)
-
-    def sum(self, phase):
-        phase.deliver_all([phase.codec.aggregate([p], phase.aggregator_context(i))
-                           for i, p in enumerate(phase.payloads())])  # fmt: skip
-
-
+from .fakes import Alone, Reducing
 
 
 def test_gradient_sync_describes_each_group_by_its_parameters_shapes():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.ReLU(), torch.nn.Linear(30, 5))
     codec = make_codec("powersgd", workers=1, rank=2)
-    sync = GradientSync(model, Session(codec, Reducing(_Alone)), groups=[[0, 1, 2, 3]])
+    sync = GradientSync(model, Session(codec, Reducing(Alone)), groups=[[0, 1, 2, 3]])
     model(torch.randn(8, 40)).sum().backward()
     sync.wait()
     sync.close()

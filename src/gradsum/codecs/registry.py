@@ -67,12 +67,15 @@ if _DRIFT:
     raise ImportError(f"codecs/names.py's options differ from these codecs' own: {_DRIFT}")
 
 
-def make_codec(name: str, workers: int = 1, error_feedback: bool | None = None,
+def make_codec(name: str, workers: int | None = None, error_feedback: bool | None = None,
                feedback_bound: float | None = None, **options) -> Codec:  # fmt: skip
     """Build a codec by name, e.g. ``make_codec("thc", workers=4, bits=4, granularity=30)``.
     ``feedback_bound``: error feedback's memory added is at most that times the gradient's
     norm (``feedback.ErrorFeedback``); None: the codec's own (``Codec.feedback_bound``); inf:
-    unbounded."""
+    unbounded. ``workers``: how many sum the codec's lanes; None: the default process group's
+    size where one is initialized, else 1."""
+    if workers is None:
+        workers = _process_group_size()
     if name not in _CODECS:
         raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
     cls, feedback_default = _CODECS[name]
@@ -114,3 +117,9 @@ def codec_options(name: str) -> dict[str, object]:
     if not cls.keeps_own_feedback:
         feedback["feedback_bound"] = cls.feedback_bound
     return {**options, **feedback}
+
+
+def _process_group_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

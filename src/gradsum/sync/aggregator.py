@@ -78,5 +78,11 @@ class Aggregator:
         carries the gradients (all-reduce)."""
         return {}
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         """Release transport resources (sockets, threads)."""

@@ -45,6 +45,23 @@ class GradsumHookState:
         aggregator sums floats; block floating point, fp32's integer carrier, on a switch)."""
         return self.session if step >= self.start_step else self.session.uncompressed()
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the steps (the warm-up counts on them) and the codec's
+        state. ``torch.save(state.state_dict(), path)``; the state itself holds live sockets
+        and threads."""
+        return {"step": self.step, "start_step": self.start_step,
+                "session": self.session.state_dict()}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.start_step = state["step"], state["start_step"]
+        self.session.load_state_dict(state["session"])
+
+    def __reduce__(self):
+        raise TypeError(
+            "a GradsumHookState holds a live Session (sockets, a thread) and is not pickled; "
+            "save state.state_dict() and restore it with load_state_dict()"
+        )
+
     def close(self) -> None:
         if self._thread is not None:
             self._thread.close()

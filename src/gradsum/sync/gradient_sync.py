@@ -24,6 +24,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..codecs.base import DeviceChecks
 from ..schedule.plan import Plan
@@ -70,8 +71,14 @@ class GradientSync:
         order: Sequence[int] | None = None,
         timeout: float = 300.0,
         message_delay: float = 0.0,
+        broadcast_from: int | None = 0,
     ):
+        """``broadcast_from``: where a process group is initialized, the rank whose parameters
+        every replica starts from, as DDP does (None: the replicas already agree; without a
+        process group they must, e.g. from a shared seed)."""
         self.parameters = [p for p in model.parameters() if p.requires_grad]
+        if broadcast_from is not None and dist.is_available() and dist.is_initialized():
+            broadcast_parameters(self.parameters, broadcast_from)
         if plan is not None and (groups is not None or fusion_elements):
             raise ValueError("pass a plan, or groups / fusion_elements, not both")
         self._segments = (
@@ -185,10 +192,35 @@ class GradientSync:
         finally:
             self._sender.session = self.session
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the sync: its step (the codecs' random streams and the
+        warm-up count on it) and the Session's codec state (error feedback)."""
+        return {"step": self.step, "session": self.session.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        self.session.load_state_dict(state["session"])
+
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._sender.close()
+
+
+def broadcast_parameters(parameters: Sequence[torch.Tensor], source: int) -> None:
+    """Every rank's ``parameters`` set to ``source``'s, in one broadcast of the default group
+    (through host memory, which every backend can send)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in parameters:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    with torch.no_grad():
+        for same in by_dtype.values():  # one broadcast per dtype, bit for bit
+            flat = torch.cat([p.detach().reshape(-1).cpu() for p in same])
+            dist.broadcast(flat, src=source)
+            offset = 0
+            for p in same:
+                p.copy_(flat[offset : offset + p.numel()].view(p.shape))
+                offset += p.numel()
 
 
 def row_major_blocks(tensor: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:

@@ -35,6 +35,13 @@ class Session:
         """``options``: the codec's options as it was built with them (a decoding server
         builds its copy from its name and these); ``partition_elements``: the round's
         partition size, where the transport can carry one that large."""
+        if codec.workers < aggregator.world_size:
+            raise ValueError(
+                f"the codec {codec.name!r} was built for {codec.workers} worker(s), and the "
+                f"aggregator has {aggregator.world_size}: its sums would overflow; build it with "
+                f"make_codec({codec.name!r}, workers={aggregator.world_size}) (or leave workers "
+                "out where a process group is initialized)"
+            )
         self.codec = codec
         self.aggregator = aggregator
         self.seed = seed
@@ -66,6 +73,24 @@ class Session:
         """The same round as ``synchronize``, aggregated on ``shard`` alone (a plan's part)."""
         return self.channel.run(self.round, flat, worker=self.rank, key=key, step=step,
                                 shard=shard)  # fmt: skip
+
+    def state_dict(self) -> dict:
+        """The codec's state (error feedback, PowerSGD's factors): what a checkpoint keeps.
+        The lossless Session keeps none."""
+        return {"codec": self.codec.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.codec.load_state_dict(state["codec"])
+
+    def close(self) -> None:
+        """Close the aggregator (its jobs torn down on a service, its sockets and threads)."""
+        self.aggregator.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def uncompressed(self) -> Session:
         """The Session of the aggregator's lossless codec, with this one's round options. Every
