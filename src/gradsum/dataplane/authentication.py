@@ -124,6 +124,14 @@ def load_secrets(path: str | None = None, environ: dict | None = None) -> dict[s
     secret in ``GRADSUM_ADMISSION_SECRET`` (named ``default``); {} without any. Never a flag:
     the secret would show in ``ps``."""
     environ = os.environ if environ is None else environ
+    for name in ("GRADSUM_ADMISSION_FILE", "GRADSUM_ADMISSION_SECRET"):
+        # set but empty: most likely `export X=$(cat FILE)` of a file that is not there; running
+        # open then would let anyone register, so it is an error, not a warning
+        if name in environ and not environ[name].strip():
+            raise ValueError(
+                f"{name} is set but empty; make a secret with `python -c \"import secrets; "
+                f"print(secrets.token_urlsafe(32))\"`, or unset {name} to run without one"
+            )
     path = path or environ.get("GRADSUM_ADMISSION_FILE")
     if path:
         secrets: dict[str, bytes] = {}
@@ -144,6 +152,8 @@ def load_secrets(path: str | None = None, environ: dict | None = None) -> dict[s
     secret = environ.get("GRADSUM_ADMISSION_SECRET")
     if secret:
         if len(secret) < 16:
-            raise ValueError("GRADSUM_ADMISSION_SECRET needs at least 16 characters")
+            raise ValueError(
+                f"GRADSUM_ADMISSION_SECRET needs at least 16 characters, it has {len(secret)}"
+            )
         return {"default": secret.encode()}
     return {}

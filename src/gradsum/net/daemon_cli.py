@@ -145,7 +145,8 @@ def run_daemon(args: argparse.Namespace, make_profile) -> int:
     try:
         secrets = load_secrets(args.admission_file)
     except (OSError, ValueError) as error:
-        raise UsageError(f"--admission-file: {error}") from None
+        where = "--admission-file: " if args.admission_file else ""  # else: the message names it
+        raise UsageError(f"{where}{error}") from None
     if not secrets:
         _report(
             f"gradsum {profile.name}: WARNING: no admission secret (--admission-file, "
