@@ -34,3 +34,10 @@ def check_resume(config) -> None:
         f"--resume {config.resume}: the checkpoint was made with {saved}, this run is {ours}: "
         f"{' and '.join(differs)} differ{'s' if len(differs) == 1 else ''}"
     )
+
+
+def epochs_done(path: str) -> int:
+    """How many epochs the checkpoint at ``path`` holds (``--epochs`` counts them in all)."""
+    import torch
+
+    return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["epoch"]) + 1

@@ -43,6 +43,8 @@ def job_config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
     from ..failures import WorkerFailed, report, write_failure_file
+    from .checkpoints import epochs_done
+    from .config import stepped
     from .launch import run_local, run_torchrun_worker, under_torchrun
 
     config = job_config(args)
@@ -52,6 +54,17 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ConnectionError) as error:
         raise UsageError(str(error)) from None
     torchrun = under_torchrun()
+    if config.resume is not None and not stepped(config):
+        done = epochs_done(config.resume)
+        if done >= config.epochs:  # every rank reads the same file: all leave here alike
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(
+                    f"nothing to train: {config.resume} holds {done} epochs and --epochs is "
+                    f"{config.epochs}, which counts them all; raise it to train more"
+                )
+            if torchrun:
+                _leave_without_teardown(0)
+            return 0
     if not torchrun:
         from .methods import method_name
 

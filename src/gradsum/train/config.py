@@ -135,21 +135,23 @@ def _show_spec(value: tuple[str, str]) -> str:
 @dataclass
 class Workload(Section):
     title = "the workload: model, data and batch"
-    model: str = setting("digits-mlp", choices=MODEL_NAMES)
-    dataset: str = setting("digits", choices=DATASET_NAMES)
+    model: str = setting("digits-mlp", choices=MODEL_NAMES, help="the network trained")
+    dataset: str = setting("digits", choices=DATASET_NAMES, help="what it trains on")
     data_dir: str | None = setting(
         None, help="directory holding the dataset's files (cifar10's; stdlib: Python's own)",
         applies=lambda c: None if c.dataset in ("cifar10", "stdlib")
         else "applies to --dataset cifar10 and stdlib only",
     )  # fmt: skip
-    workers: int = setting(4, parse=positive_int)
-    batch_size: int = setting(16, parse=positive_int, help="per worker")
+    workers: int = setting(
+        4, parse=positive_int, help="local worker processes (under torchrun: its world size)"
+    )
+    batch_size: int = setting(16, parse=positive_int, help="samples per worker and step")
     seed: int = setting(0, parse=int, sweep=SEEDS.flag,
                         help="initial weights, batches and the codecs' randomness")  # fmt: skip
     # the gpt model's sizes (the other models have fixed shapes)
-    layers: int = setting(4, parse=positive_int, applies=_gpt, help="gpt's")
-    width: int = setting(256, parse=positive_int, applies=_gpt, help="gpt's")
-    heads: int = setting(4, parse=positive_int, applies=_gpt, help="gpt's")
+    layers: int = setting(4, parse=positive_int, applies=_gpt, help="gpt's transformer blocks")
+    width: int = setting(256, parse=positive_int, applies=_gpt, help="gpt's model dimension")
+    heads: int = setting(4, parse=positive_int, applies=_gpt, help="gpt's attention heads")
     context: int = setting(128, parse=positive_int, applies=_gpt, help="gpt's, in tokens")
     data_bytes: int | None = setting(
         None, parse=positive_int, shown_default="8 MiB",
@@ -161,13 +163,13 @@ class Workload(Section):
 @dataclass
 class Optimizer(Section):
     title = "the optimizer"
-    optimizer: str = setting("sgd", choices=OPTIMIZER_NAMES)
-    lr: float = setting(0.1, parse=float)
+    optimizer: str = setting("sgd", choices=OPTIMIZER_NAMES, help="every worker's optimizer")
+    lr: float = setting(0.1, parse=float, help="the optimizer's learning rate")
     momentum: float = setting(
-        0.9, parse=float,
+        0.9, parse=float, help="SGD's momentum",
         applies=lambda c: None if c.optimizer == "sgd" else "applies to --optimizer sgd only",
     )  # fmt: skip
-    weight_decay: float = setting(0.0, parse=float)
+    weight_decay: float = setting(0.0, parse=float, help="the optimizer's weight decay")
 
 
 @dataclass
@@ -185,9 +187,11 @@ class Method(Section):
     )  # fmt: skip
     codec_options: str = part_of("codec", "")
     ddp_hook: str = setting("allreduce", choices=DDP_HOOK_NAMES, sweep=METHODS.flag,
-                            applies=_on((DDP,), "--aggregator ddp"))  # fmt: skip
+                            applies=_on((DDP,), "--aggregator ddp"),
+                            help="torch's DDP hook (allreduce: plain fp32)")  # fmt: skip
     powersgd_rank: int = setting(2, parse=positive_int, sweep=METHODS.flag,
-                                 applies=_powersgd_hook)  # fmt: skip
+                                 applies=_powersgd_hook,
+                                 help="torch's PowerSGD hook's rank")  # fmt: skip
     powersgd_start: int = setting(
         2,
         parse=positive_int,
@@ -301,7 +305,8 @@ class Aggregators(Section):
 @dataclass
 class Steps(Section):
     title = "how long it trains and when it evaluates"
-    epochs: int = setting(5, parse=positive_int, applies=_by_epochs)
+    epochs: int = setting(5, parse=positive_int, applies=_by_epochs,
+                          help="epochs in all (a resumed run trains up to this many)")  # fmt: skip
     # With max_steps or eval_every or eval_seconds set, training runs by steps instead of
     # epochs, evaluates every eval_every steps and every eval_seconds seconds of training
     # (worker 0's clock) outside its timed region, and stops at max_steps, after time_budget
