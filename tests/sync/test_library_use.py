@@ -103,3 +103,24 @@ def test_aggregators_and_sessions_close_as_context_managers():
     with Session(make_codec("none"), Closing(lambda flat, **_: flat)) as session:
         pass
     assert closed[-1] is session.aggregator and len(closed) == 2
+
+
+def test_an_error_inside_the_ddp_hook_reaches_backward_with_its_type_and_message(tmp_path):
+    from gradsum.sync.ddp_hook import gradsum_hook
+
+    def refuse(flat, **_):
+        raise TimeoutError("timed out after 3 s waiting for the switch")
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+        state = GradsumHookState(Session(make_codec("none"), Answering(refuse)))
+        model.register_comm_hook(state, gradsum_hook)
+        with pytest.raises(RuntimeError) as raised:
+            model(torch.randn(2, 4)).sum().backward()
+        state.close()
+    finally:
+        dist.destroy_process_group()
+    assert "TimeoutError: timed out after 3 s waiting for the switch" in str(raised.value)
+    assert "Unable to cast" not in str(raised.value)

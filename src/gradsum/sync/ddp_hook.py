@@ -90,4 +90,11 @@ def gradsum_hook(
 
     # On a GPU: the round runs on the device's communication stream once backward's writes to
     # the bucket are done, and the future is the device's (see sync/streams.py).
-    return state.submit(run, CommStream.of(buffer.device).handoff([buffer]))
+    return state.submit(run, CommStream.of(buffer.device).handoff([buffer])).then(_unwrapped)
+
+
+def _unwrapped(future: torch.futures.Future) -> torch.Tensor:
+    """The round's average, or its error raised again: DDP reads a Python future's exception
+    as a value ("Unable to cast ... to Tensor"), while one raised in a callback reaches
+    backward's caller with its type and message."""
+    return future.value()
