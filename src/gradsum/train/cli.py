@@ -70,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
 
         print(
             f"training {config.model} on {config.dataset}: {config.workers} workers, "
-            f"{method_name(config)}, scheduler {config.scheduler}",
+            f"{method_name(config)}, scheduler {config.scheduler} (starting the workers: "
+            "each imports torch and joins the group, which takes seconds)",
             flush=True,
         )
     try:
