@@ -16,6 +16,7 @@ BENCH_MODULES = (
     "gradsum.bench.quality",
     "gradsum.bench.scale",
     "gradsum.bench.plays",
+    "gradsum.bench.ps_core",
 )
 
 
