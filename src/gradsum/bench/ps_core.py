@@ -170,6 +170,23 @@ def _ps_main(port, senders, sizes, warmup, rounds, core, timeout_s, results) -> 
     results.put(("ps", out))
 
 
+def _send_rounds(pair, elements, warmup, rounds, gate, errors, timeout) -> None:
+    """One sender: a push and the wait for its answer per round, the timed rounds after
+    ``gate`` (every sender and the main thread)."""
+    import torch
+
+    try:
+        grad, answer = torch.ones(elements), torch.zeros(elements)
+        for r in range(warmup + rounds):
+            if r == warmup:
+                gate.wait()
+            pair.send([grad], 0, 0).wait(timeout)
+            pair.recv([answer], 0, 1).wait(timeout)
+    except BaseException as error:  # reported by the main thread
+        errors.append(error)
+        gate.abort()
+
+
 def _senders_main(port, senders, sizes, warmup, rounds, cores, timeout_s, results) -> None:
     import threading
 
@@ -185,19 +202,14 @@ def _senders_main(port, senders, sizes, warmup, rounds, cores, timeout_s, result
         gate = threading.Barrier(senders + 1, timeout=timeout_s)
         errors: list[BaseException] = []
 
-        def sender(pair) -> None:
-            try:
-                grad, answer = torch.ones(elements), torch.zeros(elements)
-                for r in range(warmup + rounds):
-                    if r == warmup:
-                        gate.wait()
-                    pair.send([grad], 0, 0).wait(timeout)
-                    pair.recv([answer], 0, 1).wait(timeout)
-            except BaseException as error:  # reported by the main thread
-                errors.append(error)
-                gate.abort()
-
-        threads = [threading.Thread(target=sender, args=(p,), daemon=True) for p in pairs]
+        threads = [
+            threading.Thread(
+                target=_send_rounds,
+                args=(pair, elements, warmup, rounds, gate, errors, timeout),
+                daemon=True,
+            )
+            for pair in pairs
+        ]
         for thread in threads:
             thread.start()
         gate.wait()
@@ -245,7 +257,7 @@ def measure(
     try:
         while len(got) < 2:
             left = deadline - time.monotonic()
-            if left <= 0 or not (ps.is_alive() or sending.is_alive()) and results.empty():
+            if left <= 0 or (not (ps.is_alive() or sending.is_alive()) and results.empty()):
                 raise RuntimeError(
                     f"ps-core: no result from the {'PS' if 'ps' not in got else 'senders'} "
                     f"process for {senders} senders within {JOIN_TIMEOUT_S:.0f} s (exit codes "
