@@ -76,10 +76,71 @@ def test_simulate_score_prints_the_table_the_loss_and_the_fitted_values(monkeypa
     from gradsum.sim import score
 
     monkeypatch.setattr(score, "scored_rows", lambda preset, processes=1: seed_exact_table())
+    monkeypatch.setattr(score, "placement_rows", fake_placements)
     assert main(["simulate", "--preset", "imerge-seed-fit", "--score", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "vgg16 imerge over default" in out and "loss " in out
     assert "fitted parameters: alpha_worker" in out
+    assert "16 of 16 as throughput ratios, 15 of 15 as percentages" in out
+    assert "pieces ≤1,024,000" in out and "pieces ≤8,000,000" in out and "whole" in out
+
+
+def fake_placements(preset, processes=1, table=None):
+    """Each placement's rows: the seed's table with every baseline twice as fast as default's
+    (whole), or as the seed has it (pieces)."""
+    out = {}
+    for label in ("whole", "pieces ≤1,024,000", "pieces ≤8,000,000"):
+        rows = {k: dict(v) for k, v in seed_exact_table().items() if k[1] == WORKERS}
+        if label == "whole":
+            for model in MODELS:
+                base = rows[(model, WORKERS, "default")]["throughput"]
+                for policy in ("wfbp", "fusion", "merge"):
+                    rows[(model, WORKERS, policy)]["throughput"] = 2 * base
+        out[label] = rows
+    return out
+
+
+def test_the_prototype_score_names_its_measured_values(monkeypatch, capsys):
+    from gradsum.cli import main
+    from gradsum.sim import score
+
+    monkeypatch.setattr(score, "scored_rows", lambda preset, processes=1: seed_exact_table())
+    monkeypatch.setattr(score, "placement_rows", fake_placements)
+    assert main(["simulate", "--preset", "imerge-prototype", "--score", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "measured parameters: alpha_worker" in out and "ps-core" in out
+
+
+def test_a_gain_is_within_1_5_as_a_throughput_ratio_but_not_as_a_percentage():
+    table = seed_exact_table()
+    # ResNet18 imerge at +189 % against the seed's +84.4 %: 1.57x as throughput, 2.24x as %
+    table[("resnet18", WORKERS, "imerge")]["throughput"] = (
+        table[("resnet18", WORKERS, "default")]["throughput"] * 2.89
+    )
+    found = next(f for f in findings(table) if f.name == "resnet18 imerge over default")
+    assert found.ratio == pytest.approx(2.89 / 1.844)
+    assert found.percent_ratio == pytest.approx(1.89 / 0.844)
+    assert not found.within_1_5 and not found.within_1_5_percent
+    table[("resnet18", WORKERS, "imerge")]["throughput"] = (
+        table[("resnet18", WORKERS, "default")]["throughput"] * 2.6
+    )  # 1.41x as throughput, 1.90x as percentages
+    found = next(f for f in findings(table) if f.name == "resnet18 imerge over default")
+    assert found.within_1_5 and not found.within_1_5_percent
+    zero = next(f for f in findings(table) if f.name == "resnet50 merge over fusion")
+    assert zero.percent_ratio is None and zero.within_1_5_percent is None
+
+
+def test_the_placement_table_shows_each_placements_gains_beside_the_seeds():
+    from gradsum.sim.presets import get_preset
+    from gradsum.sim.score import format_placements
+
+    table = seed_exact_table()
+    text = format_placements(table, fake_placements(None), get_preset("imerge-prototype"))
+    vgg_wfbp = next(line for line in text.splitlines() if "vgg16 wfbp over default" in line)
+    # seed +61.1 %; whole: +100.0 % (×2.000); pieces: the seed's own
+    assert vgg_wfbp.count("+61.1%") == 3 and "+100.0%" in vgg_wfbp and "×2.000" in vgg_wfbp
+    assert "places them whole" in text
+    assert "imerge over the fastest baseline of any placement" in text
 
 
 def test_the_order_holds_where_each_step_is_3_percent_and_a_tie_costs_a_factor_1_5():

@@ -6,6 +6,10 @@ shard per worker (a CPU core each), 100 Gbit/s NICs. Every number is an assumpti
 hardware with the free parameters (per-message costs, the baselines' placement and largest piece,
 what one message carries, batch, PS core rate, window) fitted once, for all four models, to the
 seed score's loss and the seed's order (``sim/fit.py``, ``sim/score.py``).
+``imerge-prototype`` is the seed's prototype as its text describes it, nothing fitted but the
+batch (the fit's and ``imerge-seed``'s 128): one group in flight at a time, one message per
+tensor, each tensor whole on one shard, and each shard one core whose cost per message and rate
+were measured with ``gradsum bench ps-core`` (Gloo send/recv, 32 senders).
 """
 
 from __future__ import annotations
@@ -44,8 +48,11 @@ class Preset:
     # What one gradient message carries before any fusion: a "layer" (a module's tensors
     # together) or a "tensor" (each parameter as its gradient hook hands it over).
     unit: str = "layer"
+    # One core per shard does its per-message and its per-byte work (ClusterSpec.shard_one_core).
+    shard_one_core: bool = False
     description: str = ""
     fitted: str = ""  # which parameters were fitted to the seed's results, and how
+    measured: str = ""  # which parameters were measured, with the command and the date
 
     def planner_options(self, policy: str) -> dict:
         """The options ``make_planner(policy, ...)`` takes from this preset."""
@@ -72,6 +79,7 @@ class Preset:
             self.nic_bw,
             self.alpha_worker,
             self.alpha_shard,
+            shard_one_core=self.shard_one_core,
         )
 
     def profile(self, model: str) -> ModelProfile:
@@ -149,6 +157,35 @@ PRESETS["imerge-seed-fit"] = replace(
     description="imerge-seed's hardware; per-message costs, placement and its largest piece, "
     "message unit, batch, PS core rate and window fitted to the seed's 32-worker findings",
     fitted=FIT_RECORD,
+)
+# `gradsum bench ps-core --repeats 3` on this host (2 shared cores, loopback TCP, torch 2.13 Gloo;
+# docs/scheduling.md, "The prototype preset"): per message at 32 senders, the PS process's CPU
+# per message and per byte (its line over 1 KiB–1 MiB) and the senders' CPU per message, the
+# median of the repeats. A worker's α leaves out the GPU→host copy the seed's K80 workers paid.
+MEASURED = {
+    "alpha_worker": 25e-6,
+    "alpha_shard": 71e-6,
+    "shard_bw": 2.2e9,
+}
+MEASURED_RECORD = (
+    "alpha_worker 25 us, alpha_shard 71 us, shard 2.2 GB/s: a PS core's CPU per message and per "
+    "byte and a sender's CPU per message through Gloo send/recv at 32 senders, the median of 3 "
+    "repeats of `gradsum bench ps-core --repeats 3` (2026-12-06, a 2-core host shared with other "
+    "jobs, load average 15-19; over the repeats 53-77 us, 1.92-2.29 GB/s, 22-26 us); one group "
+    "in flight, a message per tensor, each tensor whole on one shard, one core per shard; "
+    "batch 128 as imerge-seed; nothing fitted to the seed"
+)
+PRESETS["imerge-prototype"] = replace(
+    PRESETS["imerge-seed"],
+    name="imerge-prototype",
+    **MEASURED,
+    placement="whole",
+    window="group",
+    unit="tensor",
+    shard_one_core=True,
+    description="imerge-seed's hardware as a PyTorch PS prototype: one group in flight, a "
+    "message per tensor, each tensor whole on one shard, one core per shard (measured)",
+    measured=MEASURED_RECORD,
 )
 PRESET_NAMES = tuple(PRESETS)
 
