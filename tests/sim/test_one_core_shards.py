@@ -86,3 +86,17 @@ def test_the_planners_play_prices_a_one_core_shard_as_the_simulator_runs_it():
     played = ps_step_end(plan, one_core, profile.ready_times())
     assert played == pytest.approx(shard_round(alpha, bw, one_core=True)[0], rel=1e-6)
     assert played > ps_step_end(plan, cluster, profile.ready_times())
+
+
+def test_the_prototype_preset_is_one_core_shards_one_group_and_one_slice_in_flight():
+    from gradsum.sim.presets import get_preset
+
+    prototype = get_preset("imerge-prototype")
+    assert prototype.cluster(32).shard_one_core
+    assert not get_preset("imerge-seed").cluster(32).shard_one_core
+    assert prototype.planner_options("wfbp")["window"] == "group"
+    assert prototype.planner_options("wfbp")["placement"] == "whole"
+    # a prototype that waits for each answer sends priority's slices one at a time too
+    assert prototype.planner_options("priority")["credit_elements"] is None
+    assert "credit_elements" not in get_preset("imerge-seed").planner_options("priority")
+    assert "ps-core" in prototype.measured and not prototype.fitted

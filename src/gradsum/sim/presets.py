@@ -40,8 +40,9 @@ class Preset:
     # The largest piece, in elements, a "pieces" placement cuts (BytePS's
     # BYTEPS_PARTITION_BYTES = 4,096,000 bytes of fp32 by default; a user setting).
     partition_elements: int = PARTITION_ELEMENTS
-    # What a worker has in flight on every PS plan but priority's (planners._window): "all"
-    # (BytePS: every released group) or "group" (one group's round trip at a time).
+    # What a worker has in flight (planners._window): "all" (BytePS: every released group;
+    # priority keeps its credit) or "group" (one group's round trip at a time; priority's
+    # slices one at a time too).
     window: str = "all"
     # How priority slices are placed: "bytescheduler" (a key per slice), "p3" (round-robin).
     slice_placement: str = "bytescheduler"
@@ -57,7 +58,10 @@ class Preset:
     def planner_options(self, policy: str) -> dict:
         """The options ``make_planner(policy, ...)`` takes from this preset."""
         if policy == "priority":
-            return {"slice_placement": self.slice_placement}
+            # One group in flight is the PS system's, not a policy's: a prototype that waits
+            # for each message's answer sends one slice at a time, with no credit.
+            credit = {"credit_elements": None} if self.window == "group" else {}
+            return {"slice_placement": self.slice_placement, **credit}
         if policy in ("default", "wfbp", "fusion", "mgwfbp", "merge"):
             return {
                 "placement": self.placement,
