@@ -77,12 +77,35 @@ def test_simulate_score_prints_the_table_the_loss_and_the_fitted_values(monkeypa
 
     monkeypatch.setattr(score, "scored_rows", lambda preset, processes=1: seed_exact_table())
     monkeypatch.setattr(score, "placement_rows", fake_placements)
+    monkeypatch.setattr(score, "priority_rows", fake_priority)
     assert main(["simulate", "--preset", "imerge-seed-fit", "--score", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "vgg16 imerge over default" in out and "loss " in out
     assert "fitted parameters: alpha_worker" in out
     assert "16 of 16 as throughput ratios, 15 of 15 as percentages" in out
     assert "pieces ≤1,024,000" in out and "pieces ≤8,000,000" in out and "whole" in out
+    resnet50 = next(
+        line
+        for line in out.splitlines()
+        if line.startswith("resnet50")
+        and "%" in line
+        and "×" in line
+        and "efficiency" not in line
+        and "over" not in line
+    )
+    assert "-50.0%" in resnet50  # priority at half of default's speed
+
+
+def fake_priority(preset, processes=1):
+    """Priority at half of default's speed on every model."""
+    table = seed_exact_table()
+    return {
+        (m, WORKERS, "priority"): {
+            "throughput": table[(m, WORKERS, "default")]["throughput"] / 2,
+            "efficiency": 0.1,
+        }
+        for m in MODELS
+    }
 
 
 def fake_placements(preset, processes=1, table=None):
@@ -106,6 +129,7 @@ def test_the_prototype_score_names_its_measured_values(monkeypatch, capsys):
 
     monkeypatch.setattr(score, "scored_rows", lambda preset, processes=1: seed_exact_table())
     monkeypatch.setattr(score, "placement_rows", fake_placements)
+    monkeypatch.setattr(score, "priority_rows", fake_priority)
     assert main(["simulate", "--preset", "imerge-prototype", "--score", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "measured parameters: alpha_worker" in out and "ps-core" in out

@@ -112,14 +112,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _score(preset, args) -> int:
+    from . import score
     from .scaling import default_processes
-    from .score import findings, format_placements, format_score, placement_rows, scored_rows
 
     processes = args.processes or default_processes()
-    table = scored_rows(preset, processes=processes)
-    print(format_score(table, findings(table), preset.name))
-    placed = placement_rows(preset, processes=processes, table=table)
-    print(format_placements(table, placed, preset))
+    table = score.scored_rows(preset, processes=processes)
+    print(score.format_score(table, score.findings(table), preset.name))
+    placed = score.placement_rows(preset, processes=processes, table=table)
+    print(score.format_placements(table, placed, preset))
+    priority = score.priority_rows(preset, processes=processes)
+    print(score.format_priority(table, priority))
     if preset.fitted:
         print(f"\nfitted parameters: {preset.fitted}")
     if preset.measured:

@@ -19,6 +19,10 @@ when simulated / seed is (not defined where the seed's is 0: merge over fusion o
 The loss and the fit use the first; the table prints both, since the first is lenient with big
 gains (+189 % against +84 % is 1.57× as throughput, 2.25× as percentages).
 
+Priority slicing (:func:`priority_rows`), the seed's third baseline, is printed beside: the seed
+gives no number for it, only that it falls below default at 32 workers and collapses on
+ResNet50.
+
 Placement (:func:`placement_rows`): the baselines' gains again with their groups placed whole
 (each on one shard) and cut into pieces of at most 1,024,000 (BytePS's default) and 8,000,000
 elements, the rest of the preset unchanged; imerge places its own groups and is run once.
@@ -125,6 +129,32 @@ PLACED_POLICIES = ("default", "wfbp", "fusion", "merge")  # imerge places its ow
 
 def placement_label(placement: str, partition: int | None) -> str:
     return "whole" if placement == "whole" else f"pieces ≤{partition:,}"
+
+
+def priority_rows(preset: Preset, processes: int = 1) -> dict:
+    """Priority slicing at 32 workers on every model: the seed's third baseline, which it
+    finds below default at 32 workers and collapsing on ResNet50 (not scored: no number)."""
+    rows = sweep(preset, MODELS, [WORKERS], ("priority",), processes=processes)
+    return {(r["model"], r["workers"], r["policy"]): r for r in rows}
+
+
+def format_priority(table: dict, priority: dict) -> str:
+    lines = [
+        f"\npriority slicing at {WORKERS} workers (the seed: below default on all four, "
+        "collapsing on ResNet50)"
+    ]
+    lines.append(f"{'model':<10}{'over default':>14}{'over imerge':>13}{'efficiency':>12}")
+    for model in MODELS:
+        speed = priority[(model, WORKERS, "priority")]["throughput"]
+        default = table[(model, WORKERS, "default")]["throughput"]
+        imerge = table[(model, WORKERS, "imerge")]["throughput"]
+        efficiency = priority[(model, WORKERS, "priority")]["efficiency"]
+        lines.append(
+            f"{model:<10}{speed / default - 1:>+14.1%}{_times(speed / imerge - 1):>13}"
+            f"{efficiency:>12.0%}"
+        )
+    lines.append("(efficiency against compute alone)")
+    return "\n".join(lines)
 
 
 def _places_as(preset: Preset, placement: str, partition: int | None) -> bool:
