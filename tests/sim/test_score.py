@@ -75,9 +75,7 @@ def test_simulate_score_prints_the_table_the_loss_and_the_fitted_values(monkeypa
     from gradsum.cli import main
     from gradsum.sim import score
 
-    monkeypatch.setattr(score, "scored_rows", lambda preset, processes=1: seed_exact_table())
-    monkeypatch.setattr(score, "placement_rows", fake_placements)
-    monkeypatch.setattr(score, "priority_rows", fake_priority)
+    monkeypatch.setattr(score, "score_tables", fake_tables)
     assert main(["simulate", "--preset", "imerge-seed-fit", "--score", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "vgg16 imerge over default" in out and "loss " in out
@@ -94,6 +92,41 @@ def test_simulate_score_prints_the_table_the_loss_and_the_fitted_values(monkeypa
         and "over" not in line
     )
     assert "-50.0%" in resnet50  # priority at half of default's speed
+
+
+def fake_tables(preset, processes=1):
+    return seed_exact_table(), fake_placements(preset), fake_priority(preset)
+
+
+def test_score_tables_runs_every_cell_once_and_files_each_row_where_it_belongs(monkeypatch):
+    from gradsum.sim import score
+    from gradsum.sim.presets import get_preset
+
+    cells_run = []
+
+    def fake_run(cells, processes=1):
+        cells_run.extend(cells)
+        return [
+            {"throughput": {"whole": 1.0, "pieces": 2.0}[preset.placement]
+             + (preset.partition_elements == 8_000_000) * 10 + (policy == "priority") * 100,
+             "cell": (preset.placement, model, n, policy)}
+            for preset, model, n, policy in cells
+        ]  # fmt: skip
+
+    monkeypatch.setattr(score, "run_cells", fake_run)
+    prototype = get_preset("imerge-prototype")  # places whole: that column is its own table
+    table, placed, priority = score.score_tables(prototype)
+    assert len(cells_run) == len(set((id(c[0]), *c[1:]) for c in cells_run))
+    assert len(cells_run) == 4 * 2 * 5 + 2 * 4 * 4 + 4  # scored, two other placements, priority
+    assert {r["throughput"] for r in table.values()} == {1.0}
+    assert {r["throughput"] for r in placed["whole"].values()} == {1.0}
+    assert {r["throughput"] for r in placed["pieces ≤1,024,000"].values()} == {2.0}
+    assert {r["throughput"] for r in placed["pieces ≤8,000,000"].values()} == {12.0}
+    assert set(placed["pieces ≤8,000,000"]) == {
+        (m, score.WORKERS, p) for m in score.MODELS for p in score.PLACED_POLICIES
+    }
+    assert {r["throughput"] for r in priority.values()} == {101.0}
+    assert len(priority) == 4
 
 
 def fake_priority(preset, processes=1):
@@ -127,9 +160,7 @@ def test_the_prototype_score_names_its_measured_values(monkeypatch, capsys):
     from gradsum.cli import main
     from gradsum.sim import score
 
-    monkeypatch.setattr(score, "scored_rows", lambda preset, processes=1: seed_exact_table())
-    monkeypatch.setattr(score, "placement_rows", fake_placements)
-    monkeypatch.setattr(score, "priority_rows", fake_priority)
+    monkeypatch.setattr(score, "score_tables", fake_tables)
     assert main(["simulate", "--preset", "imerge-prototype", "--score", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "measured parameters: alpha_worker" in out and "ps-core" in out

@@ -116,11 +116,9 @@ def _score(preset, args) -> int:
     from .scaling import default_processes
 
     processes = args.processes or default_processes()
-    table = score.scored_rows(preset, processes=processes)
+    table, placed, priority = score.score_tables(preset, processes=processes)
     print(score.format_score(table, score.findings(table), preset.name))
-    placed = score.placement_rows(preset, processes=processes, table=table)
     print(score.format_placements(table, placed, preset))
-    priority = score.priority_rows(preset, processes=processes)
     print(score.format_priority(table, priority))
     if preset.fitted:
         print(f"\nfitted parameters: {preset.fitted}")

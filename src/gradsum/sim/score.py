@@ -19,11 +19,11 @@ when simulated / seed is (not defined where the seed's is 0: merge over fusion o
 The loss and the fit use the first; the table prints both, since the first is lenient with big
 gains (+189 % against +84 % is 1.57× as throughput, 2.25× as percentages).
 
-Priority slicing (:func:`priority_rows`), the seed's third baseline, is printed beside: the seed
+Priority slicing, the seed's third baseline, is printed beside: the seed
 gives no number for it, only that it falls below default at 32 workers and collapses on
 ResNet50.
 
-Placement (:func:`placement_rows`): the baselines' gains again with their groups placed whole
+Placement: the baselines' gains again with their groups placed whole
 (each on one shard) and cut into pieces of at most 1,024,000 (BytePS's default) and 8,000,000
 elements, the rest of the preset unchanged; imerge places its own groups and is run once.
 
@@ -50,7 +50,7 @@ import math
 from dataclasses import dataclass, replace
 
 from .presets import Preset
-from .scaling import sweep
+from .scaling import run_cells, sweep
 
 MODELS = ("resnet18", "vgg16", "alexnet", "resnet50")
 # The seed's order, slowest first.
@@ -131,13 +131,6 @@ def placement_label(placement: str, partition: int | None) -> str:
     return "whole" if placement == "whole" else f"pieces ≤{partition:,}"
 
 
-def priority_rows(preset: Preset, processes: int = 1) -> dict:
-    """Priority slicing at 32 workers on every model: the seed's third baseline, which it
-    finds below default at 32 workers and collapsing on ResNet50 (not scored: no number)."""
-    rows = sweep(preset, MODELS, [WORKERS], ("priority",), processes=processes)
-    return {(r["model"], r["workers"], r["policy"]): r for r in rows}
-
-
 def format_priority(table: dict, priority: dict) -> str:
     lines = [
         f"\npriority slicing at {WORKERS} workers (the seed: below default on all four, "
@@ -163,28 +156,38 @@ def _places_as(preset: Preset, placement: str, partition: int | None) -> bool:
     return placement == "whole" or partition == preset.partition_elements
 
 
-def placement_rows(
-    preset: Preset, processes: int = 1, table: dict | None = None
-) -> dict[str, dict]:
-    """Per :data:`PLACEMENT_SWEEP` label, the placed baselines' rows at 32 workers (taken from
-    ``table``, the preset's own rows, where the preset already places them so)."""
-    out = {}
+def score_tables(preset: Preset, processes: int = 1) -> tuple[dict, dict[str, dict], dict]:
+    """Every simulation ``--score`` shows, run in one pool: the scored policies at 1 and 32
+    workers (:func:`scored_rows`' table), the placed baselines at 32 workers per
+    :data:`PLACEMENT_SWEEP` label (from the table where the preset already places them so),
+    and priority slicing at 32 workers on every model."""
+    cells = [(preset, m, n, p) for m in MODELS for n in (1, WORKERS) for p in SCORED_POLICIES]
+    placed: dict[str, Preset | None] = {}
     for placement, partition in PLACEMENT_SWEEP:
-        if table is not None and _places_as(preset, placement, partition):
-            out[placement_label(placement, partition)] = {
-                key: row for key, row in table.items() if key[1] == WORKERS
-            }
+        label = placement_label(placement, partition)
+        if _places_as(preset, placement, partition):
+            placed[label] = None
             continue
-        placed = replace(
-            preset,
-            placement=placement,
-            partition_elements=partition or preset.partition_elements,
+        placed[label] = replace(
+            preset, placement=placement, partition_elements=partition or preset.partition_elements
         )
-        rows = sweep(placed, MODELS, [WORKERS], PLACED_POLICIES, processes=processes)
-        out[placement_label(placement, partition)] = {
-            (r["model"], r["workers"], r["policy"]): r for r in rows
-        }
-    return out
+        cells += [(placed[label], m, WORKERS, p) for m in MODELS for p in PLACED_POLICIES]
+    cells += [(preset, m, WORKERS, "priority") for m in MODELS]
+    rows = run_cells(cells, processes=processes)
+    table, by_label, priority = {}, {label: {} for label in placed}, {}
+    labels = {id(variant): label for label, variant in placed.items() if variant is not None}
+    for (variant, model, n, policy), row in zip(cells, rows, strict=True):
+        key = (model, n, policy)
+        if variant is not preset:
+            by_label[labels[id(variant)]][key] = row
+        elif policy == "priority":
+            priority[key] = row
+        else:
+            table[key] = row
+    for label, variant in placed.items():
+        if variant is None:
+            by_label[label] = {k: r for k, r in table.items() if k[1] == WORKERS}
+    return table, by_label, priority
 
 
 def findings(table: dict) -> list[Finding]:
