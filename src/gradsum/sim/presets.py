@@ -165,7 +165,8 @@ PRESETS["imerge-seed-fit"] = replace(
 # `gradsum bench ps-core --repeats 3` on this host (2 shared cores, loopback TCP, torch 2.13
 # Gloo; docs/scheduling.md, "The prototype's shards, measured"): at 32 senders, the PS
 # process's CPU per message and per byte (its line over 1 KiB–1 MiB) and the senders' CPU per
-# message, the median of the repeats. A worker's α leaves out the GPU→host copy the seed's K80 workers paid.
+# message, the median of the repeats. A worker's α leaves out the GPU→host copy the seed's K80
+# workers paid.
 MEASURED = {
     "alpha_worker": 25e-6,
     "alpha_shard": 71e-6,
