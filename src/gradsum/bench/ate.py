@@ -166,7 +166,7 @@ def _runs(methods: list[str], modes: list[str]) -> list[tuple[str, str, str]]:
     """(row label, method, integrity) of each measurement: gloo once, the others per mode."""
     runs = []
     for method in methods:
-        for mode in modes[:1] if METHODS[method][0] is None else modes:
+        for mode in (modes[:1] if METHODS[method][0] is None else modes):
             several = len(modes) > 1 and METHODS[method][0] is not None
             runs.append((f"{method}/{mode}" if several else method, method, mode))
     return runs

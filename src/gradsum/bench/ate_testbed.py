@@ -281,10 +281,8 @@ class _ProfiledReducer:
                 t2 = time.perf_counter()
                 self.seconds["server_seconds"] += t2 - t1
                 summed = payload_wire.deserialize(data, payload.length, self.workers)
-                self.up, self.down = (
-                    self.up + len(blob) + HEADER_BYTES,
-                    self.down + len(data) + HEADER_BYTES,
-                )
+                self.up, self.down = self.up + len(blob) + HEADER_BYTES, \
+                    self.down + len(data) + HEADER_BYTES
             t3 = time.perf_counter()
             phase.deliver(i, summed)
             self.seconds["encode_seconds"] += t1 - t0

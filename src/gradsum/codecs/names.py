@@ -7,19 +7,8 @@ from __future__ import annotations
 
 from ..spec import Option, check_options
 
-CODEC_NAMES = (
-    "none",
-    "fp16",
-    "bfp",
-    "thc",
-    "thc-uniform",
-    "thc-uniform-unrotated",
-    "topk",
-    "dgc",
-    "terngrad",
-    "qsgd",
-    "powersgd",
-)
+CODEC_NAMES = ("none", "fp16", "bfp", "thc", "thc-uniform", "thc-uniform-unrotated", "topk",
+               "dgc", "terngrad", "qsgd", "powersgd")
 
 _BOOL, _INT, _FLOAT = frozenset({"bool"}), frozenset({"int"}), frozenset({"float"})
 _MAYBE_BOOL, _MAYBE_INT = frozenset({"bool", "None"}), frozenset({"int", "None"})

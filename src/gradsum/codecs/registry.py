@@ -49,13 +49,12 @@ def _declared_options_drift() -> list[str]:
         own = signature_options(cls.__init__, skip=("self", "workers"))
         declared = CODEC_OPTIONS[name]
         same = list(own) == list(declared) and all(
-            own[k].default == declared[k].default and own[k].types == declared[k].types for k in own
+            own[k].default == declared[k].default and own[k].types == declared[k].types
+            for k in own
         )
         bound = None if cls.keeps_own_feedback else cls.feedback_bound
-        if (
-            not same
-            or FEEDBACK_BOUNDS.get(name, None) != bound
-            or ((name in FEEDBACK_BOUNDS) == cls.keeps_own_feedback)
+        if not same or FEEDBACK_BOUNDS.get(name, None) != bound or (
+            (name in FEEDBACK_BOUNDS) == cls.keeps_own_feedback
         ):
             drift.append(name)
     if CODEC_OPTIONS["thc"]["scales"].words != SCALES:
@@ -91,8 +90,7 @@ def make_codec(name: str, workers: int = 1, error_feedback: bool | None = None,
     use_feedback = feedback_default if error_feedback is None else error_feedback
     if feedback_bound is not None and (cls.keeps_own_feedback or not use_feedback):
         why = (
-            "it keeps its own error feedback"
-            if cls.keeps_own_feedback
+            "it keeps its own error feedback" if cls.keeps_own_feedback
             else "it runs without error feedback (error_feedback=true turns it on)"
         )
         raise ValueError(f"codec {name!r} takes no feedback_bound: {why}")

@@ -328,7 +328,7 @@ def parse_ip_address(text: object, field: str = "address") -> Address:
     """``"IP:PORT"`` with an IP literal (IPv6 in brackets) -> (normalized ip, port 1..65535),
     as ``recvfrom`` reports sources; names are refused (clients resolve them)."""
     if not isinstance(text, str) or len(text) > 64:
-        raise SpecError(f'{field} must be an "IP:PORT" string, got {text!r:.80}')
+        raise SpecError(f"{field} must be an \"IP:PORT\" string, got {text!r:.80}")
     try:
         address = parse_address(text)
     except SpecError as error:

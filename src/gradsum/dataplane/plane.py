@@ -471,3 +471,5 @@ def _field_int(body: dict, key: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise RequestRefused("bad_request", f"{key} must be an integer in {low}..{high}")
     return value
+
+

@@ -45,11 +45,8 @@ def exposition(stats: dict, labels: dict[str, str]) -> str:
            [({}, daemon["send_failures"])])  # fmt: skip
     metric("handler_errors_total", "counter", "Exceptions the serving loop caught.",
            [({}, daemon.get("handler_errors", 0))])  # fmt: skip
-    drops = [
-        ({"reason": k[len("dropped_") :], "scope": "aggregator"}, v)
-        for k, v in sorted(aggregator.items())
-        if k.startswith("dropped_")
-    ]
+    drops = [({"reason": k[len("dropped_"):], "scope": "aggregator"}, v)
+             for k, v in sorted(aggregator.items()) if k.startswith("dropped_")]
     drops += [({"reason": k[len("dropped_"):], "scope": "job"}, v)
               for k, v in sorted(job_totals.items()) if k.startswith("dropped_")]  # fmt: skip
     metric("dropped_total", "counter", "Packets dropped, by reason.", drops)
@@ -60,11 +57,8 @@ def exposition(stats: dict, labels: dict[str, str]) -> str:
         ("stale", "STALE notices sent."),
     ):
         metric(f"{name}_total", "counter", help_text, [({}, job_totals.get(name, 0))])
-    requests = [
-        ({"kind": k[len("control_") :]}, v)
-        for k, v in sorted(aggregator.items())
-        if k.startswith("control_") and not k.startswith("control_error_")
-    ]
+    requests = [({"kind": k[len("control_"):]}, v) for k, v in sorted(aggregator.items())
+                if k.startswith("control_") and not k.startswith("control_error_")]
     metric("control_requests_total", "counter", "Control requests, by kind.", requests)
     errors = [({"code": k[len("control_error_"):]}, v) for k, v in sorted(aggregator.items())
               if k.startswith("control_error_")]  # fmt: skip
@@ -110,10 +104,8 @@ class MetricsServer:
     def _answer(self, request: BaseHTTPRequestHandler) -> None:
         path = request.path.split("?", 1)[0]
         if path == "/metrics":
-            status, kind, body = (
-                200,
-                "text/plain; version=0.0.4",
-                exposition(self._read(), self.labels),
+            status, kind, body = 200, "text/plain; version=0.0.4", exposition(
+                self._read(), self.labels
             )
         elif path == "/health":
             idle = time.monotonic() - self.last_turn()

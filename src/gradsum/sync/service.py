@@ -88,9 +88,8 @@ def disconnect_jobs(clients: Sequence, rank: int, everyone: bool = False) -> Non
             for client in clients:
                 for address in client.aggregators:
                     with contextlib.suppress(ControlError, OSError):
-                        teardown_job(
-                            address, client.job, timeout=1.0 if everyone else 5.0, key=client.key
-                        )
+                        teardown_job(address, client.job, timeout=1.0 if everyone else 5.0,
+                                     key=client.key)
     finally:
         for client in clients:
             client.close()

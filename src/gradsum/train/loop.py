@@ -488,12 +488,8 @@ def _saver(config, rank, model, optimizer, codec, sync):
 def _save(config, rank, epoch, model, optimizer, codec, sync) -> None:
     """Model and optimizer from worker 0, plus every worker's own codec state (error feedback)."""
     if rank == 0:
-        state = {
-            "epoch": epoch,
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "method": method_name(config),
-        }  # checked on resume (train/checkpoints.py)
+        state = {"epoch": epoch, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "method": method_name(config)}  # checked on resume (train/checkpoints.py)
         _save_whole(state, Path(config.checkpoint))
     codec_state = codec.state_dict() if codec is not None else {}  # DDP: torch's hook state
     own = {"codec": codec_state, "step": sync.step, "epoch": epoch}
