@@ -45,9 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--score",
         action="store_true",
         help="score the preset against the IMerge seed's 32-worker findings (all four models; "
-        "prints each gain as a percentage and as a throughput ratio, the loss, the order, and "
+        "prints each gain as a percentage and as a throughput ratio, the loss, the order, "
         "the gains with the baselines placed whole and in pieces of at most 1,024,000 and "
-        "8,000,000 elements; --model/--workers/--policies are ignored)",
+        "8,000,000 elements, and priority slicing; --model/--workers/--policies are ignored)",
     )
     parser.add_argument("--json", metavar="PATH", help="write one JSON row per simulation")
     parser.add_argument("--plot", metavar="PATH.png", help="write speedup plots")
