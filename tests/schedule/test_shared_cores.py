@@ -107,8 +107,8 @@ WIDE = uniform_profile([20_490, 4_196_352, 133_120], [0.5e-3, 30e-3, 3e-3], [3e-
 
 @pytest.mark.parametrize("fit", [AlphaBeta(7.0e-3, 1 / 39e6), AlphaBeta(4.9e-3, 1 / 34e6)])
 def test_imerge_sends_the_4m_parameter_model_as_one_message_per_shard_within_the_resolution(fit):
-    """Start-up fits of digits-wide at 1 Gbit/s, 0 ms (docs/scheduling.md, "The two 0 ms points
-    again"): the last layer's 20,490 elements alone first play under 1 % faster, and the
+    """Start-up fits of digits-wide at 1 Gbit/s, 0 ms (docs/scheduling.md, "How is a start-up
+    fit judged"): the last layer's 20,490 elements alone first play under 1 % faster, and the
     testbed measured fusion's one group over both shards 2-5 % ahead. imerge now sends that."""
     imerge = make_planner("imerge")
     fitted = cluster_from_fit(fit, 4, 2, remote=3, shared_cores=2)

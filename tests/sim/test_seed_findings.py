@@ -5,7 +5,7 @@ per session in parallel; about a minute of CPU in all). docs/scheduling.md has t
 scored tables. Findings the model does not reproduce are strict xfails whose reasons name the
 premises they rest on, so a change that fixes one shows up.
 
-Premises of ``imerge-seed`` (docs/scheduling.md, "calibration assumptions"): 150 µs per message
+Premises of ``imerge-seed`` (docs/scheduling.md, "The stated hardware"): 150 µs per message
 (α_worker 100 µs + α_shard 50 µs), BytePS partitions for the baselines, ByteScheduler slices (a
 key each), batch 128, the 23.3M-parameter AlexNet, speed-up against compute alone in these
 tables (against each policy's own one-worker run in the score).

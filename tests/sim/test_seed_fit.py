@@ -1,5 +1,5 @@
 """`gradsum simulate --preset imerge-seed-fit --score` at 32 workers: the seed's order and its
-percentages (issue 18's first "Must show"; docs/scheduling.md, "Scored against the seed").
+percentages (docs/scheduling.md, "Scored against the seed").
 
 The order must hold on every model with every step at least 3 % (``score.ORDER_MARGIN``); the
 seed's 16 percentages and 4 implied default efficiencies must each be within a factor of 1.5,

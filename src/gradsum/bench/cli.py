@@ -17,6 +17,7 @@ BENCH_MODULES = (
     "gradsum.bench.scale",
     "gradsum.bench.plays",
     "gradsum.bench.report",
+    "gradsum.bench.ps_core",
 )
 
 

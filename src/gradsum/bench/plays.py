@@ -1,6 +1,6 @@
 """`gradsum bench plays`: the PS model's step time of every schedule on a model, static fusion
 at every threshold of a fine sweep among them; so, before any run, how much a tuned threshold
-leaves to imerge (docs/scheduling.md, "What a tuned threshold leaves").
+leaves to imerge (docs/scheduling.md, "Is imerge ahead of the best tuned baseline?").
 
 Each model is profiled on this host, as `gradsum train` profiles it at start-up (scaled where
 the workers outnumber the cores), and every plan is played with ``costs.ps_step_seconds`` on

@@ -1,4 +1,4 @@
-"""The testbed robustness map of the schedules (docs/scheduling.md, "Robustness map").
+"""The testbed robustness map of the schedules (docs/scheduling.md, "What the testbed measured").
 
 For each point (link rate × injected per-message delay × model) every schedule trains the same
 model from the same seed in the testbed, 4 workers and ``--shards`` PS shards, through

@@ -14,6 +14,12 @@ per-message CPU queues on those cores, so parts spread over shards no longer run
 costs in parallel. Only the closed-form play (``costs.ps_group_ends``) prices it; the
 simulator's presets are clusters of real machines and leave it unset.
 
+A shard is a port (``shard_bw``, shared max-min by its flows) beside a core (``alpha_shard`` per
+message, FIFO): the two work in parallel, so a shard's bytes of one message move while its core
+handles another's fixed cost. A PS that is one CPU core (``shard_one_core``) has one server for
+both: each message takes α_shard + bytes/shard_bw of it, and bytes no longer cross a shard port.
+Where either kind of work is absent the two agree; where both are there the one core is slower.
+
 A cluster fitted from measurements (``calibration.cluster_from_fit``) also carries the
 ``resolution`` of its play: the relative difference in a step's end below which two plans
 count as equal. A planner that picks among plays within it keeps the plan with fewer messages
@@ -50,6 +56,10 @@ class ClusterSpec:
     shared_cores: int | None = None
     worker_wait: float = 0.0
     resolution: float = 0.0  # relative step-time difference the play cannot tell apart
+    # One core per shard does all of its work: True puts a message's bytes (what it receives
+    # and sums, or sends) on the same serial server as its fixed cost, α_shard + bytes/shard_bw
+    # per message, instead of a port that moves bytes while the core handles other messages.
+    shard_one_core: bool = False
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.shards < 1 or self.machines < 1:

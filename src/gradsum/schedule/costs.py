@@ -186,6 +186,9 @@ def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> l
     pushes and n answers. A part on another shard then adds its CPU to the same pool rather
     than running beside the first, which is what spreading a group over shards costs on one
     small host.
+
+    A one-core shard (``cluster.shard_one_core``) has no port: each of its messages takes
+    α_shard + bytes/B_shard of its core, pushes and answers alike, as in the simulator.
     """
     if plan.aggregator != "ps" or plan.order != "fifo":
         raise ValueError("ps_step_end plays PS plans sent in list order")
@@ -232,7 +235,7 @@ def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> l
         """The representative worker's thread sends or receives one message, as all do."""
         return on_cores(start + wait, cpu, n * cpu)
 
-    shard_rate = cluster.shard_bw
+    shard_rate, one_core = cluster.shard_bw, cluster.shard_one_core
     release = _release_times(plan, ready)
     groups = plan.groups
     # Rotated send order (interleaving): which position's send gates part j at its shard.
@@ -286,9 +289,10 @@ def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> l
             lead = max(0.0, spread.pop((g, j), 0.0) - max(0.0, thread - now))
             thread = worker_message(max(now, thread))
             egress = max(thread, egress) + nbytes / rate
-            shard_in[part.shard] = (
-                max(thread - lead, shard_in[part.shard]) + n * nbytes / shard_rate
-            )
+            if not one_core:  # a one-core shard's bytes are its core's work ("pushed")
+                shard_in[part.shard] = (
+                    max(thread - lead, shard_in[part.shard]) + n * nbytes / shard_rate
+                )
             crossed = cross(thread, part.shard, nbytes, inward=True)
             sent[g][j] = egress
             arrived[g][j] = max(egress, crossed, shard_in[part.shard])
@@ -302,11 +306,15 @@ def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> l
             nbytes = part.numel * bpe
             s = part.shard
             lead = leads.pop((g, j), 0.0)
-            summed = max(now + ash, on_cores(max(now - lead, shard_core[s]), n * ash, n * ash))
-            shard_core[s] = on_cores(summed, n * ash, n * ash)  # the n answers
-            shard_out[s] = max(summed + ash, shard_out[s]) + n * nbytes / shard_rate
+            # a message's time on the shard's core: its fixed cost, and on a one-core shard
+            # its bytes too (received and summed, or sent)
+            per = ash + (nbytes / shard_rate if one_core else 0.0)
+            summed = max(now + per, on_cores(max(now - lead, shard_core[s]), n * per, n * per))
+            shard_core[s] = on_cores(summed, n * per, n * per)  # the n answers
+            if not one_core:
+                shard_out[s] = max(summed + ash, shard_out[s]) + n * nbytes / shard_rate
             ingress = max(shard_core[s], ingress) + nbytes / rate
-            crossed = cross(summed + ash, s, nbytes, inward=False)
+            crossed = cross(summed + per, s, nbytes, inward=False)
             push(max(shard_out[s], ingress, crossed), "pulled", g, j)
         elif kind == "pulled":
             g, j = data

@@ -267,16 +267,16 @@ def plan_imerge(
     shows a gain beyond the cluster's ``resolution``. Sent in order, a part's answers start
     while the next part is pushed; rotated, every part is complete only near the end of the
     group's push phase. Neither the play nor the fluid simulator models the incast collapse
-    rotation avoids in a TCP cluster, and on the testbed the rotated order trailed the same cut
-    sent in order (docs/scheduling.md, "Ablations"), so ``True`` (the seed's always-rotate) is
-    asked for, not assumed. ``fuse=False`` keeps one group per layer and searches spans only
-    (the ablation "interleaving only").
+    rotation avoids in a TCP cluster, and on the testbed rotation changed nothing beyond the
+    runs' noise (docs/scheduling.md, "Do fusion, interleaving and the window pay?"), so
+    ``True`` (the seed's always-rotate) is asked for, not assumed. ``fuse=False`` keeps one
+    group per layer and searches spans only (the ablation "interleaving only").
 
     On a fitted cluster (``cluster.resolution`` > 0) the search's plan is then set against the
     starts, fusion at every threshold: the one with the fewest messages whose play ends within
     that resolution of the best is sent. On the testbed a noisy fit otherwise chose a second
     group, or rotation, for a predicted gain of a few percent that the runs did not show
-    (docs/scheduling.md, "`digits-cnn` at 1 Gbit/s in rounds")."""
+    (docs/scheduling.md, "How is a start-up fit judged")."""
     ready = profile.ready_times()
     credit = _window(profile, cluster, window)
     span_candidates = PSCost(cluster).span_candidates()

@@ -45,7 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--score",
         action="store_true",
         help="score the preset against the IMerge seed's 32-worker findings (all four models; "
-        "prints the per-finding table and the loss; --model/--workers/--policies are ignored)",
+        "prints each gain as a percentage and as a throughput ratio, the loss, the order, "
+        "the gains with the baselines placed whole and in pieces of at most 1,024,000 and "
+        "8,000,000 elements, and priority slicing; --model/--workers/--policies are ignored)",
     )
     parser.add_argument("--json", metavar="PATH", help="write one JSON row per simulation")
     parser.add_argument("--plot", metavar="PATH.png", help="write speedup plots")
@@ -110,13 +112,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _score(preset, args) -> int:
+    from . import score
     from .scaling import default_processes
-    from .score import findings, format_score, scored_rows
 
-    table = scored_rows(preset, processes=args.processes or default_processes())
-    print(format_score(table, findings(table), preset.name))
+    processes = args.processes or default_processes()
+    table, placed, priority = score.score_tables(preset, processes=processes)
+    print(score.format_score(table, score.findings(table), preset.name))
+    print(score.format_placements(table, placed, preset))
+    print(score.format_priority(table, priority))
     if preset.fitted:
         print(f"\nfitted parameters: {preset.fitted}")
+    if preset.measured:
+        print(f"\nmeasured parameters: {preset.measured}")
     if args.json:
         _write_json(args.json, list(table.values()), args.preset)
         print(f"wrote {args.json}")

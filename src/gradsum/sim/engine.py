@@ -17,6 +17,8 @@ on what is in flight. PS message life cycle (one part of one group, one worker):
 3. the shard's core spends ``alpha_shard`` on the message (one core: FIFO);
 4. when all n workers' pushes of the part are in, the shard answers each worker, in arrival order,
    with ``alpha_shard`` of CPU and a flow shard → worker;
+   (where the shard is one core, ``ClusterSpec.shard_one_core``, its flows cross no shard port
+   and its core spends ``alpha_shard`` + bytes / ``shard_bw`` on each push and each answer);
 5. the worker's thread spends ``alpha_worker`` receiving it; the part is back (its stream and,
    with the group's last part, the window's bytes are free); a group is done at a worker when
    all its parts are back.
@@ -276,14 +278,19 @@ class Simulation:
         path = self.topology.push_path(w, shard)
         self.network.add((self._push_arrived, (w, g, index)), path, self.part_bytes[g][index])
 
-    def _shard_work(self, shard: int, callback, *args) -> None:
+    def _shard_work(self, shard: int, nbytes: float, callback, *args) -> None:
+        """One message on the shard's core (FIFO): ``alpha_shard``, and its bytes too where the
+        core is all the shard has (``shard_one_core``; otherwise they crossed its port)."""
+        cost = self.cluster.alpha_shard
+        if self.cluster.shard_one_core:
+            cost += nbytes / self.cluster.shard_bw
         start = max(self.clock.now, self._shard_cpu_free[shard])
-        self._shard_cpu_free[shard] = start + self.cluster.alpha_shard
+        self._shard_cpu_free[shard] = start + cost
         self.clock.at(self._shard_cpu_free[shard], callback, *args)
 
     def _push_arrived(self, w: int, g: int, index: int) -> None:
         shard = self.plan.groups[g].parts[index].shard
-        self._shard_work(shard, self._push_processed, w, g, index)
+        self._shard_work(shard, self.part_bytes[g][index], self._push_processed, w, g, index)
 
     def _push_processed(self, w: int, g: int, index: int) -> None:
         key = (self.comm_iteration[w], g, index)
@@ -293,7 +300,8 @@ class Simulation:
             del self._arrivals[key]
             shard = self.plan.groups[g].parts[index].shard
             for worker in arrived:
-                self._shard_work(shard, self._start_pull, worker, g, index)
+                nbytes = self.part_bytes[g][index]
+                self._shard_work(shard, nbytes, self._start_pull, worker, g, index)
 
     def _start_pull(self, w: int, g: int, index: int) -> None:
         shard = self.plan.groups[g].parts[index].shard

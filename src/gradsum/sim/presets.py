@@ -6,6 +6,10 @@ shard per worker (a CPU core each), 100 Gbit/s NICs. Every number is an assumpti
 hardware with the free parameters (per-message costs, the baselines' placement and largest piece,
 what one message carries, batch, PS core rate, window) fitted once, for all four models, to the
 seed score's loss and the seed's order (``sim/fit.py``, ``sim/score.py``).
+``imerge-prototype`` is the seed's prototype as its text describes it, nothing fitted but the
+batch (the fit's and ``imerge-seed``'s 128): one group in flight at a time, one message per
+tensor, each tensor whole on one shard, and each shard one core whose cost per message and rate
+were measured with ``gradsum bench ps-core`` (Gloo send/recv, 32 senders).
 """
 
 from __future__ import annotations
@@ -36,21 +40,28 @@ class Preset:
     # The largest piece, in elements, a "pieces" placement cuts (BytePS's
     # BYTEPS_PARTITION_BYTES = 4,096,000 bytes of fp32 by default; a user setting).
     partition_elements: int = PARTITION_ELEMENTS
-    # What a worker has in flight on every PS plan but priority's (planners._window): "all"
-    # (BytePS: every released group) or "group" (one group's round trip at a time).
+    # What a worker has in flight (planners._window): "all" (BytePS: every released group;
+    # priority keeps its credit) or "group" (one group's round trip at a time; priority's
+    # slices one at a time too).
     window: str = "all"
     # How priority slices are placed: "bytescheduler" (a key per slice), "p3" (round-robin).
     slice_placement: str = "bytescheduler"
     # What one gradient message carries before any fusion: a "layer" (a module's tensors
     # together) or a "tensor" (each parameter as its gradient hook hands it over).
     unit: str = "layer"
+    # One core per shard does its per-message and its per-byte work (ClusterSpec.shard_one_core).
+    shard_one_core: bool = False
     description: str = ""
     fitted: str = ""  # which parameters were fitted to the seed's results, and how
+    measured: str = ""  # which parameters were measured, with the command and the date
 
     def planner_options(self, policy: str) -> dict:
         """The options ``make_planner(policy, ...)`` takes from this preset."""
         if policy == "priority":
-            return {"slice_placement": self.slice_placement}
+            # One group in flight is the PS system's, not a policy's: a prototype that waits
+            # for each message's answer sends one slice at a time, with no credit.
+            credit = {"credit_elements": None} if self.window == "group" else {}
+            return {"slice_placement": self.slice_placement, **credit}
         if policy in ("default", "wfbp", "fusion", "mgwfbp", "merge"):
             return {
                 "placement": self.placement,
@@ -72,6 +83,7 @@ class Preset:
             self.nic_bw,
             self.alpha_worker,
             self.alpha_shard,
+            shard_one_core=self.shard_one_core,
         )
 
     def profile(self, model: str) -> ModelProfile:
@@ -149,6 +161,36 @@ PRESETS["imerge-seed-fit"] = replace(
     description="imerge-seed's hardware; per-message costs, placement and its largest piece, "
     "message unit, batch, PS core rate and window fitted to the seed's 32-worker findings",
     fitted=FIT_RECORD,
+)
+# `gradsum bench ps-core --repeats 3` on this host (2 shared cores, loopback TCP, torch 2.13
+# Gloo; docs/scheduling.md, "The prototype's shards, measured"): at 32 senders, the PS
+# process's CPU per message and per byte (its line over 1 KiB–1 MiB) and the senders' CPU per
+# message, the median of the repeats. A worker's α leaves out the GPU→host copy the seed's K80
+# workers paid.
+MEASURED = {
+    "alpha_worker": 25e-6,
+    "alpha_shard": 71e-6,
+    "shard_bw": 2.2e9,
+}
+MEASURED_RECORD = (
+    "alpha_worker 25 us, alpha_shard 71 us, shard 2.2 GB/s: a PS core's CPU per message and per "
+    "byte and a sender's CPU per message through Gloo send/recv at 32 senders, the median of 3 "
+    "repeats of `gradsum bench ps-core --repeats 3` (2026-12-06, a 2-core host shared with other "
+    "jobs, load average 15-19; over the repeats 53-77 us, 1.92-2.29 GB/s, 22-26 us); one group "
+    "in flight, a message per tensor, each tensor whole on one shard, one core per shard; "
+    "batch 128 as imerge-seed; nothing fitted to the seed"
+)
+PRESETS["imerge-prototype"] = replace(
+    PRESETS["imerge-seed"],
+    name="imerge-prototype",
+    **MEASURED,
+    placement="whole",
+    window="group",
+    unit="tensor",
+    shard_one_core=True,
+    description="imerge-seed's hardware as a PyTorch PS prototype: one group in flight, a "
+    "message per tensor, each tensor whole on one shard, one core per shard (measured)",
+    measured=MEASURED_RECORD,
 )
 PRESET_NAMES = tuple(PRESETS)
 

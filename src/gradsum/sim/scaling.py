@@ -56,10 +56,22 @@ def sweep(
     progress: Callable[[str], None] | None = None,
     processes: int = 1,
 ) -> list[dict]:
-    cells = [(m, n, p) for m in models for n in list(workers) for p in list(policies)]
+    cells = [(preset, m, n, p) for m in models for n in list(workers) for p in list(policies)]
+    return run_cells(cells, iterations=iterations, progress=progress, processes=processes)
+
+
+def run_cells(
+    cells: list[tuple[Preset, str, int, str]],
+    *,
+    iterations: int = 3,
+    progress: Callable[[str], None] | None = None,
+    processes: int = 1,
+) -> list[dict]:
+    """Each (preset, model, workers, policy) cell's row, in order; one pool for all of them
+    (a spawned process pays its imports and profiles once)."""
     if processes <= 1 or len(cells) <= 1:
         rows = []
-        for model, n, policy in cells:
+        for preset, model, n, policy in cells:
             rows.append(simulate_row(preset, model, n, policy, iterations))
             if progress:
                 progress(f"{model} n={n} {policy}")
@@ -68,9 +80,9 @@ def sweep(
     # in its first convolution (the analytic profile runs one)
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(min(processes, len(cells)), mp_context=spawn) as pool:
-        futures = [pool.submit(simulate_row, preset, *cell, iterations) for cell in cells]
+        futures = [pool.submit(simulate_row, *cell, iterations) for cell in cells]
         rows = []
-        for (model, n, policy), future in zip(cells, futures, strict=True):
+        for (_, model, n, policy), future in zip(cells, futures, strict=True):
             rows.append(future.result())
             if progress:
                 progress(f"{model} n={n} {policy}")

@@ -2,6 +2,8 @@
 
 Resource ids: worker w → out 2w, in 2w+1; shard s → after the workers; machine NICs last. A flow's
 path is its source's egress, both NICs when it crosses machines, and its destination's ingress.
+Where a shard is one core (``ClusterSpec.shard_one_core``) its bytes are the core's work (the
+engine charges them there) and flows to and from it cross no shard port.
 """
 
 from __future__ import annotations
@@ -24,10 +26,18 @@ class Topology:
     def _nic(self, machine: int, outgoing: bool) -> int:
         return self._nic_base + 2 * machine + (0 if outgoing else 1)
 
-    def _with_nics(self, src_port: int, src_machine: int, dst_machine: int, dst_port: int):
-        if src_machine == dst_machine:
-            return (src_port, dst_port)
-        return (src_port, self._nic(src_machine, True), self._nic(dst_machine, False), dst_port)
+    def _with_nics(self, src_port, src_machine: int, dst_machine: int, dst_port):
+        """A flow's resources; a port that is None (a one-core shard's) is left out."""
+        path = [src_port]
+        if src_machine != dst_machine:
+            path += [self._nic(src_machine, True), self._nic(dst_machine, False)]
+        path.append(dst_port)
+        return tuple(r for r in path if r is not None)
+
+    def _shard_port(self, shard: int, outgoing: bool):
+        if self.cluster.shard_one_core:
+            return None
+        return self._shard_base + 2 * shard + (0 if outgoing else 1)
 
     def push_path(self, worker: int, shard: int) -> tuple[int, ...]:
         c = self.cluster
@@ -35,13 +45,13 @@ class Topology:
             2 * worker,
             c.worker_machine(worker),
             c.shard_machine(shard),
-            self._shard_base + 2 * shard + 1,
+            self._shard_port(shard, outgoing=False),
         )
 
     def pull_path(self, shard: int, worker: int) -> tuple[int, ...]:
         c = self.cluster
         return self._with_nics(
-            self._shard_base + 2 * shard,
+            self._shard_port(shard, outgoing=True),
             c.shard_machine(shard),
             c.worker_machine(worker),
             2 * worker + 1,

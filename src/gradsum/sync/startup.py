@@ -130,7 +130,7 @@ def step_load(model: torch.nn.Module, batch: torch.Tensor) -> Iterator[None]:
     workers and servers share a host's few cores (the testbed: 9 processes on 2 cores), every
     hop of a message then waits for its process to be scheduled, a cost a quiet round trip
     never meets: the quiet fit gave 0.5–1.4 ms where an added message cost a step 1–7 ms
-    (docs/scheduling.md, "Shared cores in the PS model")."""
+    (docs/scheduling.md, "Runtime")."""
     replica = copy.deepcopy(model)
     stop = threading.Event()
     failures: list[BaseException] = []
