@@ -254,3 +254,22 @@ def test_a_tiny_sweep_through_the_launcher(tmp_path, monkeypatch, capsys):
     assert config["methods"][1]["gap_pct"] is not None
     assert png.stat().st_size > 10_000
     assert "worst median gap to ddp: allreduce:thc" in capsys.readouterr().out
+
+
+def test_one_seeds_flat_window_flags_that_run_but_not_the_configurations_median():
+    base = [5.0, 4.0, 3.0, 2.5, 2.2]
+    stalled_once = [5.0, 4.0, 4.0, 4.0, 2.2]  # flat over steps 25-75 on one seed only
+    runs = [_run("c", "ddp", seed, base) for seed in (0, 1, 2)]
+    runs += [_run("c", "thc", 0, stalled_once)]
+    runs += [_run("c", "thc", seed, base) for seed in (1, 2)]
+    summary = quality.report(runs, "ddp")
+    assert [(p["method"], p["seed"]) for p in summary["plateaus"]] == [("thc", 0)]
+    assert summary["median_plateaus"] == []
+    # every seed flat over the same steps: the configuration stalls
+    runs = [_run("c", "ddp", seed, base) for seed in (0, 1, 2)]
+    runs += [_run("c", "thc", seed, stalled_once) for seed in (0, 1, 2)]
+    stalled = quality.report(runs, "ddp")["median_plateaus"]
+    assert [(p["method"], p["start"], p["end"]) for p in stalled] == [("thc", 25, 75)]
+    assert "plateaus of a configuration's median over seeds: c thc steps 25-75" in (
+        quality.format_report(quality.report(runs, "ddp"))
+    )

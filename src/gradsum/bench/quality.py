@@ -383,8 +383,16 @@ def report(runs: list[Run], baseline: str, max_gap: float | None = None) -> dict
                     found = plateau(row.evals, bases[row.seed].evals)
                 seeds.append({"seed": row.seed, "failed": row.failed, "loss": loss,
                               "gap_pct": _gap(loss, base_loss), "plateau": found})  # fmt: skip
+            # the configuration's own stall: the median over seeds at every step, against the
+            # baseline's (one seed's noisy window flags a run above, not the configuration)
+            kept = [row for row in runs_of if not row.failed]
+            found = None
+            if method != baseline and kept and bases:
+                found = plateau(_as_evals(*median_curve(kept)),
+                                _as_evals(*median_curve(list(bases.values()))))  # fmt: skip
             methods.append({"method": method, "median": median,
-                            "gap_pct": _gap(median, base_median), "seeds": seeds})  # fmt: skip
+                            "gap_pct": _gap(median, base_median), "seeds": seeds,
+                            "median_plateau": found})  # fmt: skip
         configs.append({"config": name, "description": mine[0].description, "step": step,
                         "methods": methods})  # fmt: skip
     worst: dict[str, dict] = {}
@@ -403,6 +411,10 @@ def report(runs: list[Run], baseline: str, max_gap: float | None = None) -> dict
     plateaus = [{"config": config["config"], "method": entry["method"], **seed}
                 for config in configs for entry in config["methods"]
                 for seed in entry["seeds"] if seed["plateau"]]  # fmt: skip
+    stalled = [{"config": config["config"], "method": entry["method"],
+                **entry["median_plateau"]}
+               for config in configs for entry in config["methods"]
+               if entry.get("median_plateau")]  # fmt: skip
     failed = [{"config": run.config, "method": run.row.method, "seed": run.row.seed}
               for run in runs if run.row.failed]  # fmt: skip
     return {
@@ -415,10 +427,15 @@ def report(runs: list[Run], baseline: str, max_gap: float | None = None) -> dict
         "configs": configs,
         "worst": worst,
         "plateaus": plateaus,
+        "median_plateaus": stalled,
         "failed": failed,
         "max_gap_pct": max_gap,
         "over_max_gap": over,
     }
+
+
+def _as_evals(steps, losses) -> list[dict]:
+    return [{"step": step, "val_loss": loss} for step, loss in zip(steps, losses, strict=True)]
 
 
 def _losses(rows, step: int | None) -> dict[int, float]:
@@ -472,6 +489,13 @@ def format_report(summary: dict) -> str:
         if plateaus
         else "plateaus: none"
     )
+    stalled = summary.get("median_plateaus", [])
+    lines.append(
+        "plateaus of a configuration's median over seeds: "
+        + ("; ".join(f"{p['config']} {p['method']} steps {p['start']}-{p['end']}: "
+                     f"{p['change_pct']:+.1f}% ({baseline} {p['baseline_change_pct']:+.1f}%)"
+                     for p in stalled) if stalled else "none")
+    )  # fmt: skip
     if summary["failed"]:
         lines.append("failed: " + ", ".join(f"{f['config']} {f['method']} seed {f['seed']}"
                                             for f in summary["failed"]))  # fmt: skip
