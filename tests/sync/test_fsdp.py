@@ -89,8 +89,8 @@ def _unit_params(unit: str):
 def test_none_is_torchs_reduce_scatter(recorded, world):
     ours, torchs = recorded[(world, "none", ())], recorded[(world, None, ())]
     assert [r["rounds"] for r in ours] == [3 * STEPS] * world
-    for (unit, calls), (_, theirs) in zip(sorted(_by_unit(ours).items()),
-                                          sorted(_by_unit(torchs).items()), strict=True):  # fmt: skip
+    pairs = zip(sorted(_by_unit(ours).items()), sorted(_by_unit(torchs).items()), strict=True)
+    for (unit, calls), (_, theirs) in pairs:
         for records, their_records in zip(calls, theirs, strict=True):
             size = records[0]["input"].numel() // world
             for shard, (record, their) in enumerate(zip(records, their_records, strict=True)):
@@ -109,8 +109,8 @@ def test_a_codec_that_is_not_homomorphic_is_refused(name):
 @pytest.mark.slow
 def test_hsdp_on_a_2x2_mesh_trains_through_the_codec_on_both_collectives(tmp_path):
     steps = 4
-    exact, compressed = zip(*run_with_store(train_hsdp, 4, str(tmp_path / "store"),
-                                            ["none", "thc"], steps))  # fmt: skip
+    by_rank = run_with_store(train_hsdp, 4, str(tmp_path / "store"), ["none", "thc"], steps)
+    exact, compressed = [r[0] for r in by_rank], [r[1] for r in by_rank]
     expected = reference_training(4, steps)
     for rank in exact:
         assert rank["rounds"] == rank["replica_rounds"] == 3 * steps

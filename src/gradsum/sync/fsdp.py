@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..codecs import Aggregation, Payload
+from ..codecs import Payload
 from ..codecs.base import DeviceChecks
 from ..codecs.integers import check_workers, from_integers, sum_dtype, to_integers
 from ..codecs.round import CodecRound, Prepared
@@ -101,12 +101,13 @@ class ShardedRound:
                              f"{self.world} equal shards")  # fmt: skip
         size = total // self.world
         self.size = size
-        self.prepared = [
-            self.round.prepare(self.flat[s * size : (s + 1) * size], worker=self.worker,
-                               key=shard_key, step=self.step)  # fmt: skip
-            for s, shard_key in enumerate(shard_keys(self.key, self.world))
-        ]
+        keys = shard_keys(self.key, self.world)
+        self.prepared = [self._prepare(s, shard_key) for s, shard_key in enumerate(keys)]
         self.phases = None
+
+    def _prepare(self, shard: int, key: Hashable) -> Prepared:
+        flat = self.flat[shard * self.size : (shard + 1) * self.size]
+        return self.round.prepare(flat, worker=self.worker, key=key, step=self.step)
 
     @property
     def codec(self):
