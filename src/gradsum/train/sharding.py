@@ -202,3 +202,34 @@ def load_full_states(model, optimizer, model_state: dict, optimizer_state: dict)
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_state, options=options)
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+
+
+def sharded_bytes_per_step(config, model) -> int:
+    """What one worker contributes to a sharded step's collectives (as ``bench tta`` counts a
+    DDP hook's: the payload, not a ring's forwarding): the parameters' all-gather in fp32, and
+    the gradients' reduce-scatter in fp32, bf16, or the codec's summed lanes (THC: a byte per
+    coordinate up to 8 workers, its sums' dtype) with its summaries."""
+    import math
+
+    import torch
+
+    count = sum(p.numel() for p in model.parameters())
+    gathered = 4 * count
+    if config.aggregator == DDP:
+        return gathered + (2 if config.ddp_hook == "bf16" else 4) * count
+    from ..codecs import make_codec, parse_options
+    from ..codecs.integers import sum_dtype, to_integers
+    from ..codecs.round import run_round
+
+    codec = make_codec(config.codec, workers=config.workers,
+                       **parse_options(config.codec_options))  # fmt: skip
+    codec.describe("model", [tuple(p.shape) for p in model.parameters()])
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(count, generator=generator) for _ in range(config.workers)]
+    result = run_round(codec, inputs, key="model")
+    integer = codec.aggregation.integer_only
+    lanes = sum((to_integers(codec, payloads[0]).numel() if integer else payloads[0].length)
+                for payloads, _, _ in result.pieces)  # fmt: skip
+    width = sum_dtype(codec).itemsize if integer else 4
+    summaries = sum(s.numel() for _, _, s in result.pieces if s is not None)
+    return gathered + lanes * width + math.ceil(summaries * codec.summary_bits() / 8)
