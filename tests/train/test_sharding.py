@@ -65,3 +65,17 @@ def test_resume_with_fsdp2_continues_bit_identically_to_an_uninterrupted_run(tmp
     resumed = run_local(TrainConfig(epochs=2, resume=str(checkpoint), **common))
     assert resumed["parameter_digest"] == whole["parameter_digest"]
     assert resumed["method"] == "fsdp2:thc"
+
+
+def test_bytes_per_step_count_the_fp32_all_gather_and_the_reduce_scatters_lanes():
+    from gradsum.bench.tta import bytes_per_step
+    from gradsum.train.models import build_model
+
+    count = sum(p.numel() for p in build_model("digits-mlp").parameters())
+    sizes = {name: bytes_per_step(TrainConfig(model="digits-mlp", workers=4,
+                                              **method_fields(name)))
+             for name in ("fsdp2", "fsdp2:bf16", "fsdp2:thc")}  # fmt: skip
+    assert sizes["fsdp2"] == 8 * count and sizes["fsdp2:bf16"] == 6 * count
+    # THC's sums of 4 workers fit a byte: 4 + 1 bytes a coordinate, and its norms and the
+    # rotation's padding (the small model's tensors pad by a tenth)
+    assert 5 * count <= sizes["fsdp2:thc"] < 6 * count
