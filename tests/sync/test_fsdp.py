@@ -122,3 +122,43 @@ def test_hsdp_on_a_2x2_mesh_trains_through_the_codec_on_both_collectives(tmp_pat
     drift = max(float((got - want).abs().max())
                 for got, want in zip(compressed[0]["params"], expected, strict=True))  # fmt: skip
     assert 0 < drift < 0.05  # compressed, and still the same training
+
+
+def _in_process_reduce_scatter(codec, flats, step, partition):
+    """Every rank's ``ShardedRound`` with the collectives done by hand: the MAX of the
+    summaries, the SUM of every rank's lanes, each rank's chunk of it."""
+    from gradsum.codecs.round import CodecRound
+    from gradsum.sync.fsdp import ShardedRound
+
+    world = len(flats)
+    rounds = [ShardedRound(CodecRound(codec, 5, partition), flat, world, shard=rank,
+                           worker=rank, key="unit", step=step)
+              for rank, flat in enumerate(flats)]  # fmt: skip
+    if codec.needs_summary:
+        summaries = [r.summaries() for r in rounds]
+        shared = [torch.stack(column).amax(dim=0) for column in zip(*summaries, strict=True)]
+        for r in rounds:
+            r.share(shared)
+    lanes = [r.lanes() for r in rounds]
+    count = lanes[0][1]
+    total = torch.stack([flat.to(torch.int64) if not flat.is_floating_point() else flat
+                         for flat, _ in lanes]).sum(dim=0)  # fmt: skip
+    return [r.decode(total[rank * count : (rank + 1) * count].to(lanes[0][0].dtype))
+            for rank, r in enumerate(rounds)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "options"), [*CODECS, ("none", {})],
+                         ids=["thc", "thc-correlated", "bfp", "none"])  # fmt: skip
+def test_the_sharded_round_is_the_reference_round_of_each_shard_in_process(name, options):
+    world, size = 3, 37  # three ranks, shards of 37: partitions of 16 end short in each
+    ours = make_codec(name, workers=world, **options)
+    reference = make_codec(name, workers=world, **options)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(STEPS):  # error feedback carries from step to step
+        flats = [torch.randn(world * size, generator=generator) for _ in range(world)]
+        outputs = _in_process_reduce_scatter(ours, flats, step, 16)
+        for shard, key in enumerate(shard_keys("unit", world)):
+            inputs = [f[shard * size : (shard + 1) * size] for f in flats]
+            expected = run_round(reference, inputs, seed=5, step=step, key=key,
+                                 partition_elements=16).average  # fmt: skip
+            assert torch.equal(outputs[shard], expected), (step, shard)
