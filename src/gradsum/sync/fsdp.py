@@ -5,6 +5,8 @@
         fully_shard(block)
     fully_shard(model)
     state = shard_gradients(model, session)   # every FSDP unit's reduce-scatter
+    ...
+    loss.backward(); optimizer.step(); state.step += 1
 
 ``fully_shard`` hands each unit's reduce-scatter one flat gradient of ``world`` equal shards
 (each parameter's dim-0 shard, zero-padded to equal size, in the unit's parameter order); rank r
