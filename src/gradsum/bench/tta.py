@@ -233,6 +233,10 @@ def bytes_per_step(config) -> int:
 
     classes = 256 if config.model == "gpt" else 10
     model = build_model(config.model, classes, **model_sizes(config))
+    if config.shard != "none":  # the all-gather's bytes and the reduce-scatter's
+        from ..train.sharding import sharded_bytes_per_step
+
+        return sharded_bytes_per_step(config, model)
     if config.aggregator == "ddp":
         return wire_bytes_per_step(config, model)
     from ..codecs import make_codec, parse_options

@@ -25,6 +25,7 @@ _HOMES = {
     "Session": "session",
     "ShardedServiceAggregator": "sharded",
     "gradsum_hook": "ddp_hook",
+    "shard_gradients": "fsdp",
 }
 
 __all__ = sorted(_HOMES)

@@ -32,6 +32,12 @@ AGGREGATOR_NAMES = ("allreduce", "switch", "ps")
 # communication hooks (train/peers.py), run by the same launcher over the same links.
 DDP = "ddp"
 DDP_HOOK_NAMES = ("allreduce", "fp16", "bf16", "powersgd")
+# Whether the model is replicated on every worker or sharded with FSDP2 (train/sharding.py):
+# per transformer block for the gpt, per layer for the others; the gradients then go by
+# FSDP2's reduce-scatter, gradsum's codec in it (--aggregator allreduce) or torch's own
+# (--aggregator ddp: fp32, or bf16 with --ddp-hook bf16).
+FSDP2 = "fsdp2"
+SHARD_NAMES = ("none", FSDP2)
 OPTIMIZER_NAMES = ("sgd", "adamw")
 DATASET_NAMES = ("digits", "cifar10", "synthetic", "stdlib")
 MODEL_NAMES = (
@@ -50,7 +56,8 @@ METHODS = Sweep(
     "--methods",
     "comma-separated methods, the first the baseline: AGGREGATOR:CODEC or "
     "AGGREGATOR:CODEC(option=value,...) (gradsum's), ddp, ddp:fp16, ddp:bf16, ddp:powersgdR "
-    "(torch DDP and its hooks, R the rank)",
+    "(torch DDP and its hooks, R the rank), fsdp2, fsdp2:bf16 (FSDP2 and its reduce-scatter, "
+    "fp32 or bf16), fsdp2:CODEC(option=value,...) (FSDP2 with gradsum's codec in it)",
 )
 SCHEDULERS = Sweep(
     "--schedulers",
@@ -200,6 +207,12 @@ class Method(Section):
     )
     # With AdamW the first gradients set the optimizer's moments; PowerSGD's first rank-r
     # guesses from a random Q set them badly, and a run does not win back the loss it loses there
+    shard: str = setting(
+        "none", choices=SHARD_NAMES, sweep=METHODS.flag,
+        help="fsdp2: shard the model with FSDP2 (per transformer block, per layer for the "
+        "other models), gradients by its reduce-scatter: the codec's with --aggregator "
+        "allreduce, torch's own with --aggregator ddp (--ddp-hook allreduce: fp32, bf16)",
+    )  # fmt: skip
     uncompressed_steps: int = setting(
         0, parse=non_negative_int, metavar="N",
         help="the first N steps go uncompressed (fp32; bfp on a switch), whatever the codec or "
@@ -207,6 +220,10 @@ class Method(Section):
     )  # fmt: skip
 
     def check(self) -> None:
+        if self.shard == FSDP2:
+            from .sharding import check_sharding
+
+            check_sharding(self)
         if self.aggregator == DDP:
             return
         from ..spec import parse_options

@@ -24,12 +24,21 @@ from ..schedule import AlphaBeta, parse_scheduler
 from ..sync.gradient_sync import GradientSync
 from ..sync.startup import agree_on_plan
 from .aggregators import open_session
-from .config import DDP, TrainConfig, stepped
+from .config import DDP, FSDP2, TrainConfig, stepped
 from .data import augment_images, load_dataset, shard_batches, steps_per_epoch
 from .guard import DivergenceGuard
 from .methods import compresses, method_name
 from .models import build_model, model_sizes, sample_shape
 from .peers import DDPSync
+from .sharding import (
+    FSDPSync,
+    full_parameter,
+    full_states,
+    gradients_finite,
+    is_sharded,
+    load_full_states,
+    shard_model,
+)
 from .trainer import Report, Schedule, Trainer
 
 
@@ -53,6 +62,8 @@ def train_worker(config: TrainConfig, rank: int, world: int) -> dict:
                            max_bytes=config.data_bytes)  # fmt: skip
     model = build_model(config.model, dataset.num_classes, **model_sizes(config))
     model = model.to(device_of(config))
+    if config.shard == FSDP2:  # before the optimizer: it steps the shards
+        shard_model(model, config)
     if config.aggregator == DDP:  # torch's DDP and its hooks: the peers (train/peers.py)
         return _train(config, rank, world, dataset, model, None)
     session = open_session(config, rank, world)
@@ -122,7 +133,11 @@ def _train(config, rank, world, dataset, model, session) -> dict:
 
 def _sync_for(config, model, dataset, session):
     """(sync, the module a step runs, the plan's description, its order, its predicted step):
-    torch's DDP without a Session, else ``GradientSync`` on the plan the workers agree on."""
+    torch's DDP without a Session, else ``GradientSync`` on the plan the workers agree on; a
+    sharded model's reduce-scatter, the Session's codec in it or torch's own."""
+    if config.shard == FSDP2:
+        sync = FSDPSync(model, config, session)
+        return sync, model, sync.describe, [], None
     if session is None:
         sync = DDPSync(model, config)
         return sync, sync.net, f"torch DDP, hook {config.ddp_hook}", [], None
@@ -223,6 +238,8 @@ def _gradients_finite(model: torch.nn.Module) -> bool:
     through a sum, and it reads each gradient once without allocating a boolean copy of it
     (``isfinite().all()`` took several times as long: a twentieth of a compressed step). The
     sums accumulate in float64, where no float32 entries, however large, overflow."""
+    if is_sharded(model):
+        return gradients_finite(model)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return True
@@ -283,6 +300,9 @@ class _Evaluations(_WorkerReport):
 
     def evaluate(self, step: int, clock: float) -> float | None:
         if self.rank != 0:
+            if is_sharded(self.model):  # a sharded forward is a collective: every rank runs it
+                validation(self.model, self.dataset.test, self.config.eval_samples)
+                self.model.train()
             return None
         config = self.config
         loss, accuracy = validation(self.model, self.dataset.test, config.eval_samples)
@@ -405,7 +425,8 @@ def parameter_digest(model: torch.nn.Module) -> str:
     host bytes to hash)."""
     digest = hashlib.blake2b(digest_size=16)
     for parameter in model.parameters():
-        digest.update(parameter.detach().contiguous().cpu().numpy().tobytes())
+        parameter = full_parameter(parameter.detach())  # a shard's whole parameter
+        digest.update(parameter.contiguous().cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -488,9 +509,15 @@ def _saver(config, rank, model, optimizer, codec, sync):
 
 
 def _save(config, rank, epoch, model, optimizer, codec, sync) -> None:
-    """Model and optimizer from worker 0, plus every worker's own codec state (error feedback)."""
+    """Model and optimizer from worker 0, plus every worker's own codec state (error feedback).
+    A sharded model's are gathered whole first (every worker takes part)."""
+    sharded = is_sharded(model)
+    if sharded:
+        model_state, optimizer_state = full_states(model, optimizer)
+    elif rank == 0:
+        model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
     if rank == 0:
-        state = {"epoch": epoch, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        state = {"epoch": epoch, "model": model_state, "optimizer": optimizer_state,
                  "method": method_name(config)}  # checked on resume (train/checkpoints.py)
         _save_whole(state, Path(config.checkpoint))
     codec_state = codec.state_dict() if codec is not None else {}  # DDP: torch's hook state
@@ -522,8 +549,11 @@ def _resume(config, rank, model, optimizer, codec, sync) -> int:
         if not needed.is_file():
             raise FileNotFoundError(f"--resume {config.resume}: {needed} does not exist")
     state = torch.load(path, weights_only=False)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    if is_sharded(model):
+        load_full_states(model, optimizer, state["model"], state["optimizer"])
+    else:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     own = torch.load(rank_path, weights_only=False)
     if codec is not None:
         codec.load_state_dict(own["codec"])

@@ -6,12 +6,17 @@ takes it (gradsum/spec.py). Light: the command line parses them before torch is 
 
 from __future__ import annotations
 
-from .config import DDP
+from .config import DDP, FSDP2
 
 
 def method_name(config) -> str:
     """The name a run's method goes by in tables and messages: ``ddp``, ``ddp:fp16``,
-    ``ddp:powersgd2``, or gradsum's ``AGGREGATOR:CODEC``."""
+    ``ddp:powersgd2``, or gradsum's ``AGGREGATOR:CODEC``; sharded: ``fsdp2``, ``fsdp2:bf16``,
+    ``fsdp2:CODEC``."""
+    if getattr(config, "shard", "none") == FSDP2:
+        from .sharding import sharded_method_name
+
+        return sharded_method_name(config)
     if config.aggregator != "ddp":
         options = config.codec_options.replace(" ", "")
         return f"{config.aggregator}:{config.codec}" + (f"({options})" if options else "")
@@ -68,6 +73,10 @@ def method_fields(name: str) -> dict:
     from ..spec import parse_options
 
     head, _, tail = name.partition(":")
+    if head == FSDP2:
+        from .sharding import sharded_method_fields
+
+        return sharded_method_fields(name, tail)
     if "(" in tail and (head == DDP or not tail.endswith(")")):
         raise UsageError(f"--methods {name}: options go as AGGREGATOR:CODEC(name=value,...)")
     if head == DDP:
