@@ -8,6 +8,7 @@ the right dtype and size. They release the GIL, so worker threads overlap.
               to a table index, b-bit packing (b in 1, 2, 4, 8)
   lookup_sum  the aggregator: table lookup of packed indices, integer sum, packing of the sums
   decode      unpacking of sums, y = a*S + c, [rotate back:] FWHT, signs
+  scale_pieces  each tensor's piece of a partition divided or multiplied by its own scale
 
 Packed layout is bits.py's: element j at bits [j*w, (j+1)*w) of a little-endian bit stream.
 
@@ -779,6 +780,24 @@ MULTIVERSION static void pack_int32(const int32_t *values, size_t n, int w, uint
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * Tensor scales: every piece of a partition (one tensor's coordinates) divided or multiplied by
+ * its own factor, as torch's elementwise operations round them (one IEEE operation each).
+ */
+MULTIVERSION static void scale_pieces(const float *src, float *dst, const int64_t *lengths,
+                                      const float *factors, size_t pieces, int divide) {
+    size_t at = 0;
+    for (size_t p = 0; p < pieces; p++) {
+        size_t n = (size_t)lengths[p];
+        float f = factors[p];
+        if (divide)
+            for (size_t i = at; i < at + n; i++) dst[i] = src[i] / f;
+        else
+            for (size_t i = at; i < at + n; i++) dst[i] = src[i] * f;
+        at += n;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
  * Python bindings. Addresses arrive as ints; native.py guarantees what they point to.
  */
 
@@ -1029,6 +1048,25 @@ static PyObject *py_decode(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(scale_pieces_doc,
+             "scale_pieces(src, dst, lengths, factors, pieces, divide)\n"
+             "dst = src / factors[p] (divide) or src * factors[p] over each of the pieces (int64\n"
+             "lengths, float32 factors) that src holds one after another; dst may be src.");
+
+static PyObject *py_scale_pieces(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long src, dst, lengths, factors;
+    Py_ssize_t pieces;
+    int divide;
+    if (!PyArg_ParseTuple(args, "KKKKnp", &src, &dst, &lengths, &factors, &pieces, &divide))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    scale_pieces(ADDRESS(const float *, src), ADDRESS(float *, dst),
+                 ADDRESS(const int64_t *, lengths), ADDRESS(const float *, factors),
+                 (size_t)pieces, divide);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"fwht", py_fwht, METH_VARARGS, fwht_doc},
     {"encode", py_encode, METH_VARARGS, encode_doc},
@@ -1037,6 +1075,7 @@ static PyMethodDef methods[] = {
     {"pack_int32", py_pack_int32, METH_VARARGS, pack_int32_doc},
     {"lookup_sum", py_lookup_sum, METH_VARARGS, lookup_sum_doc},
     {"decode", py_decode, METH_VARARGS, decode_doc},
+    {"scale_pieces", py_scale_pieces, METH_VARARGS, scale_pieces_doc},
     {NULL, NULL, 0, NULL},
 };
 

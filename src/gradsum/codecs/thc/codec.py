@@ -17,6 +17,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..base import (
     Aggregation,
@@ -336,6 +337,16 @@ class GridCodec(Codec):
 SCALES = ("tensor", "partition")
 
 
+@dataclass(frozen=True)
+class _TensorScales:
+    """One round's tensor scales of a partition (``THC._tensor_scales``)."""
+
+    largest: Scalar  # the largest norm of the normalized partition over the workers
+    clamp: Scalar  # its clamp
+    rms: torch.Tensor  # float32, one per piece: the decode's factors
+    divisor: torch.Tensor  # the same with 1 where the RMS is 0: the encode's
+
+
 class THC(GridCodec):
     """Lookup-table THC with a randomized Hadamard rotation and clamping (Algorithm 2).
 
@@ -405,6 +416,8 @@ class THC(GridCodec):
         self._layouts: dict[Hashable, tuple[int, ...]] = {}
         self._segments: dict[Hashable, tuple[int, ...]] = {}
         self._segment_tensors: dict[tuple, torch.Tensor] = {}
+        # per MAX-round result: its version and the tensor scales computed from it
+        self._scales_of_shared: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     @staticmethod
     def _table(bits: int, granularity: int, p: float, correlated: int | None) -> tuple[int, ...]:
@@ -472,7 +485,27 @@ class THC(GridCodec):
         return placed.reshape(-1)
 
     def _tensor_scales(self, shared: torch.Tensor | None, pieces: tuple[int, ...],
-                       device: torch.device) -> tuple[Scalar, Scalar, torch.Tensor]:  # fmt: skip
+                       device: torch.device) -> _TensorScales:  # fmt: skip
+        """The round's tensor scales from the MAX round's ``shared`` norms, computed once per
+        round: the encode, the decode and error feedback's reconstruction of a partition all
+        take them from the same ``shared`` (a new tensor every round), so they are kept with
+        it for as long as it lives."""
+        cache = self._scales_of_shared
+        key = (pieces, device)
+        with self._lock:
+            kept = cache.get(shared) if shared is not None else None
+        if kept is not None and kept[0] == shared._version and key in kept[1]:
+            return kept[1][key]
+        scales = self._compute_tensor_scales(shared, pieces, device)
+        with self._lock:
+            kept = cache.get(shared)
+            if kept is None or kept[0] != shared._version:
+                kept = cache[shared] = (shared._version, {})
+            kept[1][key] = scales
+        return scales
+
+    def _compute_tensor_scales(self, shared: torch.Tensor | None, pieces: tuple[int, ...],
+                               device: torch.device) -> _TensorScales:  # fmt: skip
         """From every worker's piece norms: the largest norm of the normalized partition and
         its clamp (as ``_norm_and_clamp`` gives them for one scale), and every piece's scale,
         its RMS (the largest over the workers; 0 where all are 0)."""
@@ -495,7 +528,24 @@ class THC(GridCodec):
         # each worker's norm once every piece is divided by its scale: at most sqrt(length)
         normalized = (norms * inverse).square().sum(dim=1).sqrt()
         largest, clamp = self._largest_and_clamp(normalized)
-        return largest, clamp, rms.to(torch.float32)
+        rms = rms.to(torch.float32)
+        # a piece of RMS 0 is 0 on every worker: any positive divisor leaves it 0
+        return _TensorScales(largest, clamp, rms, torch.where(rms > 0, rms, 1.0))
+
+    def _scale_pieces(self, x: torch.Tensor, pieces: tuple[int, ...], factors: torch.Tensor,
+                      divide: bool, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """x divided (``divide``) or multiplied piece by piece by each piece's factor, into
+        ``out`` (default a new tensor): one pass over x, the values of an elementwise
+        operation with the factors repeated over their pieces."""
+        lengths = self._lengths(pieces, x.device)
+        if out is None:
+            out = (self._recycler.empty(x.numel(), torch.float32) if x.device.type == "cpu"
+                   else torch.empty_like(x))  # fmt: skip
+        if native.scale_pieces(x, pieces, lengths, factors, divide, out):
+            return out
+        # output_size: the length is known, so the device is not asked for it (a host sync)
+        repeated = torch.repeat_interleave(factors, lengths, output_size=x.numel())
+        return (torch.div if divide else torch.mul)(x, repeated, out=out)
 
     def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         flat = x.reshape(-1).to(torch.float32)
@@ -596,10 +646,9 @@ class THC(GridCodec):
         if pieces is None:
             max_norm, clamp = self._norm_and_clamp(shared)
         else:
-            max_norm, clamp, rms = self._tensor_scales(shared, pieces, flat.device)
-            # a piece of RMS 0 is 0 on every worker: any positive divisor leaves it 0
-            divisor = torch.where(rms > 0, rms, 1.0)
-            flat = flat / torch.repeat_interleave(divisor, self._lengths(pieces, flat.device))
+            scales = self._tensor_scales(shared, pieces, flat.device)
+            max_norm, clamp = scales.largest, scales.clamp
+            flat = self._scale_pieces(flat, pieces, scales.divisor, divide=True)
         rotation = self._rotation(x.numel(), ctx, x.device)
         a = self._grid_scale(max_norm, rotation.padded, clamp)
         return self._encode_grid(flat, a, self.granularity / 2, ctx, rotation)
@@ -609,19 +658,21 @@ class THC(GridCodec):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         pieces = self._pieces(ctx)
-        scale = None
+        scales = None
         if pieces is None:
             max_norm, clamp = self._norm_and_clamp(shared)
         else:
-            max_norm, clamp, rms = self._tensor_scales(shared, pieces, _device_of(payload))
-            scale = torch.repeat_interleave(rms, self._lengths(pieces, rms.device))
+            scales = self._tensor_scales(shared, pieces, _device_of(payload))
+            max_norm, clamp = scales.largest, scales.clamp
         rotation = self._rotation(payload.length, ctx, _device_of(payload))
         step = self._step(max_norm, rotation.padded, clamp)
         # y = (S / contributors - g/2) * step
         g = self.granularity
         y = self._decode_grid(payload, _per_contributor(step, payload), -step * g / 2,
                               rotation, out=out)  # fmt: skip
-        return y if scale is None else y.mul_(scale)
+        if scales is None:
+            return y
+        return self._scale_pieces(y, pieces, scales.rms, divide=False, out=y)
 
     def decode_into(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
                     out: torch.Tensor) -> None:  # fmt: skip

@@ -195,5 +195,24 @@ def decode(
     return out
 
 
+def scale_pieces(
+    x: torch.Tensor, pieces: tuple[int, ...], lengths: torch.Tensor, factors: torch.Tensor,
+    divide: bool, out: torch.Tensor,
+) -> bool:  # fmt: skip
+    """out = x / factors[p] (``divide``) or x * factors[p] over each piece p of x, ``pieces``
+    its lengths (``lengths`` the same as int64): THC's tensor scales, rounded as torch's
+    elementwise operations round them. ``out`` may be x."""
+    if not (
+        _ready((x, torch.float32), (out, torch.float32), (lengths, torch.int64),
+               (factors, torch.float32))
+        and x.dim() == 1 and out.numel() == x.numel() == sum(pieces)
+        and lengths.numel() == factors.numel() == len(pieces)
+    ):  # fmt: skip
+        return False
+    _kernels.scale_pieces(x.data_ptr(), out.data_ptr(), lengths.data_ptr(), factors.data_ptr(),
+                          len(pieces), divide)  # fmt: skip
+    return True
+
+
 def _rotation_ready(rotation: Rotation) -> bool:
     return rotation.block >= LANES and _ready((rotation.scratch, torch.float32))
