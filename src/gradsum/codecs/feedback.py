@@ -83,8 +83,7 @@ class ErrorFeedback(Codec):
     def encode(
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> Payload:
-        payload = self.inner.encode(x, ctx, shared)
-        own = self.inner.reconstruct(payload, ctx, shared)
+        payload, own = self.inner.encode_and_reconstruct(x, ctx, shared)
         self.memory[ctx.state_key] = x.reshape(-1).to(torch.float32) - own
         return payload
 

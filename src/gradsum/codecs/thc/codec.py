@@ -477,7 +477,9 @@ class THC(GridCodec):
                      ctx: CodecContext) -> torch.Tensor:  # fmt: skip
         """This worker's norm of every piece, in its row of a (workers x pieces) summary."""
         lengths = self._lengths(pieces, flat.device)
-        squares = torch.segment_reduce(flat.square(), "sum", lengths=lengths)
+        squares = native.piece_squares(flat, pieces, lengths)
+        if squares is None:
+            squares = torch.segment_reduce(flat.square(), "sum", lengths=lengths)
         norms = squares.sqrt_()
         require(finite(norms).all(), lambda: self._norm_overflow(flat))
         placed = norms.new_zeros(self.workers, len(pieces))
@@ -652,6 +654,42 @@ class THC(GridCodec):
         rotation = self._rotation(x.numel(), ctx, x.device)
         a = self._grid_scale(max_norm, rotation.padded, clamp)
         return self._encode_grid(flat, a, self.granularity / 2, ctx, rotation)
+
+    def encode_and_reconstruct(
+        self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
+    ) -> tuple[Payload, torch.Tensor]:
+        """Error feedback's encode (outside the rotated domain: tensor scales, or a padded
+        partition). On the CPU's native path the encode leaves what the payload decodes to,
+        still rotated, in the rotation's scratch, and only the rotation back remains: the
+        decode's own arithmetic without packing, summing and unpacking the payload again."""
+        flat = x.reshape(-1).to(torch.float32)
+        pieces = self._pieces(ctx)
+        scales = None
+        if pieces is None:
+            max_norm, clamp = self._norm_and_clamp(shared)
+        else:
+            scales = self._tensor_scales(shared, pieces, flat.device)
+            max_norm, clamp = scales.largest, scales.clamp
+        rotation = self._rotation(x.numel(), ctx, x.device)
+        a = self._grid_scale(max_norm, rotation.padded, clamp)
+        if not (isinstance(a, float) and native.available()):
+            return super().encode_and_reconstruct(x, ctx, shared)
+        if scales is not None:
+            flat = self._scale_pieces(flat, pieces, scales.divisor, divide=True)
+        g = self.granularity
+        # the decode's scalars of a sum of one contributor (``decode``, ``native.decode``)
+        step = self._step(max_norm, rotation.padded, clamp)
+        root = math.sqrt(rotation.block)
+        own = (_per_contributor(step, _ONE) / root, -step * g / 2 / root)
+        packed = native.encode(flat, rotation, a, g / 2, g, self._tables(flat.device).cell_entries,
+                               ctx.worker_seed(), self.bits, empty=self._recycler.empty,
+                               strata=self._strata(ctx), own=own)  # fmt: skip
+        if packed is None:
+            return super().encode_and_reconstruct(x, ctx, shared)
+        y = native.inverse(rotation)[: x.numel()]
+        if scales is not None:
+            y = self._scale_pieces(y, pieces, scales.rms, divide=False, out=y)
+        return Payload({UPSTREAM: packed}, x.numel()), y
 
     def decode(
         self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None,
@@ -880,6 +918,16 @@ def _per_contributor(value: Scalar, payload: Payload) -> Scalar:
         return _divide(value, payload.contributors)
     counts = payload.counts.reshape(-1).to(_device_of(payload), torch.float64)
     return _divide(value, counts)
+
+
+class _OneContributor:
+    """What ``_per_contributor`` reads of the payload of one worker alone."""
+
+    counts = None
+    contributors = 1
+
+
+_ONE = _OneContributor()
 
 
 def _float32(value: Scalar) -> Scalar:
