@@ -141,3 +141,24 @@ def test_the_decode_reads_packed_sums_without_unpacking_them(gpu_path, monkeypat
     codec = make_codec("thc", workers=4, error_feedback=False)
     assert codec.sum_bits == 7  # packed: 8 lanes in 7 bytes
     count_round(gpu_path, codec, PARTITION_ELEMENTS)
+
+
+# THC's default, tensor scales, on a buffer of several tensors (two in every partition here):
+# the pieces' norms and scales add to the encode; the scales are computed once per partition and
+# round, from the MAX round's result, for the encode, error feedback's reconstruction and the
+# decode alike (40 decode launches when each recomputed them), and error feedback decodes its
+# own table values as an unpacked sum (128 encode launches when it packed and unpacked them).
+PER_PARTITION_TENSOR_SCALES = {False: {"encode": 55, "decode": 16},
+                               True: {"encode": 91, "decode": 16}}  # fmt: skip
+
+
+@pytest.mark.parametrize("feedback", [False, True], ids=["no-feedback", "feedback"])
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_a_thc_round_of_tensor_scales_launches_a_fixed_number_per_partition(
+    gpu_path, partitions, feedback
+):
+    codec = make_codec("thc", workers=4, error_feedback=feedback)
+    codec.describe(None, [(PARTITION_ELEMENTS - 1000,), (1000,)] * partitions)
+    launches = count_round(gpu_path, codec, partitions * PARTITION_ELEMENTS)
+    for phase, count in PER_PARTITION_TENSOR_SCALES[feedback].items():
+        assert launches[phase] <= count * partitions + PER_ROUND[phase], (phase, launches)

@@ -673,7 +673,7 @@ class THC(GridCodec):
         rotation = self._rotation(x.numel(), ctx, x.device)
         a = self._grid_scale(max_norm, rotation.padded, clamp)
         if not (isinstance(a, float) and native.available()):
-            return super().encode_and_reconstruct(x, ctx, shared)
+            return self._encode_and_decode_alone(x, ctx, shared)
         if scales is not None:
             flat = self._scale_pieces(flat, pieces, scales.divisor, divide=True)
         g = self.granularity
@@ -685,11 +685,22 @@ class THC(GridCodec):
                                ctx.worker_seed(), self.bits, empty=self._recycler.empty,
                                strata=self._strata(ctx), own=own)  # fmt: skip
         if packed is None:
-            return super().encode_and_reconstruct(x, ctx, shared)
+            return self._encode_and_decode_alone(x, ctx, shared)
         y = native.inverse(rotation)[: x.numel()]
         if scales is not None:
             y = self._scale_pieces(y, pieces, scales.rms, divide=False, out=y)
         return Payload({UPSTREAM: packed}, x.numel()), y
+
+    def _encode_and_decode_alone(
+        self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None
+    ) -> tuple[Payload, torch.Tensor]:
+        """The encode, and the decode of its table values as the sum of one contributor, one
+        integer per lane: the values ``reconstruct`` gives, without packing that sum (on a
+        GPU, the packing alone is ~17 launches) and unpacking it again."""
+        payload = self.encode(x, ctx, shared)
+        grid = self._grid_values(payload, self._coordinates(payload.length))
+        alone = Payload({DOWNSTREAM: grid}, payload.length, unpacked=True)
+        return payload, self.decode(alone, ctx, shared)
 
     def decode(
         self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None,
