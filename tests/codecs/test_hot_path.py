@@ -120,13 +120,13 @@ def test_a_round_computes_each_partitions_tensor_scales_once(monkeypatch):
     """Encode, error feedback's reconstruction and decode all use one partition's scales: the
     bug feared is their recomputation (a reduction and a dozen small operations, per use)."""
     calls = []
-    original = thc_codec.THC._compute_tensor_scales
+    original = thc_codec.THC._tensor_scales
 
     def counted(self, shared, pieces, device):
         calls.append(pieces)
         return original(self, shared, pieces, device)
 
-    monkeypatch.setattr(thc_codec.THC, "_compute_tensor_scales", counted)
+    monkeypatch.setattr(thc_codec.THC, "_tensor_scales", counted)
     codec = make_codec("thc", workers=4, error_feedback=True)
     codec.describe("k", [(20_000,), (30_000,), (10_000,), (5,)])
     xs = [_random(60_005, seed=w) for w in range(4)]

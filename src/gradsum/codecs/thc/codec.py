@@ -9,6 +9,7 @@ re-encoded in between, which is what lets an integer-only switch aggregate THC.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
@@ -337,14 +338,33 @@ class GridCodec(Codec):
 SCALES = ("tensor", "partition")
 
 
-@dataclass(frozen=True)
-class _TensorScales:
-    """One round's tensor scales of a partition (``THC._tensor_scales``)."""
+class _RoundScalars:
+    """One round's scalars of a partition of ``padded`` rotated coordinates
+    (``THC._round_scalars``), each computed on first use."""
 
-    largest: Scalar  # the largest norm of the normalized partition over the workers
-    clamp: Scalar  # its clamp
-    rms: torch.Tensor  # float32, one per piece: the decode's factors
-    divisor: torch.Tensor  # the same with 1 where the RMS is 0: the encode's
+    def __init__(self, codec: THC, largest: Scalar, clamp: Scalar, padded: int,
+                 rms: torch.Tensor | None, divisor: torch.Tensor | None):  # fmt: skip
+        self._codec, self._padded = codec, padded
+        self.largest = largest  # the largest norm over the workers (of the normalized partition)
+        self.clamp = clamp  # its clamp
+        # tensor scales only: float32, one per piece, the decode's factors, and the same with 1
+        # where the RMS is 0, the encode's divisors
+        self.rms, self.divisor = rms, divisor
+
+    @functools.cached_property
+    def a(self) -> Scalar:
+        """The encode's grid scale (``THC._grid_scale``)."""
+        return self._codec._grid_scale(self.largest, self._padded, self.clamp)
+
+    @functools.cached_property
+    def step(self) -> Scalar:
+        """The value of one grid step (``THC._step``)."""
+        return self._codec._step(self.largest, self._padded, self.clamp)
+
+    @functools.cached_property
+    def offset(self) -> Scalar:
+        """The decode's -step * g / 2."""
+        return -self.step * self._codec.granularity / 2
 
 
 class THC(GridCodec):
@@ -486,19 +506,26 @@ class THC(GridCodec):
         placed[(ctx.worker if ctx is not None else 0) % self.workers] = norms
         return placed.reshape(-1)
 
-    def _tensor_scales(self, shared: torch.Tensor | None, pieces: tuple[int, ...],
-                       device: torch.device) -> _TensorScales:  # fmt: skip
-        """The round's tensor scales from the MAX round's ``shared`` norms, computed once per
-        round: the encode, the decode and error feedback's reconstruction of a partition all
-        take them from the same ``shared`` (a new tensor every round), so they are kept with
-        it for as long as it lives."""
+    def _round_scalars(self, shared: torch.Tensor | None, pieces: tuple[int, ...] | None,
+                       device: torch.device, padded: int) -> _RoundScalars:  # fmt: skip
+        """The round's scalars of a partition of ``padded`` rotated coordinates, from the MAX
+        round's ``shared`` result, computed once per round: the encode, the decode and error
+        feedback's reconstruction of a partition all take them from the same ``shared`` (a new
+        tensor every round), so they are kept with it for as long as it lives. On a GPU that
+        saves each use's dozen small launches; ``pieces``: the tensor scales' pieces, or None
+        for one scale."""
         cache = self._scales_of_shared
-        key = (pieces, device)
+        key = (pieces, device, padded)
         with self._lock:
             kept = cache.get(shared) if shared is not None else None
         if kept is not None and kept[0] == shared._version and key in kept[1]:
             return kept[1][key]
-        scales = self._compute_tensor_scales(shared, pieces, device)
+        if pieces is None:
+            largest, clamp = self._norm_and_clamp(shared)
+            rms = divisor = None
+        else:
+            largest, clamp, rms, divisor = self._tensor_scales(shared, pieces, device)
+        scales = _RoundScalars(self, largest, clamp, padded, rms, divisor)
         with self._lock:
             kept = cache.get(shared)
             if kept is None or kept[0] != shared._version:
@@ -506,8 +533,9 @@ class THC(GridCodec):
             kept[1][key] = scales
         return scales
 
-    def _compute_tensor_scales(self, shared: torch.Tensor | None, pieces: tuple[int, ...],
-                               device: torch.device) -> _TensorScales:  # fmt: skip
+    def _tensor_scales(
+        self, shared: torch.Tensor | None, pieces: tuple[int, ...], device: torch.device
+    ) -> tuple[Scalar, Scalar, torch.Tensor, torch.Tensor]:
         """From every worker's piece norms: the largest norm of the normalized partition and
         its clamp (as ``_norm_and_clamp`` gives them for one scale), and every piece's scale,
         its RMS (the largest over the workers; 0 where all are 0)."""
@@ -532,7 +560,7 @@ class THC(GridCodec):
         largest, clamp = self._largest_and_clamp(normalized)
         rms = rms.to(torch.float32)
         # a piece of RMS 0 is 0 on every worker: any positive divisor leaves it 0
-        return _TensorScales(largest, clamp, rms, torch.where(rms > 0, rms, 1.0))
+        return largest, clamp, rms, torch.where(rms > 0, rms, 1.0)
 
     def _scale_pieces(self, x: torch.Tensor, pieces: tuple[int, ...], factors: torch.Tensor,
                       divide: bool, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -645,15 +673,11 @@ class THC(GridCodec):
     ) -> Payload:
         flat = x.reshape(-1).to(torch.float32)
         pieces = self._pieces(ctx)
-        if pieces is None:
-            max_norm, clamp = self._norm_and_clamp(shared)
-        else:
-            scales = self._tensor_scales(shared, pieces, flat.device)
-            max_norm, clamp = scales.largest, scales.clamp
-            flat = self._scale_pieces(flat, pieces, scales.divisor, divide=True)
         rotation = self._rotation(x.numel(), ctx, x.device)
-        a = self._grid_scale(max_norm, rotation.padded, clamp)
-        return self._encode_grid(flat, a, self.granularity / 2, ctx, rotation)
+        scalars = self._round_scalars(shared, pieces, flat.device, rotation.padded)
+        if pieces is not None:
+            flat = self._scale_pieces(flat, pieces, scalars.divisor, divide=True)
+        return self._encode_grid(flat, scalars.a, self.granularity / 2, ctx, rotation)
 
     def encode_and_reconstruct(
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
@@ -664,31 +688,25 @@ class THC(GridCodec):
         decode's own arithmetic without packing, summing and unpacking the payload again."""
         flat = x.reshape(-1).to(torch.float32)
         pieces = self._pieces(ctx)
-        scales = None
-        if pieces is None:
-            max_norm, clamp = self._norm_and_clamp(shared)
-        else:
-            scales = self._tensor_scales(shared, pieces, flat.device)
-            max_norm, clamp = scales.largest, scales.clamp
         rotation = self._rotation(x.numel(), ctx, x.device)
-        a = self._grid_scale(max_norm, rotation.padded, clamp)
+        scalars = self._round_scalars(shared, pieces, flat.device, rotation.padded)
+        a = scalars.a
         if not (isinstance(a, float) and native.available()):
             return self._encode_and_decode_alone(x, ctx, shared)
-        if scales is not None:
-            flat = self._scale_pieces(flat, pieces, scales.divisor, divide=True)
+        if pieces is not None:
+            flat = self._scale_pieces(flat, pieces, scalars.divisor, divide=True)
         g = self.granularity
         # the decode's scalars of a sum of one contributor (``decode``, ``native.decode``)
-        step = self._step(max_norm, rotation.padded, clamp)
         root = math.sqrt(rotation.block)
-        own = (_per_contributor(step, _ONE) / root, -step * g / 2 / root)
+        own = (_per_contributor(scalars.step, _ONE) / root, scalars.offset / root)
         packed = native.encode(flat, rotation, a, g / 2, g, self._tables(flat.device).cell_entries,
                                ctx.worker_seed(), self.bits, empty=self._recycler.empty,
                                strata=self._strata(ctx), own=own)  # fmt: skip
         if packed is None:
             return self._encode_and_decode_alone(x, ctx, shared)
         y = native.inverse(rotation)[: x.numel()]
-        if scales is not None:
-            y = self._scale_pieces(y, pieces, scales.rms, divide=False, out=y)
+        if pieces is not None:
+            y = self._scale_pieces(y, pieces, scalars.rms, divide=False, out=y)
         return Payload({UPSTREAM: packed}, x.numel()), y
 
     def _encode_and_decode_alone(
@@ -707,21 +725,15 @@ class THC(GridCodec):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         pieces = self._pieces(ctx)
-        scales = None
-        if pieces is None:
-            max_norm, clamp = self._norm_and_clamp(shared)
-        else:
-            scales = self._tensor_scales(shared, pieces, _device_of(payload))
-            max_norm, clamp = scales.largest, scales.clamp
-        rotation = self._rotation(payload.length, ctx, _device_of(payload))
-        step = self._step(max_norm, rotation.padded, clamp)
+        device = _device_of(payload)
+        rotation = self._rotation(payload.length, ctx, device)
+        scalars = self._round_scalars(shared, pieces, device, rotation.padded)
         # y = (S / contributors - g/2) * step
-        g = self.granularity
-        y = self._decode_grid(payload, _per_contributor(step, payload), -step * g / 2,
+        y = self._decode_grid(payload, _per_contributor(scalars.step, payload), scalars.offset,
                               rotation, out=out)  # fmt: skip
-        if scales is None:
+        if pieces is None:
             return y
-        return self._scale_pieces(y, pieces, scales.rms, divide=False, out=y)
+        return self._scale_pieces(y, pieces, scalars.rms, divide=False, out=y)
 
     def decode_into(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
                     out: torch.Tensor) -> None:  # fmt: skip
@@ -761,8 +773,8 @@ class THC(GridCodec):
     def encode_transformed(
         self, w: torch.Tensor, length: int, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> tuple[Payload, torch.Tensor]:
-        max_norm, clamp = self._norm_and_clamp(shared)
-        a, c = self._grid_scale(max_norm, w.numel(), clamp), self.granularity / 2
+        scalars = self._round_scalars(shared, None, w.device, w.numel())
+        a, c = scalars.a, self.granularity / 2
         error = self._recycler.empty(w.numel(), torch.float32) if w.device.type == "cpu" else None
         lookups = self._tables(w.device)
         packed = native.encode(
@@ -772,7 +784,7 @@ class THC(GridCodec):
         if packed is not None:
             return Payload({UPSTREAM: packed}, length), error
         payload = self._encode_grid(w, a, c, ctx, rotation=None, length=length)
-        step = self._step(max_norm, w.numel(), clamp)
+        step = scalars.step
         # What this payload alone decodes to, a*T[index] + c lane by lane (the decode of its own
         # one-contributor sum, without packing that sum and unpacking it again).
         own = self._grid_values(payload, w.numel()).to(torch.float32)
