@@ -568,9 +568,31 @@ MULTIVERSION static void quantize_leaf(void *state, float *y, size_t offset, siz
     pack(indices, count, q->bits, q->out + offset / 8 * q->bits, q->end);
 }
 
-static void quantize(struct quantizer *q, float *y, size_t n) {
-    for (size_t offset = 0; offset < n; offset += LEAF)
-        quantize_leaf(q, y + offset, offset, MIN(LEAF, n - offset));
+/* Whether y[0, count) holds no Inf or NaN (read into L1 for the rounding that follows). */
+MULTIVERSION static int leaf_finite(const float *y, size_t count) {
+    f32x8 clean = {0};
+    size_t i = 0;
+    for (; i + LANES <= count; i += LANES) {
+        f32x8 v = load(y + i);
+        clean += v - v;
+    }
+    float rest = 0;
+    for (; i < count; i++) rest += y[i] - y[i];
+    i32x8 same = clean == clean;
+    for (int lane = 0; lane < LANES; lane++)
+        if (!same[lane]) return 0;
+    return rest == rest;
+}
+
+/* The rounding of an unrotated y, leaf by leaf, each checked first; returns 0, and stops, at
+   the first leaf that holds an Inf or NaN. */
+static int quantize(struct quantizer *q, float *y, size_t n) {
+    for (size_t offset = 0; offset < n; offset += LEAF) {
+        size_t count = MIN(LEAF, n - offset);
+        if (!leaf_finite(y + offset, count)) return 0;
+        quantize_leaf(q, y + offset, offset, count);
+    }
+    return 1;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -871,7 +893,7 @@ PyDoc_STRVAR(encode_doc,
              "With block 0 and an error address: error[i] = y[i] - (T[index] - c) * step.\n"
              "With own (a block): buffer[i] = T[index] * own_a + own_c, the rotated values the\n"
              "payload alone decodes to (``inverse`` rotates them back).\n"
-             "Returns False, and no indices, where the rotated src holds an Inf or NaN.");
+             "Returns False, and no indices, where src (rotated or not) holds an Inf or NaN.");
 
 static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long src, buffer, signs, cells, seed, out, error = 0, stratum_seed = 0;
@@ -919,7 +941,7 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
         finite = fwht_forward(ADDRESS(float *, buffer), (size_t)n, (size_t)block, &in,
                               quantize_leaf, &q);
     } else {
-        quantize(&q, ADDRESS(float *, src), (size_t)n);
+        finite = quantize(&q, ADDRESS(float *, src), (size_t)n);
     }
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(finite);

@@ -98,7 +98,8 @@ def encode(
     cell g - 1 for u == g) packs the cell's table interval k, its lower end T[k] and its width
     as k | T[k] << 8 | width << 20. With ``error`` (float32 like x, only without a rotation),
     also error = x - (T[index] - c) / a: what error feedback keeps. Raises
-    ``NonFiniteGradientError`` for NaN or Inf in x, found by the rotation's first pass.
+    ``NonFiniteGradientError`` for NaN or Inf in x, found by the rotation's first pass (or,
+    unrotated, as each leaf is read for its rounding).
 
     ``own`` = (a', c') (only with a rotation): the rotation's scratch is left holding
     a' * T[index] + c', what the payload alone decodes to before its rotation back (a' and c'
@@ -118,9 +119,7 @@ def encode(
     ):
         return None
     buffer, signs, block = x, 0, 0
-    if rotation is None:
-        check_finite(x)
-    else:
+    if rotation is not None:
         if not _rotation_ready(rotation):
             return None
         buffer, signs, block = rotation.scratch, rotation.sign_bits.data_ptr(), rotation.block
