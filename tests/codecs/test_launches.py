@@ -108,14 +108,15 @@ def count_round(counter: LaunchCounter, codec, length: int) -> dict[str, int]:
     return dict(counter.launches)
 
 
-# The counts at this commit, per 2**20 partition. Without error feedback: encode 31 (the norm and
-# its checks, the grid's scalars, the draws, 3 fused kernels), decode 19 (the scalars, 2 fused
-# kernels: the sums are unpacked as the first one loads them). Error feedback, as training runs
-# THC, adds the memory's bound and its update: encode 58 (with the fused rotation of x + e and
-# the worker's own values looked up, not summed, packed and unpacked; 153 before). Per round, 2
-# (the partitions' checks combined). A bound met with room would hide a regression, so these
-# are the counts themselves.
-PER_PARTITION = {False: {"encode": 31, "decode": 19}, True: {"encode": 58, "decode": 19}}
+# The counts per 2**20 partition. Without error feedback: encode 31 (the norm and its checks, the
+# grid's scalars, the draws, 3 fused kernels), decode 13 (the step, 2 fused kernels: the sums are
+# unpacked as the first one loads them; the round's scalars are computed once, where first used,
+# and not again in the decode: 19 when it recomputed them). Error feedback, as training runs THC,
+# adds the memory's bound and its update: encode 58 (with the fused rotation of x + e and the
+# worker's own values looked up, not summed, packed and unpacked; 153 before), decode 10 (its
+# step computed in the encode). Per round, 2 (the partitions' checks combined). A bound met with
+# room would hide a regression, so these are the counts themselves.
+PER_PARTITION = {False: {"encode": 31, "decode": 13}, True: {"encode": 58, "decode": 10}}
 PER_ROUND = {"encode": 2, "decode": 0}
 
 
@@ -141,3 +142,25 @@ def test_the_decode_reads_packed_sums_without_unpacking_them(gpu_path, monkeypat
     codec = make_codec("thc", workers=4, error_feedback=False)
     assert codec.sum_bits == 7  # packed: 8 lanes in 7 bytes
     count_round(gpu_path, codec, PARTITION_ELEMENTS)
+
+
+# THC's default, tensor scales, on a buffer of several tensors (two in every partition here):
+# the pieces' norms and scales add to the encode; the scales are computed once per partition and
+# round, from the MAX round's result, for the encode, error feedback's reconstruction and the
+# decode alike (40 decode launches when each recomputed them), and error feedback decodes its
+# own table values as an unpacked sum (128 encode launches when it packed and unpacked them and
+# recomputed the scales).
+PER_PARTITION_TENSOR_SCALES = {False: {"encode": 55, "decode": 16},
+                               True: {"encode": 83, "decode": 10}}  # fmt: skip
+
+
+@pytest.mark.parametrize("feedback", [False, True], ids=["no-feedback", "feedback"])
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_a_thc_round_of_tensor_scales_launches_a_fixed_number_per_partition(
+    gpu_path, partitions, feedback
+):
+    codec = make_codec("thc", workers=4, error_feedback=feedback)
+    codec.describe(None, [(PARTITION_ELEMENTS - 1000,), (1000,)] * partitions)
+    launches = count_round(gpu_path, codec, partitions * PARTITION_ELEMENTS)
+    for phase, count in PER_PARTITION_TENSOR_SCALES[feedback].items():
+        assert launches[phase] <= count * partitions + PER_ROUND[phase], (phase, launches)

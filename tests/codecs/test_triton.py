@@ -145,3 +145,28 @@ def test_thc_rounds_through_the_fused_kernels_are_the_torch_paths(
 
     for fused, torch_path in zip(rounds(True), rounds(False), strict=True):
         assert torch.equal(fused, torch_path)
+
+
+@pytest.mark.parametrize("described", [True, False], ids=["tensor-scales", "padded"])
+def test_error_feedbacks_own_values_decode_the_payload_alone_as_its_packed_sum(
+    kernels, monkeypatch, described
+):
+    """Error feedback's reconstruction on a GPU's path decodes the payload's table values as an
+    unpacked sum of one contributor; the packed sum's decode (``reconstruct``) gives the same
+    bits through the fused kernels."""
+    monkeypatch.setenv("GRADSUM_NATIVE", "0")
+    monkeypatch.setattr(kernels, "use_for", lambda device: True)
+    codec = THC(workers=3)
+    length = 3000
+    if described:
+        codec.describe("k", [(2000,), (1000,)])
+        codec.partitions("k", length, 1 << 20)
+    ctx = CodecContext(seed=1, worker=1, step=2, partition=0, key=("k", 0))
+    x = torch.randn(length, generator=torch.Generator().manual_seed(5))
+    x[2000:] *= 1e-3
+    shared = codec.summarize(x, ctx) * 1.5  # another worker's larger norms
+    payload = codec.encode(x, ctx, shared)
+    want = codec.reconstruct(payload, ctx, shared)
+    got_payload, got = codec.encode_and_reconstruct(x, ctx, shared)
+    assert torch.equal(got_payload.fields["indices"], payload.fields["indices"])
+    assert torch.equal(got, want)

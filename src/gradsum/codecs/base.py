@@ -332,6 +332,15 @@ class Codec(ABC):
         """What this worker's own payload decodes to (error feedback's reference)."""
         return self.decode(self.aggregate([payload], aggregator_context(ctx)), ctx, shared)
 
+    def encode_and_reconstruct(
+        self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
+    ) -> tuple[Payload, torch.Tensor]:
+        """``encode`` and ``reconstruct`` of its payload, the same values; a codec may compute
+        the reconstruction from what its encode already holds. The reconstruction may live in
+        the codec's scratch: it is read before this thread's next encode."""
+        payload = self.encode(x, ctx, shared)
+        return payload, self.reconstruct(payload, ctx, shared)
+
     def integer_op(self) -> IntegerOp:
         raise TypeError(f"codec {self.name!r} is not integer-homomorphic; a switch cannot sum it")
 

@@ -8,6 +8,8 @@ the right dtype and size. They release the GIL, so worker threads overlap.
               to a table index, b-bit packing (b in 1, 2, 4, 8)
   lookup_sum  the aggregator: table lookup of packed indices, integer sum, packing of the sums
   decode      unpacking of sums, y = a*S + c, [rotate back:] FWHT, signs
+  scale_pieces  each tensor's piece of a partition divided or multiplied by its own scale
+  piece_squares  each piece's sum of squares (the tensor scales' norms)
 
 Packed layout is bits.py's: element j at bits [j*w, (j+1)*w) of a little-endian bit stream.
 
@@ -504,19 +506,25 @@ struct quantizer {
     /* optional: error feedback's y - reconstruction, the reconstruction of T[index] being
        (T[index] - c) * step (step = 1 / a, or 0 where a is) */
     float *error, step;
+    /* optional: y itself is overwritten with what the payload alone decodes to, T[index] *
+       own_a + own_c (the decode's dequantization of a one-contributor sum), for error feedback
+       to transform back without packing, summing and unpacking the payload */
+    int own;
+    float own_a, own_c;
     struct strata strata; /* correlated rounding's, where strata.n > 0 */
 };
 
 /* indices[0, count) of y[0, count), count a multiple of LANES; with `error`, also
-   error[i] = y[i] - (T[index] - c) * step */
-INLINE void round_all(const struct grid *grid, struct rng8 *rng, const float *y, size_t count,
+   error[i] = y[i] - (T[index] - c) * step; with `own`, y[i] = T[index] * own_a + own_c */
+INLINE void round_all(const struct grid *grid, struct rng8 *rng, float *y, size_t count,
                       int32_t *indices, int small, float *error, float step,
-                      struct strata *strata) {
+                      struct strata *strata, int own, float own_a, float own_c) {
     for (size_t i = 0; i < count; i += LANES) {
         f32x8 value, v = load(y + i);
-        i32x8 index = round_to_table(grid, rng, v, small, error ? &value : NULL, strata);
+        i32x8 index = round_to_table(grid, rng, v, small, error || own ? &value : NULL, strata);
         memcpy(indices + i, &index, sizeof index);
         if (error) store(error + i, v - (value - grid->c) * step);
+        if (own) store(y + i, value * own_a + own_c);
     }
 }
 
@@ -532,20 +540,26 @@ MULTIVERSION static void quantize_leaf(void *state, float *y, size_t offset, siz
     uint8_t indices[LEAF + 32];
     size_t whole = count / LANES * LANES;
     float *error = q->error ? q->error + offset : NULL;
+    int own = q->own;
+    float own_a = q->own_a, own_c = q->own_c;
     if (correlated)
-        round_all(&grid, &rng, y, whole, wide, grid.small, error, q->step, correlated);
+        round_all(&grid, &rng, y, whole, wide, grid.small, error, q->step, correlated, own, own_a,
+                  own_c);
+    else if (grid.small && own)
+        round_all(&grid, &rng, y, whole, wide, 1, NULL, 0, NULL, 1, own_a, own_c);
     else if (grid.small && error)
-        round_all(&grid, &rng, y, whole, wide, 1, error, q->step, NULL);
+        round_all(&grid, &rng, y, whole, wide, 1, error, q->step, NULL, 0, 0, 0);
     else if (grid.small)
-        round_all(&grid, &rng, y, whole, wide, 1, NULL, 0, NULL);
+        round_all(&grid, &rng, y, whole, wide, 1, NULL, 0, NULL, 0, 0, 0);
     else
-        round_all(&grid, &rng, y, whole, wide, 0, error, q->step, NULL);
+        round_all(&grid, &rng, y, whole, wide, 0, error, q->step, NULL, own, own_a, own_c);
     if (whole < count) {
         float tail[LANES] = {0}, tail_error[LANES];
         memcpy(tail, y + whole, (count - whole) * sizeof(float));
         round_all(&grid, &rng, tail, LANES, wide + whole, grid.small, error ? tail_error : NULL,
-                  q->step, correlated);
+                  q->step, correlated, own, own_a, own_c);
         if (error) memcpy(error + whole, tail_error, (count - whole) * sizeof(float));
+        if (own) memcpy(y + whole, tail, (count - whole) * sizeof(float));
     }
     q->rng = rng;
     q->strata = strata;
@@ -554,9 +568,31 @@ MULTIVERSION static void quantize_leaf(void *state, float *y, size_t offset, siz
     pack(indices, count, q->bits, q->out + offset / 8 * q->bits, q->end);
 }
 
-static void quantize(struct quantizer *q, float *y, size_t n) {
-    for (size_t offset = 0; offset < n; offset += LEAF)
-        quantize_leaf(q, y + offset, offset, MIN(LEAF, n - offset));
+/* Whether y[0, count) holds no Inf or NaN (read into L1 for the rounding that follows). */
+MULTIVERSION static int leaf_finite(const float *y, size_t count) {
+    f32x8 clean = {0};
+    size_t i = 0;
+    for (; i + LANES <= count; i += LANES) {
+        f32x8 v = load(y + i);
+        clean += v - v;
+    }
+    float rest = 0;
+    for (; i < count; i++) rest += y[i] - y[i];
+    i32x8 same = clean == clean;
+    for (int lane = 0; lane < LANES; lane++)
+        if (!same[lane]) return 0;
+    return rest == rest;
+}
+
+/* The rounding of an unrotated y, leaf by leaf, each checked first; returns 0, and stops, at
+   the first leaf that holds an Inf or NaN. */
+static int quantize(struct quantizer *q, float *y, size_t n) {
+    for (size_t offset = 0; offset < n; offset += LEAF) {
+        size_t count = MIN(LEAF, n - offset);
+        if (!leaf_finite(y + offset, count)) return 0;
+        quantize_leaf(q, y + offset, offset, count);
+    }
+    return 1;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -779,6 +815,40 @@ MULTIVERSION static void pack_int32(const int32_t *values, size_t n, int w, uint
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * Tensor scales: every piece of a partition (one tensor's coordinates) divided or multiplied by
+ * its own factor, as torch's elementwise operations round them (one IEEE operation each).
+ */
+MULTIVERSION static void scale_pieces(const float *src, float *dst, const int64_t *lengths,
+                                      const float *factors, size_t pieces, int divide) {
+    size_t at = 0;
+    for (size_t p = 0; p < pieces; p++) {
+        size_t n = (size_t)lengths[p];
+        float f = factors[p];
+        if (divide)
+            for (size_t i = at; i < at + n; i++) dst[i] = src[i] / f;
+        else
+            for (size_t i = at; i < at + n; i++) dst[i] = src[i] * f;
+        at += n;
+    }
+}
+
+/* Every piece's sum of squares, one float32 addition after another in coordinate order: the
+   sums torch's segment_reduce gives, which the summaries on the wire are made of. Not cloned
+   for AVX2, so that no multiply-add fuses a square into its sum. */
+static void piece_squares(const float *src, const int64_t *lengths, size_t pieces, float *sums) {
+    size_t at = 0;
+    for (size_t p = 0; p < pieces; p++) {
+        float sum = 0;
+        for (size_t i = at; i < at + (size_t)lengths[p]; i++) {
+            float square = src[i] * src[i];
+            sum += square;
+        }
+        sums[p] = sum;
+        at += (size_t)lengths[p];
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
  * Python bindings. Addresses arrive as ints; native.py guarantees what they point to.
  */
 
@@ -821,18 +891,24 @@ PyDoc_STRVAR(encode_doc,
              "Packed table indices of u = clamp(a*y + c, 0, g), y the unnormalised FWHT (in\n"
              "blocks) of src[0:length] * signs padded to n in buffer, or y = src[0:n] if block is 0.\n"
              "With block 0 and an error address: error[i] = y[i] - (T[index] - c) * step.\n"
-             "Returns False, and no indices, where the rotated src holds an Inf or NaN.");
+             "With own (a block): buffer[i] = T[index] * own_a + own_c, the rotated values the\n"
+             "payload alone decodes to (``inverse`` rotates them back).\n"
+             "Returns False, and no indices, where src (rotated or not) holds an Inf or NaN.");
 
 static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long src, buffer, signs, cells, seed, out, error = 0, stratum_seed = 0;
     Py_ssize_t length, n, block, out_size;
     int g, bits;
     struct quantizer q = {.step = 0};
-    if (!PyArg_ParseTuple(args, "KnKnnKffiKKiKn|KfKii", &src, &length, &buffer, &n, &block,
+    if (!PyArg_ParseTuple(args, "KnKnnKffiKKiKn|KfKiipff", &src, &length, &buffer, &n, &block,
                           &signs, &q.grid.a, &q.grid.c, &g, &cells, &seed, &bits, &out,
                           &out_size, &error, &q.step, &stratum_seed, &q.strata.n,
-                          &q.strata.rank))
+                          &q.strata.rank, &q.own, &q.own_a, &q.own_c))
         return NULL;
+    if (q.own && !block) {
+        PyErr_SetString(PyExc_ValueError, "the own reconstruction needs a rotated input");
+        return NULL;
+    }
     if (q.strata.n < 0 || (q.strata.n && (q.strata.rank < 0 || q.strata.rank >= q.strata.n))) {
         PyErr_Format(PyExc_ValueError, "rank %d of %d strata", q.strata.rank, q.strata.n);
         return NULL;
@@ -865,7 +941,7 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
         finite = fwht_forward(ADDRESS(float *, buffer), (size_t)n, (size_t)block, &in,
                               quantize_leaf, &q);
     } else {
-        quantize(&q, ADDRESS(float *, src), (size_t)n);
+        finite = quantize(&q, ADDRESS(float *, src), (size_t)n);
     }
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(finite);
@@ -905,6 +981,23 @@ static PyObject *py_rotate(PyObject *Py_UNUSED(self), PyObject *args) {
                           addend ? add_leaf : no_visit, ADDRESS(void *, addend));
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(finite);
+}
+
+PyDoc_STRVAR(inverse_doc,
+             "inverse(x, n, block, signs)\n"
+             "x[0:n] = the unnormalised FWHT of every block of x, times signs, in place: the\n"
+             "decode's transform back, of values already dequantized.");
+
+static PyObject *py_inverse(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long x, signs;
+    Py_ssize_t n, block;
+    if (!PyArg_ParseTuple(args, "KnnK", &x, &n, &block, &signs) || !check_block(n, block))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    fwht_reverse(ADDRESS(float *, x), (size_t)n, (size_t)block, no_visit, NULL,
+                 ADDRESS(const uint8_t *, signs));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(lookup_sum_doc,
@@ -1029,14 +1122,52 @@ static PyObject *py_decode(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(scale_pieces_doc,
+             "scale_pieces(src, dst, lengths, factors, pieces, divide)\n"
+             "dst = src / factors[p] (divide) or src * factors[p] over each of the pieces (int64\n"
+             "lengths, float32 factors) that src holds one after another; dst may be src.");
+
+static PyObject *py_scale_pieces(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long src, dst, lengths, factors;
+    Py_ssize_t pieces;
+    int divide;
+    if (!PyArg_ParseTuple(args, "KKKKnp", &src, &dst, &lengths, &factors, &pieces, &divide))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    scale_pieces(ADDRESS(const float *, src), ADDRESS(float *, dst),
+                 ADDRESS(const int64_t *, lengths), ADDRESS(const float *, factors),
+                 (size_t)pieces, divide);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(piece_squares_doc,
+             "piece_squares(src, lengths, pieces, sums)\n"
+             "sums[p] (float32) = the sum of squares of piece p of src (int64 lengths), added in\n"
+             "coordinate order in float32.");
+
+static PyObject *py_piece_squares(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long src, lengths, sums;
+    Py_ssize_t pieces;
+    if (!PyArg_ParseTuple(args, "KKnK", &src, &lengths, &pieces, &sums)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    piece_squares(ADDRESS(const float *, src), ADDRESS(const int64_t *, lengths), (size_t)pieces,
+                  ADDRESS(float *, sums));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"fwht", py_fwht, METH_VARARGS, fwht_doc},
     {"encode", py_encode, METH_VARARGS, encode_doc},
     {"rotate", py_rotate, METH_VARARGS, rotate_doc},
+    {"inverse", py_inverse, METH_VARARGS, inverse_doc},
     {"lookup_accumulate", py_lookup_accumulate, METH_VARARGS, lookup_accumulate_doc},
     {"pack_int32", py_pack_int32, METH_VARARGS, pack_int32_doc},
     {"lookup_sum", py_lookup_sum, METH_VARARGS, lookup_sum_doc},
     {"decode", py_decode, METH_VARARGS, decode_doc},
+    {"scale_pieces", py_scale_pieces, METH_VARARGS, scale_pieces_doc},
+    {"piece_squares", py_piece_squares, METH_VARARGS, piece_squares_doc},
     {NULL, NULL, 0, NULL},
 };
 

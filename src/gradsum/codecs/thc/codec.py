@@ -9,6 +9,7 @@ re-encoded in between, which is what lets an integer-only switch aggregate THC.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
@@ -17,6 +18,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..base import (
     Aggregation,
@@ -336,6 +338,35 @@ class GridCodec(Codec):
 SCALES = ("tensor", "partition")
 
 
+class _RoundScalars:
+    """One round's scalars of a partition of ``padded`` rotated coordinates
+    (``THC._round_scalars``), each computed on first use."""
+
+    def __init__(self, codec: THC, largest: Scalar, clamp: Scalar, padded: int,
+                 rms: torch.Tensor | None, divisor: torch.Tensor | None):  # fmt: skip
+        self._codec, self._padded = codec, padded
+        self.largest = largest  # the largest norm over the workers (of the normalized partition)
+        self.clamp = clamp  # its clamp
+        # tensor scales only: float32, one per piece, the decode's factors, and the same with 1
+        # where the RMS is 0, the encode's divisors
+        self.rms, self.divisor = rms, divisor
+
+    @functools.cached_property
+    def a(self) -> Scalar:
+        """The encode's grid scale (``THC._grid_scale``)."""
+        return self._codec._grid_scale(self.largest, self._padded, self.clamp)
+
+    @functools.cached_property
+    def step(self) -> Scalar:
+        """The value of one grid step (``THC._step``)."""
+        return self._codec._step(self.largest, self._padded, self.clamp)
+
+    @functools.cached_property
+    def offset(self) -> Scalar:
+        """The decode's -step * g / 2."""
+        return -self.step * self._codec.granularity / 2
+
+
 class THC(GridCodec):
     """Lookup-table THC with a randomized Hadamard rotation and clamping (Algorithm 2).
 
@@ -405,6 +436,8 @@ class THC(GridCodec):
         self._layouts: dict[Hashable, tuple[int, ...]] = {}
         self._segments: dict[Hashable, tuple[int, ...]] = {}
         self._segment_tensors: dict[tuple, torch.Tensor] = {}
+        # per MAX-round result: its version and the tensor scales computed from it
+        self._scales_of_shared: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     @staticmethod
     def _table(bits: int, granularity: int, p: float, correlated: int | None) -> tuple[int, ...]:
@@ -464,15 +497,45 @@ class THC(GridCodec):
                      ctx: CodecContext) -> torch.Tensor:  # fmt: skip
         """This worker's norm of every piece, in its row of a (workers x pieces) summary."""
         lengths = self._lengths(pieces, flat.device)
-        squares = torch.segment_reduce(flat.square(), "sum", lengths=lengths)
+        squares = native.piece_squares(flat, pieces, lengths)
+        if squares is None:
+            squares = torch.segment_reduce(flat.square(), "sum", lengths=lengths)
         norms = squares.sqrt_()
         require(finite(norms).all(), lambda: self._norm_overflow(flat))
         placed = norms.new_zeros(self.workers, len(pieces))
         placed[(ctx.worker if ctx is not None else 0) % self.workers] = norms
         return placed.reshape(-1)
 
-    def _tensor_scales(self, shared: torch.Tensor | None, pieces: tuple[int, ...],
-                       device: torch.device) -> tuple[Scalar, Scalar, torch.Tensor]:  # fmt: skip
+    def _round_scalars(self, shared: torch.Tensor | None, pieces: tuple[int, ...] | None,
+                       device: torch.device, padded: int) -> _RoundScalars:  # fmt: skip
+        """The round's scalars of a partition of ``padded`` rotated coordinates, from the MAX
+        round's ``shared`` result, computed once per round: the encode, the decode and error
+        feedback's reconstruction of a partition all take them from the same ``shared`` (a new
+        tensor every round), so they are kept with it for as long as it lives. On a GPU that
+        saves each use's dozen small launches; ``pieces``: the tensor scales' pieces, or None
+        for one scale."""
+        cache = self._scales_of_shared
+        key = (pieces, device, padded)
+        with self._lock:
+            kept = cache.get(shared) if shared is not None else None
+        if kept is not None and kept[0] == shared._version and key in kept[1]:
+            return kept[1][key]
+        if pieces is None:
+            largest, clamp = self._norm_and_clamp(shared)
+            rms = divisor = None
+        else:
+            largest, clamp, rms, divisor = self._tensor_scales(shared, pieces, device)
+        scales = _RoundScalars(self, largest, clamp, padded, rms, divisor)
+        with self._lock:
+            kept = cache.get(shared)
+            if kept is None or kept[0] != shared._version:
+                kept = cache[shared] = (shared._version, {})
+            kept[1][key] = scales
+        return scales
+
+    def _tensor_scales(
+        self, shared: torch.Tensor | None, pieces: tuple[int, ...], device: torch.device
+    ) -> tuple[Scalar, Scalar, torch.Tensor, torch.Tensor]:
         """From every worker's piece norms: the largest norm of the normalized partition and
         its clamp (as ``_norm_and_clamp`` gives them for one scale), and every piece's scale,
         its RMS (the largest over the workers; 0 where all are 0)."""
@@ -495,7 +558,24 @@ class THC(GridCodec):
         # each worker's norm once every piece is divided by its scale: at most sqrt(length)
         normalized = (norms * inverse).square().sum(dim=1).sqrt()
         largest, clamp = self._largest_and_clamp(normalized)
-        return largest, clamp, rms.to(torch.float32)
+        rms = rms.to(torch.float32)
+        # a piece of RMS 0 is 0 on every worker: any positive divisor leaves it 0
+        return largest, clamp, rms, torch.where(rms > 0, rms, 1.0)
+
+    def _scale_pieces(self, x: torch.Tensor, pieces: tuple[int, ...], factors: torch.Tensor,
+                      divide: bool, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """x divided (``divide``) or multiplied piece by piece by each piece's factor, into
+        ``out`` (default a new tensor): one pass over x, the values of an elementwise
+        operation with the factors repeated over their pieces."""
+        lengths = self._lengths(pieces, x.device)
+        if out is None:
+            out = (self._recycler.empty(x.numel(), torch.float32) if x.device.type == "cpu"
+                   else torch.empty_like(x))  # fmt: skip
+        if native.scale_pieces(x, pieces, lengths, factors, divide, out):
+            return out
+        # output_size: the length is known, so the device is not asked for it (a host sync)
+        repeated = torch.repeat_interleave(factors, lengths, output_size=x.numel())
+        return (torch.div if divide else torch.mul)(x, repeated, out=out)
 
     def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         flat = x.reshape(-1).to(torch.float32)
@@ -593,35 +673,67 @@ class THC(GridCodec):
     ) -> Payload:
         flat = x.reshape(-1).to(torch.float32)
         pieces = self._pieces(ctx)
-        if pieces is None:
-            max_norm, clamp = self._norm_and_clamp(shared)
-        else:
-            max_norm, clamp, rms = self._tensor_scales(shared, pieces, flat.device)
-            # a piece of RMS 0 is 0 on every worker: any positive divisor leaves it 0
-            divisor = torch.where(rms > 0, rms, 1.0)
-            flat = flat / torch.repeat_interleave(divisor, self._lengths(pieces, flat.device))
         rotation = self._rotation(x.numel(), ctx, x.device)
-        a = self._grid_scale(max_norm, rotation.padded, clamp)
-        return self._encode_grid(flat, a, self.granularity / 2, ctx, rotation)
+        scalars = self._round_scalars(shared, pieces, flat.device, rotation.padded)
+        if pieces is not None:
+            flat = self._scale_pieces(flat, pieces, scalars.divisor, divide=True)
+        return self._encode_grid(flat, scalars.a, self.granularity / 2, ctx, rotation)
+
+    def encode_and_reconstruct(
+        self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
+    ) -> tuple[Payload, torch.Tensor]:
+        """Error feedback's encode (outside the rotated domain: tensor scales, or a padded
+        partition). On the CPU's native path the encode leaves what the payload decodes to,
+        still rotated, in the rotation's scratch, and only the rotation back remains: the
+        decode's own arithmetic without packing, summing and unpacking the payload again."""
+        flat = x.reshape(-1).to(torch.float32)
+        pieces = self._pieces(ctx)
+        rotation = self._rotation(x.numel(), ctx, x.device)
+        scalars = self._round_scalars(shared, pieces, flat.device, rotation.padded)
+        a = scalars.a
+        if not (isinstance(a, float) and native.available()):
+            return self._encode_and_decode_alone(x, ctx, shared)
+        if pieces is not None:
+            flat = self._scale_pieces(flat, pieces, scalars.divisor, divide=True)
+        g = self.granularity
+        # the decode's scalars of a sum of one contributor (``decode``, ``native.decode``)
+        root = math.sqrt(rotation.block)
+        own = (_per_contributor(scalars.step, _ONE) / root, scalars.offset / root)
+        packed = native.encode(flat, rotation, a, g / 2, g, self._tables(flat.device).cell_entries,
+                               ctx.worker_seed(), self.bits, empty=self._recycler.empty,
+                               strata=self._strata(ctx), own=own)  # fmt: skip
+        if packed is None:
+            return self._encode_and_decode_alone(x, ctx, shared)
+        y = native.inverse(rotation)[: x.numel()]
+        if pieces is not None:
+            y = self._scale_pieces(y, pieces, scalars.rms, divide=False, out=y)
+        return Payload({UPSTREAM: packed}, x.numel()), y
+
+    def _encode_and_decode_alone(
+        self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None
+    ) -> tuple[Payload, torch.Tensor]:
+        """The encode, and the decode of its table values as the sum of one contributor, one
+        integer per lane: the values ``reconstruct`` gives, without packing that sum (on a
+        GPU, the packing alone is ~17 launches) and unpacking it again."""
+        payload = self.encode(x, ctx, shared)
+        grid = self._grid_values(payload, self._coordinates(payload.length))
+        alone = Payload({DOWNSTREAM: grid}, payload.length, unpacked=True)
+        return payload, self.decode(alone, ctx, shared)
 
     def decode(
         self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         pieces = self._pieces(ctx)
-        scale = None
-        if pieces is None:
-            max_norm, clamp = self._norm_and_clamp(shared)
-        else:
-            max_norm, clamp, rms = self._tensor_scales(shared, pieces, _device_of(payload))
-            scale = torch.repeat_interleave(rms, self._lengths(pieces, rms.device))
-        rotation = self._rotation(payload.length, ctx, _device_of(payload))
-        step = self._step(max_norm, rotation.padded, clamp)
+        device = _device_of(payload)
+        rotation = self._rotation(payload.length, ctx, device)
+        scalars = self._round_scalars(shared, pieces, device, rotation.padded)
         # y = (S / contributors - g/2) * step
-        g = self.granularity
-        y = self._decode_grid(payload, _per_contributor(step, payload), -step * g / 2,
+        y = self._decode_grid(payload, _per_contributor(scalars.step, payload), scalars.offset,
                               rotation, out=out)  # fmt: skip
-        return y if scale is None else y.mul_(scale)
+        if pieces is None:
+            return y
+        return self._scale_pieces(y, pieces, scalars.rms, divide=False, out=y)
 
     def decode_into(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
                     out: torch.Tensor) -> None:  # fmt: skip
@@ -661,8 +773,8 @@ class THC(GridCodec):
     def encode_transformed(
         self, w: torch.Tensor, length: int, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> tuple[Payload, torch.Tensor]:
-        max_norm, clamp = self._norm_and_clamp(shared)
-        a, c = self._grid_scale(max_norm, w.numel(), clamp), self.granularity / 2
+        scalars = self._round_scalars(shared, None, w.device, w.numel())
+        a, c = scalars.a, self.granularity / 2
         error = self._recycler.empty(w.numel(), torch.float32) if w.device.type == "cpu" else None
         lookups = self._tables(w.device)
         packed = native.encode(
@@ -672,7 +784,7 @@ class THC(GridCodec):
         if packed is not None:
             return Payload({UPSTREAM: packed}, length), error
         payload = self._encode_grid(w, a, c, ctx, rotation=None, length=length)
-        step = self._step(max_norm, w.numel(), clamp)
+        step = scalars.step
         # What this payload alone decodes to, a*T[index] + c lane by lane (the decode of its own
         # one-contributor sum, without packing that sum and unpacking it again).
         own = self._grid_values(payload, w.numel()).to(torch.float32)
@@ -829,6 +941,16 @@ def _per_contributor(value: Scalar, payload: Payload) -> Scalar:
         return _divide(value, payload.contributors)
     counts = payload.counts.reshape(-1).to(_device_of(payload), torch.float64)
     return _divide(value, counts)
+
+
+class _OneContributor:
+    """What ``_per_contributor`` reads of the payload of one worker alone."""
+
+    counts = None
+    contributors = 1
+
+
+_ONE = _OneContributor()
 
 
 def _float32(value: Scalar) -> Scalar:

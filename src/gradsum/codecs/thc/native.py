@@ -87,6 +87,7 @@ def encode(
     error: torch.Tensor | None = None,
     empty: Empty = fresh,
     strata: tuple[int, int, int] | None = None,
+    own: tuple[float, float] | None = None,
 ) -> torch.Tensor | None:
     """Packed ``bits``-bit table indices of u = clamp(a*y + c, 0, g), stochastically rounded.
     ``strata`` = (the round's shared stratum seed, workers, this worker's rank mod workers):
@@ -97,8 +98,15 @@ def encode(
     cell g - 1 for u == g) packs the cell's table interval k, its lower end T[k] and its width
     as k | T[k] << 8 | width << 20. With ``error`` (float32 like x, only without a rotation),
     also error = x - (T[index] - c) / a: what error feedback keeps. Raises
-    ``NonFiniteGradientError`` for NaN or Inf in x, found by the rotation's first pass.
+    ``NonFiniteGradientError`` for NaN or Inf in x, found by the rotation's first pass (or,
+    unrotated, as each leaf is read for its rounding).
+
+    ``own`` = (a', c') (only with a rotation): the rotation's scratch is left holding
+    a' * T[index] + c', what the payload alone decodes to before its rotation back (a' and c'
+    the decode's, of the unnormalised transform), for ``inverse`` to finish.
     """
+    if own is not None and rotation is None:
+        return None
     if error is not None and not (
         rotation is None and _ready((error, torch.float32)) and error.numel() == x.numel()
     ):
@@ -111,9 +119,7 @@ def encode(
     ):
         return None
     buffer, signs, block = x, 0, 0
-    if rotation is None:
-        check_finite(x)
-    else:
+    if rotation is not None:
         if not _rotation_ready(rotation):
             return None
         buffer, signs, block = rotation.scratch, rotation.sign_bits.data_ptr(), rotation.block
@@ -138,10 +144,19 @@ def encode(
         0 if error is None else error.data_ptr(),
         1.0 / a if a else 0.0,
         *((0, 0, 0) if strata is None else strata),
+        *((False, 0.0, 0.0) if own is None else (True, *own)),
     )
     if not finite:
         check_finite(x)  # raises, naming the coordinates
     return out
+
+
+def inverse(rotation: Rotation) -> torch.Tensor:
+    """The rotation's scratch transformed back in place, as the decode does it (unnormalised
+    FWHT, then the signs): after ``encode(own=...)``, what the payload decodes to, padded."""
+    y = rotation.scratch
+    _kernels.inverse(y.data_ptr(), y.numel(), rotation.block, rotation.sign_bits.data_ptr())
+    return y
 
 
 def lookup_sum(
@@ -193,6 +208,37 @@ def decode(
         packed.data_ptr(), packed.numel(), width, count, a, c, out.data_ptr(), block, signs
     )
     return out
+
+
+def scale_pieces(
+    x: torch.Tensor, pieces: tuple[int, ...], lengths: torch.Tensor, factors: torch.Tensor,
+    divide: bool, out: torch.Tensor,
+) -> bool:  # fmt: skip
+    """out = x / factors[p] (``divide``) or x * factors[p] over each piece p of x, ``pieces``
+    its lengths (``lengths`` the same as int64): THC's tensor scales, rounded as torch's
+    elementwise operations round them. ``out`` may be x."""
+    if not (
+        _ready((x, torch.float32), (out, torch.float32), (lengths, torch.int64),
+               (factors, torch.float32))
+        and x.dim() == 1 and out.numel() == x.numel() == sum(pieces)
+        and lengths.numel() == factors.numel() == len(pieces)
+    ):  # fmt: skip
+        return False
+    _kernels.scale_pieces(x.data_ptr(), out.data_ptr(), lengths.data_ptr(), factors.data_ptr(),
+                          len(pieces), divide)  # fmt: skip
+    return True
+
+
+def piece_squares(x: torch.Tensor, pieces: tuple[int, ...],
+                  lengths: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
+    """Every piece's sum of squares (float32), as ``torch.segment_reduce(x.square(), "sum")``
+    adds them: one after another."""
+    if not (_ready((x, torch.float32), (lengths, torch.int64)) and x.dim() == 1
+            and x.numel() == sum(pieces) and lengths.numel() == len(pieces)):  # fmt: skip
+        return None
+    sums = torch.empty(len(pieces), dtype=torch.float32)
+    _kernels.piece_squares(x.data_ptr(), lengths.data_ptr(), len(pieces), sums.data_ptr())
+    return sums
 
 
 def _rotation_ready(rotation: Rotation) -> bool:

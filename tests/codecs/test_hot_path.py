@@ -1,0 +1,137 @@
+"""THC's hot path on the CPU: the native kernels that replace torch operations give their bits.
+
+What these pin: the per-tensor norms (a summary on the wire) are torch's float32 sums to the
+last bit; the tensor scales divide and multiply as torch's elementwise operations do; error
+feedback's reconstruction made inside the encode is the decode of the payload alone, bit for
+bit; and a round computes its tensor scales once per partition, not in every encode and decode.
+"""
+
+import pytest
+import torch
+
+from gradsum.codecs import make_codec, run_round
+from gradsum.codecs.base import CodecContext
+from gradsum.codecs.thc import codec as thc_codec
+from gradsum.codecs.thc import native
+
+pytestmark = pytest.mark.skipif(not native.built(), reason="the C extension is not built")
+
+# a matrix, vectors around it, one of 1 coordinate and one whose length is not a multiple of 8
+PIECES = (3000, 17, 1, 40_000, 5, 1234)
+
+
+@pytest.fixture(autouse=True)
+def native_on(monkeypatch):
+    monkeypatch.setenv("GRADSUM_NATIVE", "1")
+
+
+def _random(count: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([1e-3, 1.0, 30.0])[torch.randint(0, 3, (count,), generator=generator)]
+    return torch.randn(count, generator=generator) * scales
+
+
+def test_piece_squares_are_torchs_float32_sums_bit_for_bit():
+    x = _random(sum(PIECES), seed=1)
+    lengths = torch.tensor(PIECES)
+    expected = torch.segment_reduce(x.square(), "sum", lengths=lengths)
+    assert torch.equal(native.piece_squares(x, PIECES, lengths), expected)
+    # a float64 or pairwise sum differs in the last bits: the comparison above can tell
+    assert not torch.equal(x.double().square().split(PIECES)[3].sum().float(), expected[3])
+
+
+@pytest.mark.parametrize("divide", [True, False], ids=["divide", "multiply"])
+def test_scale_pieces_rounds_as_an_elementwise_operation(divide):
+    x = _random(sum(PIECES), seed=2)
+    lengths = torch.tensor(PIECES)
+    factors = torch.rand(len(PIECES), generator=torch.Generator().manual_seed(3)) + 0.1
+    repeated = torch.repeat_interleave(factors, lengths)
+    expected = x / repeated if divide else x * repeated
+    out = torch.empty_like(x)
+    assert native.scale_pieces(x, PIECES, lengths, factors, divide, out)
+    assert torch.equal(out, expected)
+    assert native.scale_pieces(x, PIECES, lengths, factors, divide, x)  # in place
+    assert torch.equal(x, expected)
+
+
+def _shared(codec, xs, ctxs):
+    summaries = [codec.summarize(x, ctx) for x, ctx in zip(xs, ctxs, strict=True)]
+    return torch.stack(summaries).amax(dim=0)
+
+
+@pytest.mark.parametrize(
+    ("options", "length", "described"),
+    [({}, 1 << 16, True), ({}, 50_000, False), ({"correlated": True}, 1 << 16, True),
+     ({"bits": 8}, 50_000, True)],
+    ids=["tensor-scales", "padded", "correlated", "8-bits"],
+)  # fmt: skip
+def test_the_reconstruction_inside_the_encode_is_the_decode_of_the_payload(
+    options, length, described, monkeypatch
+):
+    """The bug feared: the own values dequantized with other scalars than the decode's (a
+    contributor count, the sqrt of the block, the tensor scales), or transformed back another
+    way; error feedback's memory would then drift from what the other workers decode."""
+    codec = make_codec("thc", workers=3, error_feedback=False, **options)
+    pieces = (length - 300, 300) if described else None
+    if described:
+        codec.describe("k", [(length - 300,), (300,)])
+        codec.partitions("k", length, 1 << 20)
+    ctxs = [CodecContext(seed=5, worker=w, step=2, partition=0, key=("k", 0)) for w in range(3)]
+    xs = [_random(length, seed=10 + w) for w in range(3)]
+    if pieces is not None:
+        xs[1][-300:] *= 1e-3  # tensors of their own scales
+    shared = _shared(codec, xs, ctxs)
+    expected_payload = codec.encode(xs[1], ctxs[1], shared)
+    expected_own = codec.reconstruct(expected_payload, ctxs[1], shared).clone()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the reconstruction summed and decoded the payload again")
+
+    monkeypatch.setattr(native, "lookup_sum", refuse)
+    payload, own = codec.encode_and_reconstruct(xs[1], ctxs[1], shared)
+    assert torch.equal(payload.fields["indices"], expected_payload.fields["indices"])
+    assert torch.equal(own, expected_own)
+
+
+def test_error_feedback_on_the_native_path_keeps_the_reference_memory():
+    """The same memory and averages, step after step, as the generic reconstruction (encode,
+    then sum and decode the payload alone) gives on the same native encode."""
+
+    def rounds(fused: bool):
+        codec = make_codec("thc", workers=2, error_feedback=True)
+        codec.describe("k", [(70_000,), (1000,)])
+        if not fused:  # the generic path: encode, then decode the payload alone
+            inner = codec.inner
+            inner.encode_and_reconstruct = lambda x, ctx, shared=None: (
+                (p := inner.encode(x, ctx, shared)), inner.reconstruct(p, ctx, shared))
+        averages = []
+        for step in range(3):
+            xs = [_random(71_000, seed=100 * step + w) for w in range(2)]
+            averages.append(run_round(codec, xs, key="k", step=step).average.clone())
+        return averages, {k: v.clone() for k, v in codec.memory.items()}
+
+    fused, generic = rounds(True), rounds(False)
+    assert all(torch.equal(a, b) for a, b in zip(fused[0], generic[0], strict=True))
+    assert fused[1].keys() == generic[1].keys()
+    assert all(torch.equal(fused[1][k], generic[1][k]) for k in fused[1])
+
+
+def test_a_round_computes_each_partitions_tensor_scales_once(monkeypatch):
+    """Encode, error feedback's reconstruction and decode all use one partition's scales: the
+    bug feared is their recomputation (a reduction and a dozen small operations, per use)."""
+    calls = []
+    original = thc_codec.THC._tensor_scales
+
+    def counted(self, shared, pieces, device):
+        calls.append(pieces)
+        return original(self, shared, pieces, device)
+
+    monkeypatch.setattr(thc_codec.THC, "_tensor_scales", counted)
+    codec = make_codec("thc", workers=4, error_feedback=True)
+    codec.describe("k", [(20_000,), (30_000,), (10_000,), (5,)])
+    xs = [_random(60_005, seed=w) for w in range(4)]
+    run_round(codec, xs, key="k", step=0, partition_elements=1 << 15)
+    assert len(calls) == 2  # two partitions, each computed once for 4 workers and the decode
+    first = len(calls)
+    run_round(codec, xs, key="k", step=1, partition_elements=1 << 15)
+    assert len(calls) == 2 * first  # a new round's MAX result: computed again
