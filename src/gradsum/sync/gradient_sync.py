@@ -70,7 +70,10 @@ class GradientSync:
         order: Sequence[int] | None = None,
         timeout: float = 300.0,
         message_delay: float = 0.0,
+        on_backward: bool = True,
     ):
+        """``on_backward`` False: no gradient leaves during backward; ``release`` sends what
+        ``param.grad`` holds (local steps' outer round, train/outer.py)."""
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         if plan is not None and (groups is not None or fusion_elements):
             raise ValueError("pass a plan, or groups / fusion_elements, not both")
@@ -106,7 +109,7 @@ class GradientSync:
         self._handles = [
             p.register_post_accumulate_grad_hook(self._hook(i))
             for i, p in enumerate(self.parameters)
-        ]
+        ] if on_backward else []  # fmt: skip
 
     def _make_sender(self):
         if self.plan is not None and self.plan.aggregator == "ps" and self.session.shards:
@@ -121,6 +124,14 @@ class GradientSync:
             self._release_ready_groups()
 
         return on_ready
+
+    def release(self) -> None:
+        """Send every group now, from what ``param.grad`` holds, in the send order a backward
+        pass would release them; ``wait`` as after backward."""
+        for index in range(len(self.parameters)):
+            for g in self._waiting_on[index]:
+                self._missing[g] -= 1
+        self._release_ready_groups()
 
     def _release_ready_groups(self) -> None:
         """Release groups strictly in send order: a ready group waits for those before it."""
