@@ -2,8 +2,9 @@
 messages print them: torch DDP and its hooks (``ddp``, ``ddp:fp16``, ``ddp:bf16``,
 ``ddp:powersgdR``, train/peers.py) or gradsum's ``AGGREGATOR:CODEC``, optionally with the codec's
 options in parentheses: ``switch:thc(correlated=true,bits=4)``, the codec written as ``--codec``
-takes it (gradsum/spec.py), and with local steps after a ``+``: ``allreduce:thc+diloco(h=32)``
-(``--local-steps``, train/outer.py). Light: the command line parses them before torch is imported."""
+takes it (gradsum/spec.py), and with local steps after a ``+``:
+``allreduce:thc+diloco(h=32)`` (``--local-steps``, train/outer.py).
+Light: the command line parses them before torch is imported."""
 
 from __future__ import annotations
 
