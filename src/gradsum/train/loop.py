@@ -8,6 +8,7 @@ replica check, the evaluation result -- while gradients travel through the chose
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -112,6 +113,7 @@ def _train(config, rank, world, dataset, model, session) -> dict:
     replicas = Worker(net, model, optimizer, sync)
     if local is not None:
         replicas = LocalWorker(replicas, local)
+        report.evaluated = local.synced_weights
     schedule = schedule_of(config, first_epoch)
     trainer = Trainer(replicas, batches, report, schedule, guard=guard, decides=rank == 0)
     try:
@@ -291,6 +293,12 @@ class _WorkerReport(Report):
         self.dataset, self.log, self.save = dataset, log, save
         self.history: list[EpochMetrics] = []  # by epochs
         self.evals: list[dict] = []  # by steps: worker 0's evaluations
+        # the weights evaluated: the model's, or with local steps the synced ones (train/outer.py)
+        self.evaluated = contextlib.nullcontext
+
+    def _accuracy(self) -> float:
+        with self.evaluated():
+            return evaluate(self.model, self.dataset.test)
 
 
 class _Evaluations(_WorkerReport):
@@ -301,7 +309,8 @@ class _Evaluations(_WorkerReport):
         if self.rank != 0:
             return None
         config = self.config
-        loss, accuracy = validation(self.model, self.dataset.test, config.eval_samples)
+        with self.evaluated():
+            loss, accuracy = validation(self.model, self.dataset.test, config.eval_samples)
         record = {"step": step, "seconds": clock, "val_loss": loss, "val_accuracy": accuracy}
         self.evals.append(record)
         self.log.write({"event": "eval", **record})
@@ -351,7 +360,7 @@ class _Epochs(_WorkerReport):
             epoch=epoch + 1,
             loss=total_loss / max(self.seen, 1),
             train_accuracy=correct / max(self.seen, 1),
-            test_accuracy=evaluate(self.model, self.dataset.test),
+            test_accuracy=self._accuracy(),
             samples_per_s=self.world * self.samples / seconds if seconds > 0 else 0.0,
             seconds=seconds,
             median_step_s=statistics.median(durations),

@@ -132,6 +132,23 @@ class OuterState:
         self.taken = 0
         self.rounds += 1
 
+    @contextlib.contextmanager
+    def synced_weights(self):
+        """The start weights in the model while inside, the local ones back after: what is
+        evaluated, as every worker holds it alike (a worker's local weights, mid-round, are
+        its own shard's model)."""
+        if self.taken == 0:  # a round just ended: the local weights are the start
+            yield
+            return
+        with torch.no_grad():
+            for w, s in zip(self.weights, self.start, strict=True):
+                w.copy_(s)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                self._local_weights()
+
     def _local_weights(self) -> None:
         for w, s, a in zip(self.weights, self.start, self.acc, strict=True):
             torch.add(s, a, out=w)
@@ -215,6 +232,3 @@ class LocalWorker:
             state.outer_step(grads)
         self._lossless = False
 
-    def synced(self) -> list[torch.Tensor]:
-        """The start weights: what every worker holds alike, mid-round too."""
-        return self.state.start
