@@ -19,7 +19,8 @@ outer optimizers), tested without a process group; :class:`LocalWorker` is the T
 the same plan, keys, steps, tensor descriptions (THC's per-tensor scales), PS shards, recovery
 and uncompressed Session as a data-parallel step's, with the pseudo-gradient in ``param.grad``.
 The codec's error feedback lives in the Session's codec and so carries across outer rounds; the
-inner optimizer's state stays on its worker.
+inner optimizer's state stays on its worker. Evaluations see the start weights, the model every
+worker holds alike (mid-round a worker's own weights have seen its shard only).
 """
 
 from __future__ import annotations
