@@ -4,7 +4,8 @@ Every method trains the same model from the same seed on the same data, through 
 launcher (local workers on loopback, or one worker per host of an emulated cluster with
 ``--link-rate``), one after the other: gradsum's AGGREGATOR:CODEC pairs and what a PyTorch user
 has already (``ddp``: DDP's fp32 all-reduce; ``ddp:fp16``, ``ddp:bf16``: its compress hooks;
-``ddp:powersgdR``: torch's PowerSGD hook at rank R with error feedback and warm start). Each
+``ddp:powersgdR``: torch's PowerSGD hook at rank R with error feedback and warm start; gradsum's
+with local steps, ``allreduce:none+diloco(h=32)`` the unquantized DiLoCo peer). Each
 run trains for ``--time-budget`` seconds (or ``--max-steps``) and evaluates every
 ``--eval-every`` steps on the same validation samples, outside the timed region.
 
@@ -241,6 +242,7 @@ def bytes_per_step(config) -> int:
         return wire_bytes_per_step(config, model)
     from ..codecs import make_codec, parse_options
     from ..codecs.round import run_round
+    from ..train.outer import parse_local_steps
 
     size = sum(p.numel() for p in model.parameters())
     codec = make_codec(config.codec, workers=config.workers,
@@ -255,7 +257,9 @@ def bytes_per_step(config) -> int:
     shared = [s for _, _, s in result.pieces if s is not None]
     summary_bits = sum(s.numel() for s in shared) * codec.summary_bits()
     bits_up, _ = result.bits_per_coordinate()
-    return math.ceil((bits_up * size + summary_bits) / 8)
+    # local steps send one round every h steps (train/outer.py)
+    every = parse_local_steps(config.local_steps).h if config.local_steps else 1
+    return math.ceil((bits_up * size + summary_bits) / 8 / every)
 
 
 def common_step(rows: list[TTARow]) -> int | None:

@@ -72,10 +72,13 @@ class GradientSync:
         timeout: float = 300.0,
         message_delay: float = 0.0,
         broadcast_from: int | None = 0,
+        on_backward: bool = True,
     ):
         """``broadcast_from``: where a process group is initialized, the rank whose parameters
         every replica starts from, as DDP does (None: the replicas already agree; without a
-        process group they must, e.g. from a shared seed)."""
+        process group they must, e.g. from a shared seed). ``on_backward`` False: no gradient
+        leaves during backward; ``release`` sends what ``param.grad`` holds (local steps' outer
+        round, train/outer.py)."""
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         if broadcast_from is not None and dist.is_available() and dist.is_initialized():
             broadcast_parameters(self.parameters, broadcast_from)
@@ -113,7 +116,7 @@ class GradientSync:
         self._handles = [
             p.register_post_accumulate_grad_hook(self._hook(i))
             for i, p in enumerate(self.parameters)
-        ]
+        ] if on_backward else []  # fmt: skip
 
     def _make_sender(self):
         if self.plan is not None and self.plan.aggregator == "ps" and self.session.shards:
@@ -128,6 +131,14 @@ class GradientSync:
             self._release_ready_groups()
 
         return on_ready
+
+    def release(self) -> None:
+        """Send every group now, from what ``param.grad`` holds, in the send order a backward
+        pass would release them; ``wait`` as after backward."""
+        for index in range(len(self.parameters)):
+            for g in self._waiting_on[index]:
+                self._missing[g] -= 1
+        self._release_ready_groups()
 
     def _release_ready_groups(self) -> None:
         """Release groups strictly in send order: a ready group waits for those before it."""

@@ -10,7 +10,8 @@ from pathlib import Path
 METHOD_KEY = "method"
 _WHAT_DIFFERS = (("aggregator", "aggregator"), ("codec", "codec"),
                  ("codec_options", "codec's options"), ("ddp_hook", "DDP hook"),
-                 ("powersgd_rank", "PowerSGD rank"), ("shard", "sharding"))  # fmt: skip
+                 ("powersgd_rank", "PowerSGD rank"), ("shard", "sharding"),
+                 ("local_steps", "local steps"))  # fmt: skip
 
 
 def check_resume(config) -> None:

@@ -57,7 +57,8 @@ METHODS = Sweep(
     "comma-separated methods, the first the baseline: AGGREGATOR:CODEC or "
     "AGGREGATOR:CODEC(option=value,...) (gradsum's), ddp, ddp:fp16, ddp:bf16, ddp:powersgdR "
     "(torch DDP and its hooks, R the rank), fsdp2, fsdp2:bf16 (FSDP2 and its reduce-scatter, "
-    "fp32 or bf16), fsdp2:CODEC(option=value,...) (FSDP2 with gradsum's codec in it)",
+    "fp32 or bf16), fsdp2:CODEC(option=value,...) (FSDP2 with gradsum's codec in it); a gradsum "
+    "method with +diloco(h=H,lr=LR,momentum=M) takes local steps (--local-steps)",
 )
 SCHEDULERS = Sweep(
     "--schedulers",
@@ -125,6 +126,13 @@ def _codec_spec(text: str) -> tuple[str, str]:
     from .methods import codec_spec  # methods imports this module's names
 
     return codec_spec(text)
+
+
+def _local_steps_spec(text: str) -> str:
+    from .outer import parse_local_steps
+
+    parse_local_steps(text)
+    return text.replace(" ", "")
 
 
 def _scheduler_spec(text: str) -> str:
@@ -205,6 +213,14 @@ class Method(Section):
         applies=_powersgd_hook,
         help="uncompressed steps before torch's PowerSGD (at least 2)",
     )
+    # DiLoCo: the optimizer above becomes the inner one, each worker's own (train/outer.py)
+    local_steps: str | None = setting(
+        None, parse=argument_type(_local_steps_spec), sweep=METHODS.flag, applies=_gradsum_codec,
+        metavar="diloco(h=H,lr=LR,momentum=M)", shown_default="none: every step syncs",
+        help="take H local steps of the optimizer on each worker, then average the "
+        "pseudo-gradient (start - local weights) through the aggregator and codec and apply it "
+        "with an outer Nesterov SGD (DiLoCo; defaults h=32, lr=0.7, momentum=0.9)",
+    )  # fmt: skip
     # With AdamW the first gradients set the optimizer's moments; PowerSGD's first rank-r
     # guesses from a random Q set them badly, and a run does not win back the loss it loses there
     shard: str = setting(

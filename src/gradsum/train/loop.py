@@ -8,6 +8,7 @@ replica check, the evaluation result -- while gradients travel through the chose
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -29,6 +30,7 @@ from .data import augment_images, load_dataset, shard_batches, steps_per_epoch
 from .guard import DivergenceGuard
 from .methods import compresses, method_name
 from .models import build_model, model_sizes, sample_shape
+from .outer import LocalWorker, OuterState, parse_local_steps
 from .peers import DDPSync
 from .sharding import (
     FSDPSync,
@@ -73,47 +75,64 @@ def train_worker(config: TrainConfig, rank: int, world: int) -> dict:
         session.aggregator.close()
 
 
-def _make_optimizer(config: TrainConfig, model: torch.nn.Module,
-                    codec: Codec | None) -> torch.optim.Optimizer:  # fmt: skip
+def _make_optimizer(config: TrainConfig, parameters, codec: Codec | None,
+                    weight_decay: float | None = None) -> torch.optim.Optimizer:  # fmt: skip
+    decay = config.weight_decay if weight_decay is None else weight_decay
     if config.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=decay)
     if config.optimizer != "sgd":
         raise ValueError(f"unknown optimizer {config.optimizer!r}")
     carried = codec is not None and codec.carries_momentum  # then the codec applies it
     momentum = 0.0 if carried else config.momentum
-    return torch.optim.SGD(
-        model.parameters(), lr=config.lr, momentum=momentum, weight_decay=config.weight_decay
-    )
+    return torch.optim.SGD(parameters, lr=config.lr, momentum=momentum, weight_decay=decay)
+
+
+def _local_steps(config: TrainConfig, sync) -> OuterState:
+    """Local steps' bookkeeping over the synced parameters: the optimizer becomes each worker's
+    inner one, over the round's accumulators (its weight decay applied by ``OuterState``)."""
+    decoupled = config.lr if config.optimizer == "adamw" else None
+    return OuterState(
+        sync.parameters, parse_local_steps(config.local_steps),
+        lambda acc: _make_optimizer(config, acc, None, weight_decay=0.0),
+        weight_decay=config.weight_decay, decoupled_lr=decoupled,
+    )  # fmt: skip
 
 
 def _train(config, rank, world, dataset, model, session) -> dict:
     codec = session.codec if session is not None else None
-    optimizer = _make_optimizer(config, model, codec)
     stepwise = stepped(config)
     # the compute of a step, every worker at once (as in training) but exchanging nothing:
     # what the communication-to-compute ratio of bench tta divides by
     compute_s = _compute_seconds(model, dataset, config) if stepwise else None
     sync, net, describe, order, predicted = _sync_for(config, model, dataset, session)
+    local = _local_steps(config, sync) if config.local_steps else None
+    optimizer = local.inner if local else _make_optimizer(config, model.parameters(), codec)
     # what start-up sent (the plan's calibration), so that the counters after training say what
     # training alone cost in datagrams, retransmissions and timeouts
     start_up = {} if session is None else session.aggregator.transport_stats()
     guard = DivergenceGuard(method_name(config), config.divergence_factor,
                             fallback=config.fallback, compressed=compresses(config))  # fmt: skip
-    first_epoch = _resume(config, rank, model, optimizer, codec, sync) if config.resume else 0
+    first_epoch = (_resume(config, rank, model, optimizer, codec, sync, local)
+                   if config.resume else 0)  # fmt: skip
     log = _Log(config.log if rank == 0 else None)
     log.write({"event": "config", "world": world, **asdict(config)})
     log.write({"event": "plan", "describe": describe, "order": order})
     if rank == 0 and config.progress:
         print(describe, flush=True)
-    save = _saver(config, rank, model, optimizer, codec, sync)
+    save = _saver(config, rank, model, optimizer, codec, sync, local)
     report = (_Evaluations if stepwise else _Epochs)(config, rank, world, model, dataset, log, save)
     batches = _Shards(config, rank, world, dataset, augment=dataset.augment and not stepwise)
     replicas = Worker(net, model, optimizer, sync)
+    if local is not None:
+        replicas = LocalWorker(replicas, local)
+        report.evaluated = local.synced_weights
     schedule = schedule_of(config, first_epoch)
     trainer = Trainer(replicas, batches, report, schedule, guard=guard, decides=rank == 0)
     try:
         trainer.run()
-        digest = check_replicas(model)
+        # mid-round, local steps' workers hold their own weights, and alike only the start
+        check_replicas(local.start if local else list(model.parameters()))
+        digest = parameter_digest(model)
         total = {} if session is None else session.aggregator.transport_stats()
     finally:
         sync.close()
@@ -162,6 +181,7 @@ def _sync_for(config, model, dataset, session):
         order=chosen.order,
         timeout=config.timeout,
         message_delay=config.message_delay,
+        on_backward=not config.local_steps,  # local steps send only their outer rounds
     )
     return sync, model, chosen.describe(), chosen.order, chosen.predicted_step_s()
 
@@ -292,6 +312,12 @@ class _WorkerReport(Report):
         self.dataset, self.log, self.save = dataset, log, save
         self.history: list[EpochMetrics] = []  # by epochs
         self.evals: list[dict] = []  # by steps: worker 0's evaluations
+        # the weights evaluated: the model's, or with local steps the synced ones (train/outer.py)
+        self.evaluated = contextlib.nullcontext
+
+    def _accuracy(self) -> float:
+        with self.evaluated():
+            return evaluate(self.model, self.dataset.test)
 
 
 class _Evaluations(_WorkerReport):
@@ -305,7 +331,8 @@ class _Evaluations(_WorkerReport):
                 self.model.train()
             return None
         config = self.config
-        loss, accuracy = validation(self.model, self.dataset.test, config.eval_samples)
+        with self.evaluated():
+            loss, accuracy = validation(self.model, self.dataset.test, config.eval_samples)
         record = {"step": step, "seconds": clock, "val_loss": loss, "val_accuracy": accuracy}
         self.evals.append(record)
         self.log.write({"event": "eval", **record})
@@ -355,7 +382,7 @@ class _Epochs(_WorkerReport):
             epoch=epoch + 1,
             loss=total_loss / max(self.seen, 1),
             train_accuracy=correct / max(self.seen, 1),
-            test_accuracy=evaluate(self.model, self.dataset.test),
+            test_accuracy=self._accuracy(),
             samples_per_s=self.world * self.samples / seconds if seconds > 0 else 0.0,
             seconds=seconds,
             median_step_s=statistics.median(durations),
@@ -420,17 +447,18 @@ def validation(
     return float(total) / max(seen, 1), int(correct) / max(seen, 1)
 
 
-def parameter_digest(model: torch.nn.Module) -> str:
+def parameter_digest(model: torch.nn.Module | list[torch.Tensor]) -> str:
     """A hash of every parameter's bytes (copied to the host first: a device tensor has no
     host bytes to hash)."""
     digest = hashlib.blake2b(digest_size=16)
-    for parameter in model.parameters():
+    tensors = model if isinstance(model, list) else model.parameters()
+    for parameter in tensors:
         parameter = full_parameter(parameter.detach())  # a shard's whole parameter
         digest.update(parameter.contiguous().cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
-def check_replicas(model: torch.nn.Module) -> str:
+def check_replicas(model: torch.nn.Module | list[torch.Tensor]) -> str:
     """Every worker must hold bitwise the same parameters; raise naming the ones that differ."""
     digest = parameter_digest(model)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -501,16 +529,17 @@ def _rank_file(path: str, rank: int) -> Path:
     return Path(f"{path}.rank{rank}")
 
 
-def _saver(config, rank, model, optimizer, codec, sync):
+def _saver(config, rank, model, optimizer, codec, sync, local=None):
     """What saves a checkpoint after an epoch: nothing without ``--checkpoint``."""
     if not config.checkpoint:
         return lambda epoch: None
-    return lambda epoch: _save(config, rank, epoch, model, optimizer, codec, sync)
+    return lambda epoch: _save(config, rank, epoch, model, optimizer, codec, sync, local)
 
 
-def _save(config, rank, epoch, model, optimizer, codec, sync) -> None:
-    """Model and optimizer from worker 0, plus every worker's own codec state (error feedback).
-    A sharded model's are gathered whole first (every worker takes part)."""
+def _save(config, rank, epoch, model, optimizer, codec, sync, local=None) -> None:
+    """Model and optimizer from worker 0, plus every worker's own codec state (error feedback)
+    and, with local steps, its own round (start, accumulator, inner and outer optimizers). A
+    sharded model's are gathered whole first (every worker takes part)."""
     sharded = is_sharded(model)
     if sharded:
         model_state, optimizer_state = full_states(model, optimizer)
@@ -521,7 +550,8 @@ def _save(config, rank, epoch, model, optimizer, codec, sync) -> None:
                  "method": method_name(config)}  # checked on resume (train/checkpoints.py)
         _save_whole(state, Path(config.checkpoint))
     codec_state = codec.state_dict() if codec is not None else {}  # DDP: torch's hook state
-    own = {"codec": codec_state, "step": sync.step, "epoch": epoch}
+    own = {"codec": codec_state, "step": sync.step, "epoch": epoch,
+           "local_steps": local.state_dict() if local is not None else None}  # fmt: skip
     _save_whole(own, _rank_file(config.checkpoint, rank))
 
 
@@ -543,7 +573,7 @@ def checkpoint_epoch(path: str, rank: int) -> int | None:
     return epochs.pop() if len(epochs) == 1 and None not in epochs else None
 
 
-def _resume(config, rank, model, optimizer, codec, sync) -> int:
+def _resume(config, rank, model, optimizer, codec, sync, local=None) -> int:
     path, rank_path = Path(config.resume), _rank_file(config.resume, rank)
     for needed in (path, rank_path):
         if not needed.is_file():
@@ -558,4 +588,6 @@ def _resume(config, rank, model, optimizer, codec, sync) -> int:
     if codec is not None:
         codec.load_state_dict(own["codec"])
     sync.step = own["step"]
+    if local is not None:
+        local.load_state_dict(own["local_steps"])  # this worker's weights, inner state and round
     return state["epoch"] + 1

@@ -2,7 +2,9 @@
 messages print them: torch DDP and its hooks (``ddp``, ``ddp:fp16``, ``ddp:bf16``,
 ``ddp:powersgdR``, train/peers.py) or gradsum's ``AGGREGATOR:CODEC``, optionally with the codec's
 options in parentheses: ``switch:thc(correlated=true,bits=4)``, the codec written as ``--codec``
-takes it (gradsum/spec.py). Light: the command line parses them before torch is imported."""
+takes it (gradsum/spec.py), and with local steps after a ``+``:
+``allreduce:thc+diloco(h=32)`` (``--local-steps``, train/outer.py).
+Light: the command line parses them before torch is imported."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ def method_name(config) -> str:
         return sharded_method_name(config)
     if config.aggregator != "ddp":
         options = config.codec_options.replace(" ", "")
-        return f"{config.aggregator}:{config.codec}" + (f"({options})" if options else "")
+        local = f"+{config.local_steps}" if config.local_steps else ""
+        return f"{config.aggregator}:{config.codec}" + (f"({options})" if options else "") + local
     if config.ddp_hook == "allreduce":
         return "ddp"
     if config.ddp_hook == "powersgd":
@@ -72,6 +75,7 @@ def method_fields(name: str) -> dict:
     from ..cli import UsageError
     from ..spec import parse_options
 
+    name, local = _local_part(name)
     head, _, tail = name.partition(":")
     if head == FSDP2:
         from .sharding import sharded_method_fields
@@ -101,4 +105,26 @@ def method_fields(name: str) -> dict:
         check_compatible(head, codec, parse_options(options))
     except (IncompatibleChoice, ValueError) as error:
         raise UsageError(f"--methods {name}: {error}") from None
-    return {"aggregator": head, "codec": codec, "codec_options": options}
+    return {"aggregator": head, "codec": codec, "codec_options": options, **local}
+
+
+def _local_part(name: str) -> tuple[str, dict]:
+    """A method's name without its ``+diloco(...)`` (local steps, train/outer.py), and the
+    field that sets."""
+    from ..cli import UsageError
+
+    depth = 0
+    for i, char in enumerate(name):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "+" and depth == 0:
+            head, spec = name[:i], name[i + 1 :]
+            if head.startswith(DDP):
+                raise UsageError(f"--methods {name}: local steps apply to gradsum's methods only")
+            from .outer import parse_local_steps
+
+            try:
+                parse_local_steps(spec)
+            except ValueError as error:
+                raise UsageError(f"--methods {name}: {error}") from None
+            return head, {"local_steps": spec.replace(" ", "")}
+    return name, {}
