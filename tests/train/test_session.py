@@ -80,7 +80,7 @@ def test_the_optimizer_leaves_momentum_to_a_codec_that_carries_it():
 
     model = torch.nn.Linear(3, 2)
     config = TrainConfig(momentum=0.9)
-    momentum = {name: _make_optimizer(config, model, make_codec(name, workers=2))
+    momentum = {name: _make_optimizer(config, model.parameters(), make_codec(name, workers=2))
                 .param_groups[0]["momentum"] for name in ("dgc", "topk", "thc")}  # fmt: skip
     assert momentum == {"dgc": 0.0, "topk": 0.9, "thc": 0.9}
-    assert _make_optimizer(config, model, None).param_groups[0]["momentum"] == 0.9  # DDP
+    assert _make_optimizer(config, model.parameters(), None).param_groups[0]["momentum"] == 0.9  # DDP
