@@ -140,7 +140,7 @@ def run_daemon(args: argparse.Namespace, make_profile) -> int:
         raise UsageError(str(error)) from None
     tenant_memory = (args.max_memory or args.memory) * MIB
     profile = make_profile(args.job_memory * MIB, args.memory * MIB, args.max_elements,
-                           max_jobs=max(args.max_jobs, MAX_JOBS), tenant_jobs=args.max_jobs,
+                           max_jobs=MAX_JOBS, tenant_jobs=args.max_jobs,
                            tenant_memory=tenant_memory)  # fmt: skip
     try:
         secrets = load_secrets(args.admission_file)
@@ -304,6 +304,9 @@ def _check_flags(args, UsageError) -> None:
     ):
         if value < 1:
             raise UsageError(f"{flag} must be positive, got {value}")
+    if args.max_jobs > MAX_JOBS:
+        raise UsageError(f"--max-jobs must be at most {MAX_JOBS} (the jobs of every admission "
+                         f"secret together), got {args.max_jobs}")  # fmt: skip
     if args.stats_interval < 0:
         raise UsageError(f"--stats-interval must be >= 0, got {args.stats_interval}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535 - args.pipelines:
