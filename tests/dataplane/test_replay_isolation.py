@@ -186,7 +186,9 @@ def test_a_probe_signed_with_the_key_of_a_job_no_longer_held_hears_unknown_job(s
         assert (got, reply["code"]) == (Kind.ERROR, "unauthenticated"), reply
 
 
-@pytest.mark.parametrize("text", ["[::1:5", "[::1]]:5", "::1:5", "[10.0.0.1:5", "1.2.3.4]:5", "[]:5"])
+@pytest.mark.parametrize(
+    "text", ["[::1:5", "[::1]]:5", "::1:5", "[10.0.0.1:5", "1.2.3.4]:5", "[]:5"]
+)
 def test_a_malformed_address_is_refused(text):
     with pytest.raises(SpecError):
         parse_address(text)

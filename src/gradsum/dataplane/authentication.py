@@ -9,8 +9,8 @@ nonce) under the key the message claims: an admission secret (REGISTER, aggregat
 or the job's own key (TEARDOWN, a job's STATS). The aggregator accepts a timestamp within
 ``WINDOW_S`` of its clock and each nonce once within that window, remembered per principal
 (``ReplayGuard``), so a recorded message cannot be replayed and no principal's flood of signed
-requests locks out another; a retry is a new message. A reply to a signed request is signed with the same key,
-so a worker can tell it from a spoof.
+requests locks out another; a retry is a new message. A reply to a signed request is signed
+with the same key, so a worker can tell it from a spoof.
 
 A job's key travels to the aggregator in its REGISTER body, masked with a keystream only the
 admission secret's holders can compute (``wrap_key``): an observer of the network who lacks the
@@ -132,7 +132,7 @@ class ReplayGuard:
 class _Window:
     """One principal's remembered nonces, by timestamp, and its floor."""
 
-    __slots__ = ("seen", "stamps", "floor")
+    __slots__ = ("floor", "seen", "stamps")
 
     def __init__(self):
         self.seen: set[bytes] = set()

@@ -221,7 +221,7 @@ class DataPlane:
                 if refusal:
                     raise RequestRefused("replayed", refusal, key=principal[2])
                 return principal
-        if job is None and header.kind is Kind.TEARDOWN or (
+        if (job is None and header.kind is Kind.TEARDOWN) or (
             job is None and header.kind is Kind.STATS_REQUEST and header.job != 0
         ):
             # A request for a job is signed with its key, which went with the job: say that
