@@ -249,9 +249,10 @@ def _serve(args, profile, aggregator, sock, Daemon, index: int) -> int:
     metrics = args.metrics_servers[index] if args.metrics_servers else None
     for other in args.metrics_servers or ():
         if other is not metrics:
-            other.httpd.server_close()  # another pipeline's
+            other.close()  # another pipeline's
     if metrics is not None:
         labels = {"profile": profile.name, "pipeline": str(index)}
+        metrics.log = lambda line: _report(line, event="metrics_request_failed", level="warning")
         metrics.start(daemon.statistics, lambda: daemon.last_turn, labels)
     _install_signals(daemon)
     reporter = _start_reporter(daemon, args.stats_interval)
@@ -285,7 +286,7 @@ def _open_metrics(host: str, port: int | None, pipelines: int, UsageError) -> li
             servers.append(MetricsServer((host, port + index if port else 0)))
     except OSError as error:
         for server in servers:
-            server.httpd.server_close()
+            server.close()
         raise UsageError(f"--metrics-port: {error.strerror or error}") from None
     return servers
 
