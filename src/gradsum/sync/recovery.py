@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 import torch.distributed as dist
 
 from ..dataplane.jobspec import Address
+from .service import note_registered
 
 Watchdog = Callable[[Sequence[tuple[Address, int]]], None]  # the aggregators owing results
 
@@ -210,6 +211,7 @@ class JobRecovery:
                              "be redone"}  # fmt: skip
         try:
             addresses = [self._replacement(address) for address in client.aggregators]
+            note_registered(client, addresses)
             client.register_afresh(addresses)
         except Exception as error:  # a ControlError, or none answers: every worker is told
             return {"error": f"job {job} could not be registered again: {error}"}

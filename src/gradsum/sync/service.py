@@ -72,9 +72,26 @@ def connect_jobs(address_groups: Sequence[Sequence[Address]], wire: WireFormat,
     dist.all_gather_object(everyone, [client.address for client in clients])
     if settings.rank == 0:
         for k, client in enumerate(clients):
+            note_registered(client, client.aggregators)
             client.register([addresses[k] for addresses in everyone])
     dist.barrier()
     return clients
+
+
+# Where the worker that registers a job also notes it, before it registers: a list the
+# launcher of local workers shares with them (``train.launch.run_local``), so that the jobs of
+# a run whose workers were all killed, or killed before they could tear down, are torn down
+# by the launcher. None: nobody keeps such notes (torchrun, tests).
+job_records = None
+
+
+def note_registered(client, aggregators) -> None:
+    """Note ``client``'s job on ``aggregators`` in ``job_records`` (if kept)."""
+    if job_records is None:
+        return
+    key = None if client.key is None else client.key.hex()
+    for address in aggregators:
+        job_records.append((tuple(address), client.job, key))
 
 
 def disconnect_jobs(clients: Sequence, rank: int, everyone: bool = False) -> None:

@@ -123,11 +123,12 @@ def run_local(config: TrainConfig) -> dict:
     context = mp.get_context("spawn")
     with local_services(config) as addresses, context.Manager() as manager:
         results = manager.dict()
+        registered = manager.list()  # (aggregator, job, key) of every job a worker registered
         port = _free_port()
         processes = [
             context.Process(
                 target=_local_entry,
-                args=(config, addresses, rank, config.workers, port, results),
+                args=(config, addresses, rank, config.workers, port, results, registered),
                 name=f"gradsum-worker-{rank}",
             )
             for rank in range(config.workers)
@@ -137,16 +138,39 @@ def run_local(config: TrainConfig) -> dict:
                 for process in processes:
                     process.start()
             _join(processes, results, config)
+        except BaseException:
+            _stop(processes)
+            # The survivors tear their jobs down as they stop; a job whose workers were all
+            # killed (or were killed in the middle of it) is torn down here.
+            _tear_down(list(registered))
+            raise
         finally:
-            for process in processes:
-                if process.is_alive():
-                    process.terminate()  # it tears its jobs down on the way out
-            for process in processes:
-                process.join(5)
-                if process.is_alive():
-                    process.kill()
-                    process.join(5)
+            _stop(processes)
         return dict(results[0])
+
+
+def _stop(processes) -> None:
+    """Stop every worker still running: SIGTERM (it tears its jobs down on the way out), then
+    SIGKILL for one that has not ended 5 s later."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(5)
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+
+
+def _tear_down(registered) -> None:
+    """TEARDOWN for every noted job (1 s each; one already gone is fine): after a failed run,
+    no job of it stays on an aggregator, whichever workers died."""
+    from ..net.client import ControlError, teardown_job
+
+    for address, job, key in dict.fromkeys(registered):
+        with contextlib.suppress(ControlError, OSError):
+            teardown_job(tuple(address), job, timeout=1.0,
+                         key=None if key is None else bytes.fromhex(key))  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -185,7 +209,14 @@ def _join(processes, results, config: TrainConfig) -> None:
             process.join(0.2)
     # The manager's dict keeps the order workers wrote in: the first failure is the likeliest
     # cause, the others often only the peers of a worker that had died (a broken connection).
+    # A worker killed by a signal before it said anything comes first, though: its peers'
+    # errors (a reset connection) are what its death did to them.
     failures = [value for value in results.values() if isinstance(value, Failure)]
+    for rank, process in enumerate(processes):
+        code = process.exitcode
+        if code is not None and code < 0 and rank not in results:
+            raise WorkerFailed(Failure("Killed", f"the process ended by {_signal_name(-code)} "
+                                       "before it returned a result", rank))  # fmt: skip
     if failures:
         raise WorkerFailed(failures[0])
     for rank, process in enumerate(processes):
@@ -213,8 +244,11 @@ def _signal_name(number: int) -> str:
     return f"signal {number}"
 
 
-def _local_entry(config, addresses, rank, world, port, results) -> None:
+def _local_entry(config, addresses, rank, world, port, results, registered=None) -> None:
+    from ..sync import service
+
     _raise_on_sigterm()
+    service.job_records = registered  # the launcher tears these down if the run fails
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # Workers share this machine's cores: more intra-op threads than cores only thrash.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
