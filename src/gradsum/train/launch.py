@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 import warnings
 from datetime import timedelta
 
@@ -163,14 +164,22 @@ def _stop(processes) -> None:
 
 
 def _tear_down(registered) -> None:
-    """TEARDOWN for every noted job (1 s each; one already gone is fine): after a failed run,
-    no job of it stays on an aggregator, whichever workers died."""
+    """TEARDOWN for every noted job, all at once, 1 s at most (one already gone is fine):
+    after a failed run, no job of it stays on an aggregator, whichever workers died."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from ..net.client import ControlError, teardown_job
 
-    for address, job, key in dict.fromkeys(registered):
+    def tear_down(record) -> None:
+        address, job, key = record
         with contextlib.suppress(ControlError, OSError):
             teardown_job(tuple(address), job, timeout=1.0,
                          key=None if key is None else bytes.fromhex(key))  # fmt: skip
+
+    records = list(dict.fromkeys(registered))
+    if records:
+        with ThreadPoolExecutor(min(16, len(records))) as pool:
+            list(pool.map(tear_down, records))
 
 
 @contextlib.contextmanager
@@ -200,8 +209,9 @@ def _join(processes, results, config: TrainConfig) -> None:
     def returned(rank: int) -> bool:
         return rank in results and not isinstance(results[rank], Failure)
 
-    def failed_early() -> bool:
-        return any(p.exitcode not in (None, 0) and not returned(rank)
+    def failed_early() -> bool:  # a worker gone without a result, or one that reported failure
+        return any((p.exitcode not in (None, 0) and not returned(rank))
+                   or isinstance(results.get(rank), Failure)
                    for rank, p in enumerate(processes))  # fmt: skip
 
     while any(p.is_alive() for p in processes) and not failed_early():
@@ -255,6 +265,7 @@ def _local_entry(config, addresses, rank, world, port, results, registered=None)
     local = TrainConfig(
         **{**config.__dict__, **addresses, "progress": config.progress and rank == 0}
     )
+    code = 0
     try:
         use_local_gpu(config, rank)
         dist.init_process_group(
@@ -266,11 +277,26 @@ def _local_entry(config, addresses, rank, world, port, results, registered=None)
         pass
     except BaseException as error:
         _already_failing()
+        code = 1
         results[rank] = Failure.of(error, rank)
-        raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    _exit_worker(code)
+
+
+def _exit_worker(code: int) -> None:
+    """End a local worker once everything it started is closed: its jobs torn down and its
+    threads joined (the session's ``close``), its process group destroyed, its result with
+    the launcher. The interpreter's own finalization is skipped: it would destroy what
+    libraries still hold after that in no defined order -- Gloo's transport threads outlive
+    ``destroy_process_group``, and a ``std::thread`` destroyed while still joinable is
+    ``std::terminate`` ("terminate called without an active exception", SIGABRT in a
+    finished worker) -- and on a loaded host it took seconds."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _train(config: TrainConfig, rank: int, world: int) -> dict:
