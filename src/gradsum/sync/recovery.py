@@ -184,7 +184,7 @@ class JobRecovery:
         if tries > MAX_RECOVERIES:
             self.failed = RecoveryFailed(f"round {position} of job {job} was lost {tries - 1} "
                                          "times; giving up")  # fmt: skip
-            raise self.failed from lost
+            raise RecoveryFailed(str(self.failed)) from lost
         self._tries[job] = (position, tries)
         post = {"round": position, "reason": str(getattr(lost, "reason", lost))}
         self._set(self._key(job, generation, f"worker{self.rank}"), post)
@@ -194,8 +194,8 @@ class JobRecovery:
         decision = self._await(self._key(job, generation, "decision"), "worker 0's decision")
         self._generation[job] = generation + 1
         if "error" in decision:
-            self.failed = RecoveryFailed(decision["error"])
-            raise self.failed from lost
+            self.failed = self.failed or RecoveryFailed(decision["error"])
+            raise RecoveryFailed(str(self.failed)) from lost
         client.relocate([tuple(a) for a in decision["addresses"]])
         record = {"job": job, "round": position, "lost": str(lost),
                   "addresses": decision["addresses"]}  # fmt: skip
@@ -225,6 +225,8 @@ class JobRecovery:
             return {"error": f"job {job}'s aggregator was lost after some workers had the "
                              f"result of a round and others not (rounds {rounds}); it cannot "
                              "be redone"}  # fmt: skip
+        if self.failed is not None:  # another job's recovery ended the run meanwhile
+            return {"error": str(self.failed)}
         try:
             note_registered(client, addresses)
             client.register_afresh(addresses)
