@@ -292,7 +292,12 @@ def _exit_worker(code: int) -> None:
     libraries still hold after that in no defined order -- Gloo's transport threads outlive
     ``destroy_process_group``, and a ``std::thread`` destroyed while still joinable is
     ``std::terminate`` ("terminate called without an active exception", SIGABRT in a
-    finished worker) -- and on a loaded host it took seconds."""
+    finished worker) -- and on a loaded host it took seconds. The exit handlers still run
+    (multiprocessing's among them, which releases the semaphores the worker made)."""
+    import atexit
+
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
