@@ -7,9 +7,10 @@ A signed control message (header flag ``SIGNED``) ends in a 56-byte trailer::
 The tag covers the aggregator's port and every byte before it (header, body, timestamp,
 nonce) under the key the message claims: an admission secret (REGISTER, aggregator-wide STATS)
 or the job's own key (TEARDOWN, a job's STATS). The aggregator accepts a timestamp within
-``WINDOW_S`` of its clock and each nonce once within that window, so a recorded message cannot
-be replayed; a retry is a new message. A reply to a signed request is signed with the same key,
-so a worker can tell it from a spoof.
+``WINDOW_S`` of its clock and each nonce once within that window, remembered per principal
+(``ReplayGuard``), so a recorded message cannot be replayed and no principal's flood of signed
+requests locks out another; a retry is a new message. A reply to a signed request is signed
+with the same key, so a worker can tell it from a spoof.
 
 A job's key travels to the aggregator in its REGISTER body, masked with a keystream only the
 admission secret's holders can compute (``wrap_key``): an observer of the network who lacks the
@@ -19,16 +20,16 @@ secret learns neither the key nor, so, the job's data token (``data_token``).
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 import os
 import struct
-from collections import OrderedDict
 
 TRAILER = struct.Struct("<Q16s32s")
 TRAILER_SIZE = TRAILER.size  # 56
 KEY_SIZE = 32
 WINDOW_S = 30.0  # accepted clock difference between a signer and the aggregator
-MAX_NONCES = 1 << 16  # remembered within the window; beyond, signed requests wait
+MAX_NONCES = 1 << 16  # remembered within the window, over all principals (ReplayGuard)
 
 
 def sign(message: bytes, key: bytes, wall: float, port: int = 0) -> bytes:
@@ -63,26 +64,98 @@ def _tag(key: bytes, data: bytes) -> bytes:
 
 
 class ReplayGuard:
-    """Timestamps within the window, each nonce once: what makes a replayed message fail."""
+    """Timestamps within the window, each nonce once: what makes a replayed message fail.
+
+    Nonces are remembered per principal (the key that signed them: an admission secret or a
+    job's key) until their timestamp leaves the window, ``capacity`` of them in all. When the
+    memory is full, room is made at the expense of the principal that holds the most (at
+    least its fair share): its oldest-stamped nonce is forgotten and its *floor* rises to that
+    timestamp, so a message of that principal signed at or before the floor is refused from
+    then on (a replay of a forgotten nonce among them). Nothing is ever refused for load: one
+    principal that signs a flood only moves its own floor, and every other principal's fresh
+    messages pass.
+    """
 
     def __init__(self, window: float = WINDOW_S, capacity: int = MAX_NONCES):
         self.window, self.capacity = window, capacity
-        self._seen: OrderedDict[bytes, float] = OrderedDict()  # nonce -> when it expires
+        self._windows: dict[bytes, _Window] = {}  # principal (its key) -> its nonces
+        self._held = 0  # nonces remembered, over every principal
+        self.forgotten = 0  # nonces forgotten early to make room (their principals' floors rose)
 
-    def check(self, timestamp_ms: int, nonce: bytes, wall: float) -> str | None:
-        """None, and the nonce remembered, for a fresh message; else why it is refused."""
+    def check(self, timestamp_ms: int, nonce: bytes, wall: float,
+              principal: bytes = b"") -> str | None:  # fmt: skip
+        """None, and the nonce remembered, for a fresh message of ``principal``; else why it
+        is refused (every reason a replay or a clock's fault, never load)."""
         stamp = timestamp_ms / 1000
         if abs(stamp - wall) > self.window:
             off = stamp - wall
             return f"timestamp {off:+.1f} s off the aggregator's clock (window {self.window:g} s)"
-        while self._seen and next(iter(self._seen.values())) < wall:
-            self._seen.popitem(last=False)
-        if nonce in self._seen:
+        own = self._windows.get(principal)
+        if own is None:
+            own = self._windows[principal] = _Window()
+        self._held -= own.expire(wall - self.window)
+        if nonce in own.seen:
             return "a replayed nonce"
-        if len(self._seen) >= self.capacity:
-            return "too many signed requests in the window"
-        self._seen[nonce] = wall + 2 * self.window  # expiry in insertion order, near enough
+        if stamp <= own.floor:
+            return (f"signed {own.floor - stamp:.3f} s before the oldest request of this key "
+                    "still remembered (its nonces are forgotten after a flood of its own "
+                    "signed requests, which may be replayed ones); sign it again")  # fmt: skip
+        if self._held >= self.capacity:
+            self._make_room(own, wall)
+        own.add(stamp, nonce)
+        self._held += 1
         return None
+
+    def held(self, principal: bytes) -> int:
+        """Nonces remembered for ``principal``."""
+        own = self._windows.get(principal)
+        return 0 if own is None else len(own.seen)
+
+    def _make_room(self, own: _Window, wall: float) -> None:
+        """Forget one nonce: ``own``'s oldest when it holds at least its fair share (a flood's
+        own cost, in constant time); else expired ones, else the oldest of the principal
+        holding the most."""
+        if len(own.seen) * len(self._windows) < self.capacity:  # below its share
+            for key in list(self._windows):
+                window = self._windows[key]
+                self._held -= window.expire(wall - self.window)
+                if not window.seen and window.floor < wall - self.window and window is not own:
+                    del self._windows[key]  # its floor refuses nothing the clock check lets in
+            if self._held < self.capacity:
+                return
+            own = max(self._windows.values(), key=lambda window: len(window.seen))
+        own.forget_oldest()
+        self._held -= 1
+        self.forgotten += 1
+
+
+class _Window:
+    """One principal's remembered nonces, by timestamp, and its floor."""
+
+    __slots__ = ("floor", "seen", "stamps")
+
+    def __init__(self):
+        self.seen: set[bytes] = set()
+        self.stamps: list[tuple[float, bytes]] = []  # a heap: the oldest stamp first
+        self.floor = float("-inf")  # refused at or before: its forgotten nonces' latest stamp
+
+    def add(self, stamp: float, nonce: bytes) -> None:
+        self.seen.add(nonce)
+        heapq.heappush(self.stamps, (stamp, nonce))
+
+    def expire(self, before: float) -> int:
+        """Forget the nonces stamped before ``before`` (the clock check refuses them now);
+        how many."""
+        gone = 0
+        while self.stamps and self.stamps[0][0] < before:
+            self.seen.discard(heapq.heappop(self.stamps)[1])
+            gone += 1
+        return gone
+
+    def forget_oldest(self) -> None:
+        stamp, nonce = heapq.heappop(self.stamps)
+        self.seen.discard(nonce)
+        self.floor = max(self.floor, stamp)
 
 
 def wrap_key(job_key: bytes, secret: bytes, nonce: bytes) -> bytes:

@@ -318,7 +318,12 @@ def parse_address(text: object) -> Address:
     if not isinstance(text, str) or ":" not in text:
         raise SpecError(f"address {text!r} is not HOST:PORT")
     host, _, port = text.rpartition(":")
-    host = host.strip("[]")
+    if host.startswith("["):  # an IPv6 host, whole in its brackets: "[::1]:5", never "[::1:5"
+        if not host.endswith("]") or "[" in host[1:-1] or "]" in host[1:-1]:
+            raise SpecError(f"address {text!r} is not [IPV6]:PORT (a bracket is unmatched)")
+        host = host[1:-1]
+    elif "[" in host or "]" in host or ":" in host:
+        raise SpecError(f"address {text!r} is not HOST:PORT (an IPv6 host goes in brackets)")
     if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise SpecError(f"address {text!r} is not HOST:PORT with a port in 0..65535")
     return host, int(port)

@@ -196,6 +196,8 @@ class DataPlane:
             kind, body = self._control(header, payload, principal)
             return self._reply(kind, header, source, body, limit, key)
         except RequestRefused as error:
+            if error.key is not None:  # the signature verified: the refusal is signed too
+                key, limit = error.key, MAX_DATAGRAM
             return self._error(header, source, error.code, str(error), limit, key)
         except SpecError as error:
             return self._error(header, source, "bad_spec", str(error), limit, key)
@@ -215,21 +217,28 @@ class DataPlane:
             candidates.append(("job", str(header.job), job.spec.key))
         for principal in candidates:
             if authentication.verifies(raw, principal[2], self.port):
-                refusal = self.replays.check(stamp, nonce, self.wall())
+                refusal = self.replays.check(stamp, nonce, self.wall(), principal[2])
                 if refusal:
-                    raise RequestRefused("replayed", refusal)
+                    raise RequestRefused("replayed", refusal, key=principal[2])
                 return principal
+        if (job is None and header.kind is Kind.TEARDOWN) or (
+            job is None and header.kind is Kind.STATS_REQUEST and header.job != 0
+        ):
+            # A request for a job is signed with its key, which went with the job: say that
+            # the job is gone (an aggregator that restarted), not that the signer is a stranger.
+            raise RequestRefused("unknown_job", f"job {header.job} is not registered")
         raise RequestRefused("unauthenticated", "no admission secret or job key signed this")
 
     def _control(self, header: Header, payload: memoryview, principal) -> tuple[Kind, dict]:
         if header.kind is Kind.REGISTER:
+            if self.secrets and (principal is None or principal[0] != "secret"):
+                # checked before the body is parsed: a stranger's request costs no parsing
+                raise RequestRefused("unauthenticated", "registering needs an admission secret")
             body = _json_body(payload)
             key = _job_key(body.pop("key", None), principal)
             spec = JobSpec.from_json(body, key)
             if spec.job != header.job:
                 raise SpecError(f"header job {header.job} != body job {spec.job}")
-            if self.secrets and (principal is None or principal[0] != "secret"):
-                raise RequestRefused("unauthenticated", "registering needs an admission secret")
             tenant = principal[1] if principal and principal[0] == "secret" else ""
             self.register(spec, tenant)
             return Kind.REGISTERED, {"job": spec.job}
@@ -249,12 +258,14 @@ class DataPlane:
             raise RequestRefused("unknown_job", f"job {job_id} is not registered")
         if job.spec.key is None and not self.secrets:
             return
-        if principal is not None and (
-            (principal[0] == "job" and principal[1] == str(job_id))
-            or (principal[0] == "secret" and principal[1] == job.tenant)
+        if principal is None:
+            raise RequestRefused("unauthenticated", f"job {job_id} needs a request signed with "
+                                 "its key or the secret that registered it")  # fmt: skip
+        if (principal[0] == "job" and principal[1] == str(job_id)) or (
+            principal[0] == "secret" and principal[1] == job.tenant
         ):
             return
-        raise RequestRefused("forbidden", f"job {job_id} needs its key")
+        raise RequestRefused("forbidden", f"job {job_id} belongs to another principal")
 
     def _job_or_record(self, job_id: int) -> Job | None:
         job = self.jobs.get(job_id)
@@ -401,9 +412,12 @@ class DataPlane:
 
 
 class RequestRefused(Exception):
-    def __init__(self, code: str, message: str):
+    """A control request refused with ERROR ``code``; ``key``: the principal whose signature
+    verified, which signs the refusal (else it goes unsigned)."""
+
+    def __init__(self, code: str, message: str, key: bytes | None = None):
         super().__init__(message)
-        self.code = code
+        self.code, self.key = code, key
 
 
 _ANSWERED = frozenset({"reserved_bits", "bad_protocol"})  # header faults a control request hears of

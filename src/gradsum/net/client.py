@@ -160,14 +160,28 @@ def _await_reply(sock, address, job, request, wait: float, key: bytes | None):
         if header.flags & SIGNED and authentication.verifies(data, key, address[1]):
             return header, data[HEADER_SIZE : -authentication.TRAILER_SIZE]
         # Not signed by our key: a spoof, or an aggregator that could not verify us (it
-        # echoed our unguessable request id, so it saw the request).
+        # echoed our unguessable request id, so it saw the request). It signs every refusal
+        # of a request whose signature verified (a replay, say), so an unsigned one names a
+        # cause that lies before that check: say the cause it gave.
         if header.kind is Kind.ERROR and not header.flags & SIGNED:
-            raise ControlError(
-                f"{address[0]}:{address[1]}: refused our signed request: unauthenticated "
-                "(does it hold this admission secret, or this job's key?)",
-                "unauthenticated",
-            )
+            raise _unsigned_refusal(address, data[HEADER_SIZE:])
     return None
+
+
+def _unsigned_refusal(address: Address, payload: bytes) -> ControlError:
+    """The ControlError of an unsigned ERROR answering our signed request."""
+    try:
+        answer = bounded_json.loads(payload) if payload else {}
+    except bounded_json.JsonRefused:
+        answer = {}
+    code = str(answer.get("code", "unauthenticated")) if isinstance(answer, dict) else ""
+    code = code if code.isidentifier() and len(code) <= 40 else "unauthenticated"
+    where = f"{address[0]}:{address[1]}"
+    if code == "unauthenticated":
+        return ControlError(f"{where}: refused our signed request: unauthenticated (does it "
+                            "hold this admission secret, or this job's key?)", code)  # fmt: skip
+    text = str(answer.get("message", ""))[:400]
+    return ControlError(f"{where}: refused our signed request: {code}: {text}", code)
 
 
 def register_job(

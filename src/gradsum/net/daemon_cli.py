@@ -140,7 +140,7 @@ def run_daemon(args: argparse.Namespace, make_profile) -> int:
         raise UsageError(str(error)) from None
     tenant_memory = (args.max_memory or args.memory) * MIB
     profile = make_profile(args.job_memory * MIB, args.memory * MIB, args.max_elements,
-                           max_jobs=max(args.max_jobs, MAX_JOBS), tenant_jobs=args.max_jobs,
+                           max_jobs=MAX_JOBS, tenant_jobs=args.max_jobs,
                            tenant_memory=tenant_memory)  # fmt: skip
     try:
         secrets = load_secrets(args.admission_file)
@@ -250,9 +250,10 @@ def _serve(args, profile, aggregator, sock, Daemon, index: int) -> int:
     metrics = args.metrics_servers[index] if args.metrics_servers else None
     for other in args.metrics_servers or ():
         if other is not metrics:
-            other.httpd.server_close()  # another pipeline's
+            other.close()  # another pipeline's
     if metrics is not None:
         labels = {"profile": profile.name, "pipeline": str(index)}
+        metrics.log = lambda line: _report(line, event="metrics_request_failed", level="warning")
         metrics.start(daemon.statistics, lambda: daemon.last_turn, labels)
     _install_signals(daemon)
     reporter = _start_reporter(daemon, args.stats_interval)
@@ -286,7 +287,7 @@ def _open_metrics(host: str, port: int | None, pipelines: int, UsageError) -> li
             servers.append(MetricsServer((host, port + index if port else 0)))
     except OSError as error:
         for server in servers:
-            server.httpd.server_close()
+            server.close()
         raise UsageError(f"--metrics-port: {error.strerror or error}") from None
     return servers
 
@@ -305,6 +306,9 @@ def _check_flags(args, UsageError) -> None:
     ):
         if value < 1:
             raise UsageError(f"{flag} must be positive, got {value}")
+    if args.max_jobs > MAX_JOBS:
+        raise UsageError(f"--max-jobs must be at most {MAX_JOBS} (the jobs of every admission "
+                         f"secret together), got {args.max_jobs}")  # fmt: skip
     if args.stats_interval < 0:
         raise UsageError(f"--stats-interval must be >= 0, got {args.stats_interval}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535 - args.pipelines:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 import torch.distributed as dist
 
 from ..dataplane.jobspec import Address
+from .service import note_registered
 
 Watchdog = Callable[[Sequence[tuple[Address, int]]], None]  # the aggregators owing results
 
@@ -137,6 +138,11 @@ class JobRecovery:
         self._generation: dict[int, int] = {}  # job -> recoveries so far
         self._tries: dict[int, tuple[int, int]] = {}  # job -> (round, its recoveries)
         self.recoveries: list[dict] = []  # what happened, for logs and tests
+        # aggregators worker 0 waited for in vain: a teardown there would only wait again
+        self.unanswered: set[Address] = set()
+        # why the run cannot go on: every later recovery (another stream's, another job's)
+        # fails at once with it, instead of waiting for the same dead aggregator again
+        self.failed: RecoveryFailed | None = None
         self.log = log or _stderr
 
     # -- watchdog --------------------------------------------------------------------------
@@ -169,13 +175,16 @@ class JobRecovery:
     def recover(self, client, position: int, lost: Exception) -> None:
         """Agree with every worker on where ``client``'s job goes on, register it there afresh
         (worker 0), and point ``client`` at it; the caller then redoes round ``position``."""
+        if self.failed is not None:  # the run is over: one failure, one story
+            raise RecoveryFailed(str(self.failed)) from lost
         job = client.job
         generation = self._generation.get(job, 0)
         last, tries = self._tries.get(job, (position, 0))
         tries = tries + 1 if last == position else 1
         if tries > MAX_RECOVERIES:
-            raise RecoveryFailed(f"round {position} of job {job} was lost {tries - 1} times; "
-                                 "giving up") from lost  # fmt: skip
+            self.failed = RecoveryFailed(f"round {position} of job {job} was lost {tries - 1} "
+                                         "times; giving up")  # fmt: skip
+            raise RecoveryFailed(str(self.failed)) from lost
         self._tries[job] = (position, tries)
         post = {"round": position, "reason": str(getattr(lost, "reason", lost))}
         self._set(self._key(job, generation, f"worker{self.rank}"), post)
@@ -185,7 +194,8 @@ class JobRecovery:
         decision = self._await(self._key(job, generation, "decision"), "worker 0's decision")
         self._generation[job] = generation + 1
         if "error" in decision:
-            raise RecoveryFailed(decision["error"]) from lost
+            self.failed = self.failed or RecoveryFailed(decision["error"])
+            raise RecoveryFailed(str(self.failed)) from lost
         client.relocate([tuple(a) for a in decision["addresses"]])
         record = {"job": job, "round": position, "lost": str(lost),
                   "addresses": decision["addresses"]}  # fmt: skip
@@ -196,8 +206,15 @@ class JobRecovery:
                      f"round {position}")  # fmt: skip
 
     def _decide(self, client, generation: int, lost: Exception) -> dict:
-        """Worker 0: where the job goes on, or why it cannot."""
+        """Worker 0: where the job goes on, or why it cannot. Where comes first: an
+        aggregator that is gone for good (no answer within ``failover_wait``, no standby) ends
+        the run then, whatever the other workers are doing (one that had finished the round
+        and waits on worker 0 in a collective would never post)."""
         job = client.job
+        try:
+            addresses = [self._replacement(address) for address in client.aggregators]
+        except RecoveryFailed as error:
+            return {"error": f"job {job} could not be registered again: {error}"}
         posts = {
             rank: self._await(self._key(job, generation, f"worker{rank}"),
                               f"worker {rank} to join the recovery of job {job}")
@@ -208,8 +225,10 @@ class JobRecovery:
             return {"error": f"job {job}'s aggregator was lost after some workers had the "
                              f"result of a round and others not (rounds {rounds}); it cannot "
                              "be redone"}  # fmt: skip
+        if self.failed is not None:  # another job's recovery ended the run meanwhile
+            return {"error": str(self.failed)}
         try:
-            addresses = [self._replacement(address) for address in client.aggregators]
+            note_registered(client, addresses)
             client.register_afresh(addresses)
         except Exception as error:  # a ControlError, or none answers: every worker is told
             return {"error": f"job {job} could not be registered again: {error}"}
@@ -221,10 +240,12 @@ class JobRecovery:
         if standby is not None and not _answers(address, 1.0):
             if _answers(standby, self.failover_wait):
                 return standby
+            self.unanswered.update((address, standby))
             raise RecoveryFailed(f"neither {_name(address)} nor its standby {_name(standby)} "
                                  "answers")  # fmt: skip
         if _answers(address, self.failover_wait):
             return address
+        self.unanswered.add(address)
         raise RecoveryFailed(f"{_name(address)} did not answer for {self.failover_wait:g} s "
                              "and has no standby")  # fmt: skip
 

@@ -14,7 +14,7 @@ import contextlib
 import random
 import socket
 import sys
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,21 +72,42 @@ def connect_jobs(address_groups: Sequence[Sequence[Address]], wire: WireFormat,
     dist.all_gather_object(everyone, [client.address for client in clients])
     if settings.rank == 0:
         for k, client in enumerate(clients):
+            note_registered(client, client.aggregators)
             client.register([addresses[k] for addresses in everyone])
     dist.barrier()
     return clients
 
 
-def disconnect_jobs(clients: Sequence, rank: int, everyone: bool = False) -> None:
+# Where the worker that registers a job also notes it, before it registers: a list the
+# launcher of local workers shares with them (``train.launch.run_local``), so that the jobs of
+# a run whose workers were all killed, or killed before they could tear down, are torn down
+# by the launcher. None: nobody keeps such notes (torchrun, tests).
+job_records = None
+
+
+def note_registered(client, aggregators) -> None:
+    """Note ``client``'s job on ``aggregators`` in ``job_records`` (if kept)."""
+    if job_records is None:
+        return
+    key = None if client.key is None else client.key.hex()
+    for address in aggregators:
+        job_records.append((tuple(address), client.job, key))
+
+
+def disconnect_jobs(clients: Sequence, rank: int, everyone: bool = False,
+                    skip: Collection[Address] = ()) -> None:  # fmt: skip
     """Worker 0 removes the jobs (every worker, with ``everyone``: after a failure, worker 0
     may be the one that is gone); every worker closes its sockets. An aggregator that does not
-    answer keeps its job: a teardown never hides what went wrong before it."""
+    answer keeps its job: a teardown never hides what went wrong before it. ``skip``:
+    aggregators known not to answer (the recovery waited for them in vain)."""
     from ..net.client import ControlError, teardown_job
 
     try:
         if rank == 0 or everyone:
             for client in clients:
                 for address in client.aggregators:
+                    if tuple(address) in skip:
+                        continue
                     with contextlib.suppress(ControlError, OSError):
                         teardown_job(address, client.job, timeout=1.0 if everyone else 5.0,
                                      key=client.key)
@@ -200,7 +221,8 @@ class ServiceAggregator(Aggregator):
         error (the job must not outlive a failed run, whoever failed)."""
         failing = sys.exc_info()[0] is not None
         try:
-            disconnect_jobs(self._clients(), self.rank, everyone=failing)
+            disconnect_jobs(self._clients(), self.rank, everyone=failing,
+                            skip=self.recovery.unanswered)  # fmt: skip
         finally:
             self.recovery.close()
 

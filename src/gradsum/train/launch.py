@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 import warnings
 from datetime import timedelta
 
@@ -123,11 +124,12 @@ def run_local(config: TrainConfig) -> dict:
     context = mp.get_context("spawn")
     with local_services(config) as addresses, context.Manager() as manager:
         results = manager.dict()
+        registered = manager.list()  # (aggregator, job, key) of every job a worker registered
         port = _free_port()
         processes = [
             context.Process(
                 target=_local_entry,
-                args=(config, addresses, rank, config.workers, port, results),
+                args=(config, addresses, rank, config.workers, port, results, registered),
                 name=f"gradsum-worker-{rank}",
             )
             for rank in range(config.workers)
@@ -137,16 +139,47 @@ def run_local(config: TrainConfig) -> dict:
                 for process in processes:
                     process.start()
             _join(processes, results, config)
+        except BaseException:
+            _stop(processes)
+            # The survivors tear their jobs down as they stop; a job whose workers were all
+            # killed (or were killed in the middle of it) is torn down here.
+            _tear_down(list(registered))
+            raise
         finally:
-            for process in processes:
-                if process.is_alive():
-                    process.terminate()  # it tears its jobs down on the way out
-            for process in processes:
-                process.join(5)
-                if process.is_alive():
-                    process.kill()
-                    process.join(5)
+            _stop(processes)
         return dict(results[0])
+
+
+def _stop(processes) -> None:
+    """Stop every worker still running: SIGTERM (it tears its jobs down on the way out), then
+    SIGKILL for one that has not ended 5 s later."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(5)
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+
+
+def _tear_down(registered) -> None:
+    """TEARDOWN for every noted job, all at once, 1 s at most (one already gone is fine):
+    after a failed run, no job of it stays on an aggregator, whichever workers died."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..net.client import ControlError, teardown_job
+
+    def tear_down(record) -> None:
+        address, job, key = record
+        with contextlib.suppress(ControlError, OSError):
+            teardown_job(tuple(address), job, timeout=1.0,
+                         key=None if key is None else bytes.fromhex(key))  # fmt: skip
+
+    records = list(dict.fromkeys(registered))
+    if records:
+        with ThreadPoolExecutor(min(16, len(records))) as pool:
+            list(pool.map(tear_down, records))
 
 
 @contextlib.contextmanager
@@ -176,8 +209,9 @@ def _join(processes, results, config: TrainConfig) -> None:
     def returned(rank: int) -> bool:
         return rank in results and not isinstance(results[rank], Failure)
 
-    def failed_early() -> bool:
-        return any(p.exitcode not in (None, 0) and not returned(rank)
+    def failed_early() -> bool:  # a worker gone without a result, or one that reported failure
+        return any((p.exitcode not in (None, 0) and not returned(rank))
+                   or isinstance(results.get(rank), Failure)
                    for rank, p in enumerate(processes))  # fmt: skip
 
     while any(p.is_alive() for p in processes) and not failed_early():
@@ -185,7 +219,14 @@ def _join(processes, results, config: TrainConfig) -> None:
             process.join(0.2)
     # The manager's dict keeps the order workers wrote in: the first failure is the likeliest
     # cause, the others often only the peers of a worker that had died (a broken connection).
+    # A worker killed by a signal before it said anything comes first, though: its peers'
+    # errors (a reset connection) are what its death did to them.
     failures = [value for value in results.values() if isinstance(value, Failure)]
+    for rank, process in enumerate(processes):
+        code = process.exitcode
+        if code is not None and code < 0 and rank not in results:
+            raise WorkerFailed(Failure("Killed", f"the process ended by {_signal_name(-code)} "
+                                       "before it returned a result", rank))  # fmt: skip
     if failures:
         raise WorkerFailed(failures[0])
     for rank, process in enumerate(processes):
@@ -213,14 +254,18 @@ def _signal_name(number: int) -> str:
     return f"signal {number}"
 
 
-def _local_entry(config, addresses, rank, world, port, results) -> None:
+def _local_entry(config, addresses, rank, world, port, results, registered=None) -> None:
+    from ..sync import service
+
     _raise_on_sigterm()
+    service.job_records = registered  # the launcher tears these down if the run fails
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # Workers share this machine's cores: more intra-op threads than cores only thrash.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     local = TrainConfig(
         **{**config.__dict__, **addresses, "progress": config.progress and rank == 0}
     )
+    code = 0
     try:
         use_local_gpu(config, rank)
         dist.init_process_group(
@@ -232,11 +277,31 @@ def _local_entry(config, addresses, rank, world, port, results) -> None:
         pass
     except BaseException as error:
         _already_failing()
+        code = 1
         results[rank] = Failure.of(error, rank)
-        raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    _exit_worker(code)
+
+
+def _exit_worker(code: int) -> None:
+    """End a local worker once everything it started is closed: its jobs torn down and its
+    threads joined (the session's ``close``), its process group destroyed, its result with
+    the launcher. The interpreter's own finalization is skipped: it would destroy what
+    libraries still hold after that in no defined order -- Gloo's transport threads outlive
+    ``destroy_process_group``, and a ``std::thread`` destroyed while still joinable is
+    ``std::terminate`` ("terminate called without an active exception", SIGABRT in a
+    finished worker) -- and on a loaded host it took seconds. The exit handlers still run
+    (multiprocessing's among them, which releases the semaphores the worker made)."""
+    import atexit
+
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _train(config: TrainConfig, rank: int, world: int) -> dict:

@@ -1,0 +1,74 @@
+"""A worker killed with SIGKILL leaves no job of its run on an external aggregator: the
+survivors, or else the launcher (all workers killed at once), tear them down."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gradsum.net.client import aggregator_stats
+from gradsum.net.loopback import DaemonProcess
+
+TEARDOWN_BOUND_S = 15.0  # the issue's bound from the kill to an empty job table
+
+
+def _workers(root: int) -> list[int]:
+    """The spawned worker processes of a local `gradsum train` (rank order: pid order); the
+    launcher's manager and resource tracker lack the workers' environment."""
+    found = []
+    for task in Path(f"/proc/{root}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                environment = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"OMP_NUM_THREADS=1" in environment:
+                found.append(int(child))
+    return sorted(found)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, victim", [("switch", 1), ("server", 0), ("switch", "all")])
+def test_a_killed_worker_leaves_no_job_on_an_external_aggregator(kind, victim):
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE")}  # fmt: skip
+    with DaemonProcess(kind) as daemon:
+        where = f"{daemon.address[0]}:{daemon.address[1]}"
+        flags = ["--aggregator", "switch", "--switch", where] if kind == "switch" else [
+            "--aggregator", "ps", "--servers", where]  # fmt: skip
+        command = [sys.executable, "-m", "gradsum.cli", "train", *flags, "--workers", "3",
+                   "--codec", "thc", "--epochs", "50", "--batch-size", "8", "--liveness", "1"]
+        run = subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and run.poll() is None:
+                jobs = aggregator_stats(daemon.address)["jobs"]
+                if any(counters.get("completed", 0) >= 20 for counters in jobs.values()):
+                    break  # training rounds are going through
+                time.sleep(0.1)
+            assert run.poll() is None, run.communicate()[1][-3000:]
+            workers = _workers(run.pid)
+            assert len(workers) == 3, workers
+            for pid in workers if victim == "all" else [workers[victim]]:
+                os.kill(pid, signal.SIGKILL)  # "all": no survivor can tear down
+            killed = time.monotonic()
+            while aggregator_stats(daemon.address)["jobs"]:
+                assert time.monotonic() - killed < TEARDOWN_BOUND_S, (
+                    f"jobs still registered {TEARDOWN_BOUND_S:g} s after the kill: "
+                    f"{sorted(aggregator_stats(daemon.address)['jobs'])}")  # fmt: skip
+                time.sleep(0.2)
+            _, err = run.communicate(timeout=120)
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.communicate()
+    assert run.returncode != 0
+    # the launcher names the killed worker, not a survivor's reset connection to it
+    named = 0 if victim == "all" else victim
+    assert f"gradsum train: worker {named} failed: Killed: the process ended by SIGKILL" in err, (
+        err[-2000:])  # fmt: skip
