@@ -83,4 +83,5 @@ def test_the_optimizer_leaves_momentum_to_a_codec_that_carries_it():
     momentum = {name: _make_optimizer(config, model.parameters(), make_codec(name, workers=2))
                 .param_groups[0]["momentum"] for name in ("dgc", "topk", "thc")}  # fmt: skip
     assert momentum == {"dgc": 0.0, "topk": 0.9, "thc": 0.9}
-    assert _make_optimizer(config, model.parameters(), None).param_groups[0]["momentum"] == 0.9  # DDP
+    ddp = _make_optimizer(config, model.parameters(), None)
+    assert ddp.param_groups[0]["momentum"] == 0.9
