@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import traceback
 from datetime import timedelta
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+RENDEZVOUS_TIMEOUT = timedelta(seconds=60)
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+
+def rendezvous_store() -> dist.TCPStore:
+    """The group's store, served from this process on a port the kernel chose and still holds:
+    the workers connect to it, so no port is released and taken again by someone else."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=RENDEZVOUS_TIMEOUT)  # fmt: skip
 
 
 def _entry(rank, world, port, fn, args, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=RENDEZVOUS_TIMEOUT)  # fmt: skip
         results[rank] = fn(rank, world, *args)
     except BaseException:
         results[rank] = RuntimeError(f"rank {rank} failed:\n{traceback.format_exc()}")
@@ -32,7 +34,8 @@ def _entry(rank, world, port, fn, args, results):
 def run_distributed(fn, world: int, *args, timeout: float = 120.0):
     """``fn(rank, world, *args)`` on ``world`` processes; returns the results by rank."""
     context = mp.get_context("spawn")
-    port = free_port()
+    store = rendezvous_store()
+    port = store.port
     with context.Manager() as manager:
         results = manager.dict()
         processes = [

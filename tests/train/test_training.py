@@ -2,15 +2,19 @@
 
 import json
 import pickle
+from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from gradsum.cli import main
+from gradsum.codecs import make_codec
 from gradsum.train.data import DataError, load_dataset, shard_batches
 from gradsum.train.launch import run_local
-from gradsum.train.loop import TrainConfig
+from gradsum.train.loop import TrainConfig, _make_optimizer, _resume
+from gradsum.train.models import build_model, model_sizes
 
 
 def _lines(path):
@@ -89,11 +93,23 @@ def test_checkpoint_and_resume_continue_the_same_run(tmp_path):
     common = {"aggregator": "allreduce", "codec": "topk", "workers": 2, "progress": False}
     run_local(TrainConfig(epochs=1, checkpoint=str(checkpoint), **common))
     assert checkpoint.is_file()
+    resume = TrainConfig(epochs=2, resume=str(checkpoint), **common)
     for rank in range(2):
         own = torch.load(f"{checkpoint}.rank{rank}", weights_only=False)
-        assert own["codec"]["memory"], "error-feedback memory must be saved per worker"
+        saved = own["codec"]["memory"]
+        assert saved, "error-feedback memory must be saved per worker"
+        # and restored: a fresh worker's codec holds the saved memory, its loop the saved step
+        model = build_model(resume.model, 10, **model_sizes(resume))
+        codec = make_codec("topk", workers=2)
+        sync = SimpleNamespace(step=0)
+        assert _resume(resume, rank, model, _make_optimizer(resume, model, codec), codec,
+                       sync) == 1  # fmt: skip
+        restored = codec.state_dict()["memory"]
+        assert restored.keys() == saved.keys()
+        assert all(torch.equal(restored[k], saved[k]) for k in saved)
+        assert sync.step == own["step"] > 0
     log = tmp_path / "resumed.jsonl"
-    run_local(TrainConfig(epochs=2, resume=str(checkpoint), log=str(log), **common))
+    run_local(replace(resume, log=str(log)))
     epochs = [r["epoch"] for r in _lines(log) if r["event"] == "epoch"]
     assert epochs == [2]
 
