@@ -52,13 +52,13 @@ def contribution(spec: JobSpec, worker: int, chunk: int, value: int) -> bytes:
 
 
 def result_of(sock: socket.socket, chunk: int) -> list[int]:
-    """The result of ``chunk``: the first RESULT datagram, which must be that chunk's (other
-    replies, to control packets among the malformed ones, are skipped)."""
+    """The result of ``chunk``: the first datagram that is not an ERROR (the answer to a control
+    packet among the malformed ones) must be that chunk's RESULT."""
     while True:
         data = sock.recv(1 << 16)
         header = parse_header(data)
-        if header.kind is Kind.RESULT:
-            assert header.chunk == chunk, f"a result for chunk {header.chunk}, not {chunk}"
+        if header.kind is not Kind.ERROR:
+            assert (header.kind, header.chunk) == (Kind.RESULT, chunk)
             return np.frombuffer(data[HEADER_SIZE:], dtype="<i4").tolist()
 
 

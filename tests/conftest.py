@@ -1,0 +1,34 @@
+"""Settings every test directory shares.
+
+Hypothesis profiles: ``ci`` (``pytest --hypothesis-profile=ci``, what .ci/run passes) draws
+the same examples on every run (``derandomize``), so a failure in CI is one anyone can
+reproduce, and it gives no deadline (the CI host is shared and its timings are not the code's).
+Locally the default profile keeps drawing new examples.
+"""
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+# Fixtures that set GRADSUM_NATIVE themselves (tests/codecs/conftest.py and the codec tests):
+# a test using one runs its own path(s) whichever way the suite is run.
+PATH_FIXTURES = {"both", "gpu_path", "torch_path"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``pins_native`` every test that sets its own path: by one of PATH_FIXTURES, or by a
+    ``native`` parameter (["1", "0"]). CI's GRADSUM_NATIVE=0 pass leaves them out: they ran in
+    full in the first pass, on the paths they name."""
+    for item in items:
+        params = getattr(item, "callspec", None)
+        if PATH_FIXTURES & set(item.fixturenames) or (params and "native" in params.params):
+            item.add_marker(pytest.mark.pins_native)
