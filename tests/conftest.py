@@ -32,3 +32,18 @@ def pytest_collection_modifyitems(config, items):
         params = getattr(item, "callspec", None)
         if PATH_FIXTURES & set(item.fixturenames) or (params and "native" in params.params):
             item.add_marker(pytest.mark.pins_native)
+    if getattr(config.option, "dist", "no") != "no":
+        _longest_files_first(items)
+
+
+def _longest_files_first(items) -> None:
+    """Under pytest-xdist (``--dist loadfile``) each file goes whole to the next free worker, in
+    the order collected: the files with the most slow tests first, so that no long file starts
+    last and keeps one worker busy after the others have finished. Each file's own order stays."""
+    slow, first = {}, {}
+    for index, item in enumerate(items):
+        path = item.nodeid.split("::")[0]
+        slow[path] = slow.get(path, 0) + (item.get_closest_marker("slow") is not None)
+        first.setdefault(path, index)
+    order = {id(item): index for index, item in enumerate(items)}
+    items.sort(key=lambda item: (-slow[p := item.nodeid.split("::")[0]], first[p], order[id(item)]))
