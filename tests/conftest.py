@@ -36,10 +36,36 @@ def pytest_collection_modifyitems(config, items):
         _longest_files_first(items)
 
 
+# Files whose tests stand alone (no module fixture, nothing one test leaves for the next) and
+# that are long enough to keep one worker busy after the others finish: under pytest-xdist
+# their tests go one by one to whichever worker is free. Every other file runs whole on one.
+SPREAD = {
+    "tests/train/test_training.py",
+    "tests/train/test_lm.py",
+    "tests/sync/test_plans_through_shards.py",
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile``, but the files in SPREAD test by test. A file whole on one worker, in
+    its own order, keeps what its tests share: a module fixture (a daemon) starts once, and a
+    test may read what an earlier one left (tests/net/test_daemon_malformed.py)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if path in SPREAD else path
+
+    return ByFile(config, log)
+
+
 def _longest_files_first(items) -> None:
-    """Under pytest-xdist (``--dist loadfile``) each file goes whole to the next free worker, in
-    the order collected: the files with the most slow tests first, so that no long file starts
-    last and keeps one worker busy after the others have finished. Each file's own order stays."""
+    """pytest-xdist hands out work in the order collected: the files with the most slow tests
+    first, so that no long file starts last and keeps one worker busy after the others have
+    finished. Each file's own order stays."""
     slow, first = {}, {}
     for index, item in enumerate(items):
         path = item.nodeid.split("::")[0]
