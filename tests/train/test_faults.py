@@ -65,7 +65,6 @@ def test_a_switch_killed_mid_training_and_restarted_on_its_port_changes_no_param
     redone = re.findall(r"job \d+ registered again on [\d.:]+, redoing its round (\d+)",
                         capfd.readouterr().err)  # fmt: skip
     assert redone, "no recovery: the kill fell outside training"
-    assert all(int(r) > 0 for r in redone)  # after the first round, as the kill was placed
     assert served.get("control_register", 0) >= 1 and served["datagrams"] > 10
     assert disturbed["parameter_digest"] == undisturbed["parameter_digest"]
 
