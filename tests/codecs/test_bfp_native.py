@@ -13,11 +13,14 @@ from gradsum.codecs import bfp_native, buffers, make_codec
 from gradsum.codecs.base import CodecContext, NonFiniteGradientError, Payload, combine_summaries
 from gradsum.codecs.bfp import INT32_MAX, BlockFloatingPoint, saturation_limit
 
-pytestmark = pytest.mark.skipif(
-    not bfp_native.built(),
-    reason="the C extension gradsum.codecs._bfp_kernels is not built (no C compiler at install "
-    "time); the torch path it replaces is covered by the other codec tests",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not bfp_native.built(),
+        reason="the C extension gradsum.codecs._bfp_kernels is not built (no C compiler at "
+        "install time); the torch path it replaces is covered by the other codec tests",
+    ),
+    pytest.mark.pins_native,  # every test sets its own path (below)
+]
 
 CTX = CodecContext()
 

@@ -6,7 +6,7 @@ from statistics import NormalDist
 import pytest
 import torch
 
-from gradsum.codecs import CodecContext, make_codec, nmse, run_round
+from gradsum.codecs import CodecContext, make_codec, native_common, nmse, run_round
 from gradsum.codecs.thc.tables import (
     SPREADS,
     clamp_threshold,
@@ -119,7 +119,9 @@ def test_the_spread_clamp_is_the_best_clamp_of_each_spread():
 
 
 def test_the_spread_clamp_lowers_the_error_of_unequal_norms_and_keeps_equal_ones():
-    inputs = gaussian_inputs(4, 1 << 18, seed=2)
+    # 2^15 coordinates on the torch path (GRADSUM_NATIVE=0, ten times slower): the ratio below
+    # is 0.89x there too (0.86-0.90x over seeds 2-4)
+    inputs = gaussian_inputs(4, 1 << (18 if native_common.enabled() else 15), seed=2)
 
     def error(xs, spread_clamp):
         codec = make_codec("thc", workers=4, error_feedback=False, correlated=True,

@@ -18,11 +18,14 @@ from gradsum.codecs.thc.hadamard import Rotation, fwht_
 
 from .conftest import gaussian_inputs
 
-pytestmark = pytest.mark.skipif(
-    not native.built(),
-    reason="the C extension gradsum.codecs.thc._kernels is not built (no C compiler at install "
-    "time); the torch path it replaces is covered by the other codec tests",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not native.built(),
+        reason="the C extension gradsum.codecs.thc._kernels is not built (no C compiler at "
+        "install time); the torch path it replaces is covered by the other codec tests",
+    ),
+    pytest.mark.pins_native,  # every test sets its own path (below)
+]
 
 ANALYTIC_THC_NMSE = 0.0203
 

@@ -78,6 +78,7 @@ def test_non_finite_gradient_names_the_original_coordinate():
 
 
 @pytest.mark.parametrize("block", [None, 1024])
+@pytest.mark.pins_native
 def test_rotation_with_the_memory_added_matches_torch(monkeypatch, block):
     codec = THC(workers=1, rotation_block=block)
     x, memory = torch.randn(1 << 13), torch.randn(1 << 13)

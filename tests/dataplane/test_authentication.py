@@ -110,22 +110,26 @@ def test_a_stranger_cannot_register_over_tear_down_reset_or_read_a_job():
         key=SECRET)  # fmt: skip
     spec = switch.jobs[1].spec  # with its key, so the packets carry its data token
     send(switch, spec, 0, 0, [1] * 8)  # a half-full round
+    # each refused for the reason docs/protocol.md gives, not merely with some error: a check
+    # that let the request through to fail on something else would pass "is an ERROR"
+    unsigned = {"unauthenticated", "forbidden"}  # no signature: nobody's request
     attempts = {
-        "register over": message(Kind.REGISTER, 1, register_body(int32_job(workers=3),
-                                 secret=OTHER_SECRET), key=OTHER_SECRET),
-        "register the same spec with its own key": message(
+        "register over": (message(Kind.REGISTER, 1, register_body(int32_job(workers=3),
+                          secret=OTHER_SECRET), key=OTHER_SECRET), {"job_exists"}),
+        "register the same spec with its own key": (message(
             Kind.REGISTER, 1, register_body(spec, key=b"k" * 32, secret=OTHER_SECRET),
-            key=OTHER_SECRET),
-        "tear down": message(Kind.TEARDOWN, 1, pad=4096),
-        "tear down with another secret": message(Kind.TEARDOWN, 1, key=OTHER_SECRET),
-        "read the job": message(Kind.STATS_REQUEST, 1, {"job": 1}, pad=4096),
-        "read the job with another secret": message(Kind.STATS_REQUEST, 1, {"job": 1},
-                                                    key=OTHER_SECRET),
-        "read the aggregator": message(Kind.STATS_REQUEST, 0, pad=8192),
+            key=OTHER_SECRET), {"job_exists"}),
+        "tear down": (message(Kind.TEARDOWN, 1, pad=4096), unsigned),
+        "tear down with another secret": (message(Kind.TEARDOWN, 1, key=OTHER_SECRET),
+                                          {"forbidden"}),
+        "read the job": (message(Kind.STATS_REQUEST, 1, {"job": 1}, pad=4096), unsigned),
+        "read the job with another secret": (message(Kind.STATS_REQUEST, 1, {"job": 1},
+                                             key=OTHER_SECRET), {"forbidden"}),
+        "read the aggregator": (message(Kind.STATS_REQUEST, 0, pad=8192), {"unauthenticated"}),
     }  # fmt: skip
-    for what, data in attempts.items():
-        kind, _ = ask(switch, data)
-        assert kind is Kind.ERROR, what
+    for what, (data, codes) in attempts.items():
+        kind, body = ask(switch, data)
+        assert kind is Kind.ERROR and body["code"] in codes, (what, body)
     # the rival's own aggregator page does not list the job
     kind, page = ask(switch, message(Kind.STATS_REQUEST, 0, key=OTHER_SECRET), key=OTHER_SECRET)
     assert kind is Kind.STATS and page["jobs"] == {}

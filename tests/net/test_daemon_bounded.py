@@ -1,6 +1,7 @@
 """Control input against live daemons on loopback: the datagrams that killed them, a fuzz of
 the control plane, a serving loop no handler can end, and memory that matches the RSS."""
 
+import itertools
 import json
 import os
 import socket
@@ -61,14 +62,21 @@ class Honest:
 
 
 def ask(sock, address, data: bytes, timeout=2.0):
-    """Send one control datagram; the reply's (kind, body), or None if none came."""
+    """Send one control datagram; the reply's (kind, body), or None if none came. The reply is
+    the one carrying the request's id (the header's chunk field): a late answer to an earlier
+    request on the same socket is skipped, not taken for this one's."""
+    request = bytes(data[16:24])
     sock.sendto(data, address)
-    sock.settimeout(timeout)
-    try:
-        reply = sock.recv(1 << 16)
-    except TimeoutError:
-        return None
-    return parse_header(reply).kind, json.loads(reply[HEADER_SIZE:] or b"{}")
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            reply = sock.recv(1 << 16)
+        except TimeoutError:
+            return None
+        if reply[16:24] == request:
+            return parse_header(reply).kind, json.loads(reply[HEADER_SIZE:] or b"{}")
+    return None
 
 
 @pytest.mark.parametrize("kind", ["switch", "server"])
@@ -124,6 +132,9 @@ control_messages = st.builds(
 )  # fmt: skip
 
 
+REQUEST_IDS = itertools.count(1)
+
+
 @pytest.fixture(scope="module")
 def fuzzed_switch():
     with DaemonProcess("switch") as switch, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -141,7 +152,7 @@ def fuzzed_switch():
 def test_fuzzed_control_messages_get_an_answer_or_a_counted_drop(fuzzed_switch, messages):
     switch, honest, stranger = fuzzed_switch
     for data in messages:
-        data[16:24] = (1234).to_bytes(8, "little")  # request id
+        data[16:24] = next(REQUEST_IDS).to_bytes(8, "little")  # every request an id of its own
         try:
             header = parse_header(data)
         except MalformedPacket:

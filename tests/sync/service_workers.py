@@ -6,7 +6,7 @@ from gradsum.codecs import make_codec
 from gradsum.sync.service import JobSettings, ServiceAggregator
 from gradsum.sync.session import Session
 
-from .workers import tiny_model, train_steps
+from .workers import errors_against_the_exact_average, recording_hook, tiny_model, train_steps
 
 
 def train_through_service(rank, world, kind, addresses, codec_name, steps, ddp):
@@ -42,11 +42,10 @@ def warm_up_then_compress(rank, world, kind, addresses, start_step, steps):
     step, the relative error of what the hook returned against the exact average of the
     workers' buckets."""
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from gradsum.sync.allreduce import AllReduceAggregator
-    from gradsum.sync.ddp_hook import GradsumHookState, gradsum_hook
+    from gradsum.sync.ddp_hook import GradsumHookState
 
     if kind == "allreduce":
         aggregator = AllReduceAggregator()
@@ -57,29 +56,12 @@ def warm_up_then_compress(rank, world, kind, addresses, start_step, steps):
     state = GradsumHookState(Session(make_codec("thc", workers=world), aggregator),
                              start_step=start_step)  # fmt: skip
     records = []
-
-    def recording_hook(state, bucket):
-        local = bucket.buffer().clone()
-
-        def keep(future):
-            average = future.value()
-            records.append((local, average.clone()))
-            return average
-
-        return gradsum_hook(state, bucket).then(keep)
-
-    wrapped.register_comm_hook(state, recording_hook)
+    wrapped.register_comm_hook(state, recording_hook(records))
     generator = torch.Generator().manual_seed(rank)
-    errors = []
     for _ in range(steps):
         wrapped.zero_grad()
         wrapped(torch.randn(16, 20, generator=generator)).square().mean().backward()
-        local, average = records[-1]
-        everyone = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(everyone, local)
-        exact = torch.stack(everyone).mean(0)
-        errors.append(float((average - exact).norm() / exact.norm()))
     state.close()
     if kind != "allreduce":
         aggregator.close()
-    return errors
+    return errors_against_the_exact_average(records, world)

@@ -14,6 +14,9 @@ from gradsum.codecs.round import PARTITION_ELEMENTS, CodecRound
 from ..host_syncs import count_host_syncs
 from .distributed import run_distributed
 
+# the workers set their own path (the torch path, which a GPU runs)
+pytestmark = pytest.mark.pins_native
+
 LENGTH = PARTITION_ELEMENTS + 12_345
 SEED, KEY = 7, ("bucket", 0)
 

@@ -113,10 +113,12 @@ def test_a_switch_killed_mid_run_hands_its_job_to_the_standby():
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a bound in seconds
 def test_a_dead_worker_fails_the_others_in_bounded_time_naming_it_and_the_job_goes():
     with DaemonProcess("switch") as switch:
         address = f"{switch.address[0]}:{switch.address[1]}"
-        survivor, dead = run_distributed(a_worker_dies, 2, [address], 20, 100_000, 3)
+        survivor, dead = run_distributed(a_worker_dies, 2, [address], 20, 100_000, 3,
+                                         fresh=True)  # a worker dies: processes of its own
         assert aggregator_stats(switch.address)["jobs"] == {}  # torn down by the survivor
     assert dead is None  # it never returned
     name, message = survivor["failure"]

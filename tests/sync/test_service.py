@@ -46,7 +46,8 @@ def test_ddp_hook_warm_up_steps_are_uncompressed_on_every_aggregator(kind):
             )
     for per_step in errors:
         assert all(e < 1e-6 for e in per_step[:start]), per_step  # fp32 or bfp: exact enough
-        assert all(e > 1e-3 for e in per_step[start:]), per_step  # THC's 4 bits: not exact
+        # THC's 4 bits: not exact, and no further than its grid (about 0.1 on these buckets)
+        assert all(1e-3 < e < 0.3 for e in per_step[start:]), per_step
 
 
 def test_transport_stats_sum_every_clients_jobs():

@@ -135,8 +135,14 @@ def test_the_step_load_runs_the_4m_parameter_model_and_leaves_it_untouched():
 
     model = build_model("digits-wide")  # 4,349,962 parameters, as the testbed map trains
     before = [p.detach().clone() for p in model.parameters()]
+    passes = []  # the copy keeps the hook (a deep copy shares the list): its passes land here
+    model.register_forward_hook(lambda module, *_: passes.append(id(module)))
     with startup.step_load(model, torch.randn(16, 64)):
-        time.sleep(0.2)
+        deadline = time.monotonic() + 60.0
+        while len(passes) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert len(passes) >= 2, "the step load ran no two passes of the model in 60 s"
+    assert id(model) not in passes  # a copy ran them
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 

@@ -31,6 +31,7 @@ def reads(monkeypatch):
     return counted
 
 
+@pytest.mark.pins_native
 def test_gradient_sync_reads_a_steps_checks_once(reads, monkeypatch):
     monkeypatch.setenv("GRADSUM_NATIVE", "0")  # the device path: checks are deferred
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))

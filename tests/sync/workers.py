@@ -63,17 +63,49 @@ def train_steps(rank, steps, model, forward, after_backward=lambda: None):
     return losses, snapshots
 
 
+def recording_hook(records: list):
+    """gradsum's DDP hook, keeping every bucket's (step, bucket index, this worker's bucket, what
+    the hook returned) in ``records``."""
+    from gradsum.sync.ddp_hook import gradsum_hook
+
+    def hook(state, bucket):
+        step, index, local = state.step, bucket.index(), bucket.buffer().clone()
+
+        def keep(future):
+            average = future.value()
+            records.append((step, index, local, average.clone()))
+            return average
+
+        return gradsum_hook(state, bucket).then(keep)
+
+    return hook
+
+
+def errors_against_the_exact_average(records: list, world: int) -> list[float]:
+    """Per recorded bucket, in (step, bucket) order: |returned - exact| / |exact|, the exact
+    average over every worker's bucket (a collective: every worker calls it)."""
+    errors = []
+    for _, _, local, average in sorted(records, key=lambda r: r[:2]):
+        everyone = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(everyone, local)
+        exact = torch.stack(everyone).mean(0)
+        errors.append(float((average - exact).norm() / exact.norm()))
+    return errors
+
+
 def train_with_ddp_hook(rank, world, codec_name, steps):
     from torch.nn.parallel import DistributedDataParallel
 
-    from gradsum.sync.ddp_hook import GradsumHookState, gradsum_hook
+    from gradsum.sync.ddp_hook import GradsumHookState
 
     model = DistributedDataParallel(tiny_model(), bucket_cap_mb=0.01)  # several buckets
     state = GradsumHookState(Session(make_codec(codec_name, workers=world), AllReduceAggregator()))
-    model.register_comm_hook(state, gradsum_hook)
+    records = []
+    model.register_comm_hook(state, recording_hook(records))
     losses, snapshots = train_steps(rank, steps, model.module, model)
     state.close()
-    return {"losses": losses, "snapshots": snapshots, "steps": state.step}
+    return {"losses": losses, "snapshots": snapshots, "steps": state.step,
+            "errors": errors_against_the_exact_average(records, world)}  # fmt: skip
 
 
 def train_with_gradient_sync(rank, world, codec_name, steps, fusion_elements):

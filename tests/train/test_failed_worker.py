@@ -4,11 +4,11 @@ the last line of `gradsum train`'s stderr, locally and under torchrun."""
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
+import torch.distributed as dist
 
 from gradsum.failures import FAILURE_FILE_ENV, TRACEBACK_ENV
 
@@ -43,16 +43,17 @@ def test_a_local_worker_that_raises_is_named_with_its_exception():
 
 @pytest.mark.slow
 def test_a_torchrun_worker_that_raises_says_so_and_writes_its_failure(tmp_path):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    # torchrun's agent serves the store and its workers connect to it: so here, on a port this
+    # process holds (a port found free and released could be taken before the worker bound it)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     path = tmp_path / "failure.json"
     done = _train(
         ["--workers", "1"],
         RANK="0",
         WORLD_SIZE="1",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        MASTER_PORT=str(store.port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
         **{FAILURE_FILE_ENV: str(path), TRACEBACK_ENV: "1"},
     )
     assert done.returncode == 1

@@ -216,11 +216,13 @@ def multicast(kind: str, args) -> bool:
 
 def _gloo(workers: int, elements: int, steps: int, warmup: int) -> tuple[list[list[float]], float]:
     import multiprocessing
-    import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    import torch.distributed as dist
+
+    # the workers meet through a store held here, on a port the kernel chose (a port found
+    # free and released could be taken before worker 0 bound it)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch.distributed"])
     queue = context.Queue()
@@ -253,8 +255,8 @@ def _gloo_worker(rank, workers, port, elements, steps, warmup, queue) -> None:
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=workers)  # fmt: skip
+        store = dist.TCPStore("127.0.0.1", port, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=workers)
         tensor = torch.randn(elements, generator=torch.Generator().manual_seed(rank))
         for _ in range(warmup):
             dist.all_reduce(tensor.clone())

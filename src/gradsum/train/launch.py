@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import sys
 import warnings
 from datetime import timedelta
@@ -125,7 +124,12 @@ def run_local(config: TrainConfig) -> dict:
     with local_services(config) as addresses, context.Manager() as manager:
         results = manager.dict()
         registered = manager.list()  # (aggregator, job, key) of every job a worker registered
-        port = _free_port()
+        # The workers' rendezvous: a store this process serves on a port the kernel chose and
+        # that it holds until the run ends (a port found free and released could be taken by
+        # another program, or another run, before worker 0 bound it).
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=config.timeout))  # fmt: skip
+        port = store.port
         processes = [
             context.Process(
                 target=_local_entry,
@@ -255,11 +259,13 @@ def _signal_name(number: int) -> str:
 
 
 def _local_entry(config, addresses, rank, world, port, results, registered=None) -> None:
+    """A worker of ``run_local``: its group meets through the launcher's store at ``port``; the
+    jobs it registers are noted in ``registered``, which the launcher tears down if the run
+    fails."""
     from ..sync import service
 
     _raise_on_sigterm()
-    service.job_records = registered  # the launcher tears these down if the run fails
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    service.job_records = registered
     # Workers share this machine's cores: more intra-op threads than cores only thrash.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     local = TrainConfig(
@@ -268,10 +274,10 @@ def _local_entry(config, addresses, rank, world, port, results, registered=None)
     code = 0
     try:
         use_local_gpu(config, rank)
-        dist.init_process_group(
-            backend_for(config, world), rank=rank, world_size=world,
-            timeout=timedelta(seconds=config.timeout),
-        )  # fmt: skip
+        wait = timedelta(seconds=config.timeout)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=wait)
+        dist.init_process_group(backend_for(config, world), store=store, rank=rank,
+                                world_size=world, timeout=wait)  # fmt: skip
         results[rank] = _train(local, rank, world)
     except KeyboardInterrupt:
         pass
@@ -307,8 +313,3 @@ def _exit_worker(code: int) -> None:
 def _train(config: TrainConfig, rank: int, world: int) -> dict:
     return train_worker(config, rank, world)
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
