@@ -32,6 +32,7 @@ def _workers(root: int) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # within 15 s of the kill: alone on the host
 @pytest.mark.parametrize("kind, victim", [("switch", 1), ("server", 0), ("switch", "all")])
 def test_a_killed_worker_leaves_no_job_on_an_external_aggregator(kind, victim):
     environment = {k: v for k, v in os.environ.items()

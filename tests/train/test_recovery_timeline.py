@@ -19,6 +19,7 @@ SLACK = 5.0  # teardowns and the workers' exits after the decision
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # bounded by the run's timeline: the issue's seconds, alone on the host
 def test_a_killed_switch_without_restart_or_standby_ends_the_run_in_time_with_one_story():
     environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     switch = DaemonProcess("switch")
