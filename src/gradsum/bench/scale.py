@@ -43,7 +43,7 @@ from .cli import parse_list
 DEFAULT_WORKERS = (4, 8, 16, 32, 64)
 DEFAULT_METHODS = ("none", "thc", "topk", "qsgd")
 REFERENCE = "none"
-VMAP_FROM = 16  # workers; measured: vmap beats the loop from here (docs/benchmarks.md)
+VMAP_FROM = 16  # workers; measured: vmap beats the loop from here (docs/archive/benchmarks-log.md)
 
 
 @dataclass(frozen=True)
