@@ -63,11 +63,15 @@ def test_every_gradsum_command_in_the_readme_parses(words):
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(PYTHON)))
 def test_every_python_snippet_in_the_readme_runs(index, tmp_path):
-    from tests.sync.distributed import free_port
+    import torch.distributed as dist
 
     snippet = PYTHON[index]
+    # torchrun's agent serves the rendezvous store and its workers connect to it: here, on a
+    # port this process holds
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     environment = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                   "TORCHELASTIC_USE_AGENT_STORE": "True"}  # fmt: skip
     switch = DaemonProcess("switch") if "GRADSUM_SWITCH" in snippet else None
     try:
         if switch is not None:

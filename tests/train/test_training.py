@@ -102,8 +102,8 @@ def test_checkpoint_and_resume_continue_the_same_run(tmp_path):
         model = build_model(resume.model, 10, **model_sizes(resume))
         codec = make_codec("topk", workers=2)
         sync = SimpleNamespace(step=0)
-        assert _resume(resume, rank, model, _make_optimizer(resume, model, codec), codec,
-                       sync) == 1  # fmt: skip
+        optimizer = _make_optimizer(resume, model.parameters(), codec)
+        assert _resume(resume, rank, model, optimizer, codec, sync) == 1
         restored = codec.state_dict()["memory"]
         assert restored.keys() == saved.keys()
         assert all(torch.equal(restored[k], saved[k]) for k in saved)
