@@ -21,6 +21,7 @@ FIXED_COST = AlphaBeta(alpha=1e-4, beta=1e-8)
 COMMUNICATION_BOUND = AlphaBeta(alpha=1e-2, beta=1e-7)
 
 
+@pytest.mark.serial  # imerge plans from a measured profile: a busy host can move it
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("scheduler", "options", "fit"),

@@ -54,6 +54,7 @@ def test_local_job_through_gradsum_services_reaches_accuracy(aggregator, codec, 
     assert {"retransmissions", "timeouts", "results"} <= transport.keys()
 
 
+@pytest.mark.serial  # datagram counts: a timeout's resend on a busy host adds one
 @pytest.mark.slow
 def test_the_calibrations_datagrams_are_counted_apart_from_trainings():
     """imerge calibrates its α–β with round trips before training: those are start-up's, and
@@ -70,7 +71,11 @@ def test_the_calibrations_datagrams_are_counted_apart_from_trainings():
         == fixed["plan"].split(";")[0]
         == ("plan imerge: 1 groups, largest 9,610 elements, smallest 9,610")
     )
-    assert calibrated["transport"]["packets_sent"] == fixed["transport"]["packets_sent"] > 0
+    # first sends: a resend after a timeout on a busy host is loss recovery, not the plan's
+    def first_sends(run):
+        return run["transport"]["packets_sent"] - run["transport"].get("retransmissions", 0)
+
+    assert first_sends(calibrated) == first_sends(fixed) > 0
 
 
 @pytest.mark.slow
