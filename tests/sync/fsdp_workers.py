@@ -1,54 +1,11 @@
-"""Workers of the FSDP2 tests, joined by a FileStore rendezvous (no port to race for)."""
+"""Workers of the FSDP2 tests (run by ``distributed.run_distributed``, each call its own group)."""
 
 from __future__ import annotations
 
-import traceback
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 PARTITION = 16  # small partitions: every shard holds several, and a partial last one
-
-
-def run_with_store(fn, world: int, store_path: str, *args, timeout: float = 120.0):
-    """``fn(rank, world, *args)`` on ``world`` spawned processes in one Gloo group; the
-    results by rank (a worker's exception raised here with its traceback)."""
-    context = mp.get_context("spawn")
-    with context.Manager() as manager:
-        results = manager.dict()
-        processes = [context.Process(target=_entry,
-                                     args=(rank, world, store_path, fn, args, results))
-                     for rank in range(world)]  # fmt: skip
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join(timeout)
-        hung = [p for p in processes if p.is_alive()]
-        for process in hung:
-            process.kill()
-        if hung:
-            raise TimeoutError(f"{len(hung)} FSDP test workers did not finish in {timeout} s")
-        collected = [results.get(rank) for rank in range(world)]
-    for value in collected:
-        if isinstance(value, BaseException):
-            raise value
-    return collected
-
-
-def _entry(rank, world, store_path, fn, args, results):
-    try:
-        torch.set_num_threads(1)
-        store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))  # fmt: skip
-        results[rank] = fn(rank, world, *args)
-    except BaseException:
-        results[rank] = RuntimeError(f"rank {rank} failed:\n{traceback.format_exc()}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def small_model() -> torch.nn.Module:

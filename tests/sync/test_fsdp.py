@@ -13,11 +13,11 @@ from gradsum.codecs import make_codec
 from gradsum.codecs.round import run_round
 from gradsum.sync.fsdp import NotHomomorphic, check_shardable, shard_keys
 
+from .distributed import run_distributed
 from .fsdp_workers import (
     PARTITION,
     record_reduce_scatters,
     reference_training,
-    run_with_store,
     train_hsdp,
 )
 
@@ -40,12 +40,11 @@ METHODS = [*CODECS, ("none", {}), (None, {})]  # None: torch's own reduce-scatte
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
+def recorded():
     """Every method's records on 2 and on 4 ranks: one spawn per world size."""
     runs = {}
     for world in (2, 4):
-        store = tmp_path_factory.mktemp(f"store{world}") / "store"
-        by_rank = run_with_store(record_reduce_scatters, world, str(store), METHODS, STEPS)
+        by_rank = run_distributed(record_reduce_scatters, world, METHODS, STEPS, fresh=True)
         for m, method in enumerate(METHODS):
             runs[(world, method[0], tuple(method[1].items()))] = [r[m] for r in by_rank]
     return runs
@@ -109,7 +108,7 @@ def test_a_codec_that_is_not_homomorphic_is_refused(name):
 @pytest.mark.slow
 def test_hsdp_on_a_2x2_mesh_trains_through_the_codec_on_both_collectives(tmp_path):
     steps = 4
-    by_rank = run_with_store(train_hsdp, 4, str(tmp_path / "store"), ["none", "thc"], steps)
+    by_rank = run_distributed(train_hsdp, 4, ["none", "thc"], steps, fresh=True)
     exact, compressed = [r[0] for r in by_rank], [r[1] for r in by_rank]
     expected = reference_training(4, steps)
     for rank in exact:
