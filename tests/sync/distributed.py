@@ -1,6 +1,7 @@
 """Run a function on n real processes joined in a Gloo group (for tests).
 
-Spawning the processes (each imports torch) costs seconds a call, so the group is kept: the
+Starting the processes costs a second or more a call (they come from ``gradsum.processes``, as
+local workers do), so the group is kept: the
 next call of the same size runs on the same processes, in the same group, one function after
 another, each with the caller's environment of that moment. A call that fails or times out
 ends the group (its state is unknown) and the next one starts afresh; ``fresh=True`` gives a
@@ -17,7 +18,8 @@ import traceback
 from datetime import timedelta
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from gradsum import processes
 
 RENDEZVOUS_TIMEOUT = timedelta(seconds=60)
 
@@ -64,21 +66,22 @@ def _serve(rank, world, port, tasks, results):
 
 
 class _Group:
-    """``world`` spawned processes in one Gloo group, kept between calls."""
+    """``world`` processes in one Gloo group, kept between calls."""
 
     def __init__(self, world: int):
-        context = mp.get_context("spawn")
+        context = processes.context()
         self.world = world
         self.store = rendezvous_store()  # held while the group lives
         self.tasks = [context.Queue() for _ in range(world)]
         self.results = context.Queue()
         self.processes = [
-            context.Process(target=_serve, daemon=True,
-                            args=(rank, world, self.store.port, self.tasks[rank], self.results))
+            processes.process(context, _serve,
+                              (rank, world, self.store.port, self.tasks[rank], self.results),
+                              daemon=True)
             for rank in range(world)
         ]  # fmt: skip
         for process in self.processes:
-            process.start()
+            processes.start(process)
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.processes)
@@ -165,19 +168,19 @@ def _entry(rank, world, port, fn, args, results):
 
 def _run_fresh(fn, world: int, args, timeout: float) -> list:
     """Processes of this call's own; a worker that died gives None."""
-    context = mp.get_context("spawn")
+    context = processes.context()
     store = rendezvous_store()
     with context.Manager() as manager:
         results = manager.dict()
-        processes = [
-            context.Process(target=_entry, args=(rank, world, store.port, fn, args, results))
+        started = [
+            processes.process(context, _entry, (rank, world, store.port, fn, args, results))
             for rank in range(world)
         ]
-        for process in processes:
-            process.start()
-        for process in processes:
+        for process in started:
+            processes.start(process)
+        for process in started:
             process.join(timeout)
-        hung = [p for p in processes if p.is_alive()]
+        hung = [p for p in started if p.is_alive()]
         for process in hung:
             process.kill()
         if hung:

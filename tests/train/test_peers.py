@@ -54,23 +54,34 @@ def test_a_failed_bucket_fails_the_buckets_after_it_without_starting_them():
 
 def _report_environment(queue) -> None:
     import os
+    import threading
 
-    queue.put(os.environ.get("OMP_NUM_THREADS"))
+    import torch
+
+    # a thread the worker starts itself, as Gloo's callbacks are: its intra-op pool is OpenMP's
+    # default, fixed when the process that imported torch read OMP_NUM_THREADS
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    queue.put((os.environ.get("OMP_NUM_THREADS"), os.environ.get("GRADSUM_TEST_MARK"), seen[0]))
 
 
-def test_local_workers_start_with_one_openmp_thread_and_the_launcher_keeps_its_own(monkeypatch):
-    import multiprocessing
-
-    from gradsum.train.launch import worker_environment
+def test_local_workers_start_with_one_openmp_thread_and_the_launchers_environment(monkeypatch):
+    """Workers come from ``gradsum.processes`` (forked from a server that imported torch under
+    WORKER_ENVIRONMENT): each has one OpenMP thread in every thread, and the launcher's
+    environment of the moment it started (not the server's), and the launcher keeps its own."""
+    from gradsum import processes
 
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
-    context = multiprocessing.get_context("spawn")
+    context = processes.context()
     queue = context.Queue()
-    with worker_environment():
-        process = context.Process(target=_report_environment, args=(queue,))
-        process.start()
-    assert queue.get(timeout=60) == "1"
-    process.join(60)
+    for mark in ("first", "second"):  # the second worker: from the same server, if forked
+        monkeypatch.setenv("GRADSUM_TEST_MARK", mark)
+        process = processes.process(context, _report_environment, (queue,))
+        processes.start(process)
+        assert queue.get(timeout=60) == ("1", mark, 1)
+        process.join(60)
     assert os.environ["OMP_NUM_THREADS"] == "7"
 
 

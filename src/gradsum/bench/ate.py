@@ -22,6 +22,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from .. import processes
 from ..failures import Failure, WorkerFailed
 
 METHODS = {  # name -> (aggregator kind, codec); "gloo" is torch.distributed
@@ -215,29 +216,24 @@ def multicast(kind: str, args) -> bool:
 
 
 def _gloo(workers: int, elements: int, steps: int, warmup: int) -> tuple[list[list[float]], float]:
-    import multiprocessing
-
     import torch.distributed as dist
 
     # the workers meet through a store held here, on a port the kernel chose (a port found
     # free and released could be taken before worker 0 bound it)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     port = store.port
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed"])
+    context = processes.context()
     queue = context.Queue()
-    processes = [
-        context.Process(
-            target=_gloo_worker, args=(r, workers, port, elements, steps, warmup, queue)
-        )
+    started = [
+        processes.process(context, _gloo_worker, (r, workers, port, elements, steps, warmup, queue))
         for r in range(workers)
     ]
-    for process in processes:
-        process.start()
+    for process in started:
+        processes.start(process)
     try:
-        results = [queue.get(timeout=600) for _ in processes]
+        results = [queue.get(timeout=600) for _ in started]
     finally:
-        for process in processes:
+        for process in started:
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..failures import FAILURE_FILE_ENV, Failure, WorkerFailed, read_failure_file
-from ..train.config import WORKER_ENVIRONMENT
+from ..processes import WORKER_ENVIRONMENT
 
 _CLI = "import sys; from gradsum.cli import main; sys.exit(main())"
 

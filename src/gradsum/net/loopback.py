@@ -6,7 +6,6 @@ waited for.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import queue
 import signal
@@ -16,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .. import processes
 from ..dataplane.jobspec import Address
 
 _CLI = "import sys; from gradsum.cli import main; sys.exit(main())"
@@ -178,25 +178,19 @@ def worker_inputs(task: WorkerTask, worker: int) -> list:
 DISTINCT_INPUTS = 4
 
 
-def _context():
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "gradsum.net.client"])
-    return context
-
-
 def run_workers(task: WorkerTask, timeout: float = 300.0, register=None) -> list[WorkerResult]:
     """Start the workers, register the job (on every aggregator, or by calling
     ``register(worker_addresses)``), run, tear down, collect."""
     from .client import register_job, teardown_job
 
-    context = _context()
-    pipes, processes = [], []
+    context = processes.context()
+    pipes, started = [], []
     for worker in range(task.workers):
         parent, child = context.Pipe()
-        process = context.Process(target=_worker_main, args=(task, worker, child), daemon=True)
-        process.start()
+        process = processes.process(context, _worker_main, (task, worker, child), daemon=True)
+        processes.start(process)
         pipes.append(parent)
-        processes.append(process)
+        started.append(process)
     try:
         addresses = [_receive(p, timeout, f"worker {w}'s address") for w, p in enumerate(pipes)]
         if register is None:
@@ -215,7 +209,7 @@ def run_workers(task: WorkerTask, timeout: float = 300.0, register=None) -> list
             for aggregator in task.aggregators:
                 teardown_job(aggregator, task.job, key=task.key)
     finally:
-        for process in processes:
+        for process in started:
             process.join(timeout=5)
             if process.is_alive():
                 process.kill()

@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.stats import theilslopes
 
 from .cluster import ClusterSpec, crowding
 from .costs import AlphaBeta, least_squares, ps_step_seconds
@@ -135,6 +134,9 @@ class _Timings:
         sizes = np.unique(nbytes)
         medians = np.array([np.median(seconds[nbytes == size]) for size in sizes])
         bound = RESOLUTION * medians[-1] / (sizes[-1] - sizes[0])
+        # scipy.stats costs a second to import: every worker imports this module, few fit
+        from scipy.stats import theilslopes
+
         fit = theilslopes(seconds, nbytes, alpha=CONFIDENCE, method="joint")
         return cls(nbytes, seconds, sizes, medians, float(bound), fit)
 

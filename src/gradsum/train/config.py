@@ -437,13 +437,3 @@ SECTIONS = tuple(sections_of(TrainConfig))
 # its own row
 BENCH_SECTIONS = (Workload, Optimizer, Method, Schedule, Transport, Steps, Guard)
 
-
-# What every worker's environment sets before its OpenMP runtime starts (the local launcher's and
-# the testbed's; torchrun sets the same). torch.set_num_threads sizes the intra-op pool of the
-# thread that calls it; every other thread of a worker (Gloo's callbacks, which run torch's
-# PowerSGD hook, and gradsum's communication thread) takes OpenMP's default, one thread per
-# core. With several, MKL's matrix products there are not bitwise reproducible, so two workers
-# could decompress the same all-reduced P and Q into different gradients: the digits MLP with
-# ddp:powersgd2 ended with "replicas diverged" after 4 to 12 steps in every run on 2 workers,
-# and in none with this set.
-WORKER_ENVIRONMENT = {"OMP_NUM_THREADS": "1"}

@@ -8,6 +8,8 @@ permutation that all workers draw from the same seed, so the shards never overla
 from __future__ import annotations
 
 import hashlib
+import heapq
+import os
 import pickle
 import sysconfig
 from dataclasses import dataclass
@@ -147,17 +149,12 @@ def _stdlib(data_dir: str | Path | None, context: int, max_bytes: int) -> Datase
     that overlap by one, the input a window's first ``context`` bytes and the labels its last.
     """
     root = Path(data_dir) if data_dir is not None else Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        (p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts),
-        key=lambda p: p.relative_to(root).as_posix(),
-    )
-    if not files:
-        raise DataError(f"--dataset stdlib: no .py files under {root}")
     budgets = {"train": max_bytes, "test": max(max_bytes // 8, context + 1)}
     texts: dict[str, list[bytes]] = {"train": [], "test": []}
     filled = {"train": 0, "test": 0}
-    for path in files:
-        relative = path.relative_to(root).as_posix()
+    found = False
+    for relative, path in _sources_in_path_order(root):
+        found = True
         digest = hashlib.blake2b(relative.encode(), digest_size=8).digest()
         split = "test" if int.from_bytes(digest, "little") % VALIDATION_EVERY == 0 else "train"
         if filled[split] >= budgets[split]:
@@ -167,6 +164,8 @@ def _stdlib(data_dir: str | Path | None, context: int, max_bytes: int) -> Datase
         text = path.read_bytes() + b"\0"
         texts[split].append(text)
         filled[split] += len(text)
+    if not found:
+        raise DataError(f"--dataset stdlib: no .py files under {root}")
     splits = {}
     for split, parts in texts.items():
         data = torch.frombuffer(bytearray(b"".join(parts)[: budgets[split]]), dtype=torch.uint8)
@@ -178,6 +177,30 @@ def _stdlib(data_dir: str | Path | None, context: int, max_bytes: int) -> Datase
         windows = data.unfold(0, context + 1, context)
         splits[split] = Split(windows[:, :-1], windows[:, 1:])
     return Dataset("stdlib", splits["train"], splits["test"], 256)
+
+
+def _sources_in_path_order(root: Path):
+    """``(relative posix path, path)`` of every ``.py`` file under ``root`` outside
+    site-packages, in the order of the relative paths as strings, walking only as far as the
+    caller reads: a folder's entries all sort between ``folder/`` and the next string that does
+    not start with it, so a heap keyed by ``folder/`` expands each folder when its turn comes."""
+    heap: list[tuple[str, bool, Path]] = [("", True, root)]
+    while heap:
+        key, folder, path = heapq.heappop(heap)
+        if not folder:
+            yield key, path
+            continue
+        try:
+            entries = list(os.scandir(path))
+        except OSError:  # unreadable folder: rglob skips it too
+            continue
+        for entry in entries:
+            name = key + entry.name
+            if entry.is_dir(follow_symlinks=False):
+                if entry.name != "site-packages":
+                    heapq.heappush(heap, (name + "/", True, Path(entry.path)))
+            elif entry.name.endswith(".py") and entry.is_file():
+                heapq.heappush(heap, (name, False, Path(entry.path)))
 
 
 def shard_batches(split: Split, rank: int, world: int, batch_size: int, epoch: int, seed: int):

@@ -1,9 +1,10 @@
 """Starting workers: locally (``gradsum train`` spawns them) or under torchrun (one per process).
 
-Locally, the launcher starts whatever aggregation service the job needs on loopback, spawns one
-process per worker with a torch.distributed rendezvous on a free port, and shuts everything down
-on exit or Ctrl-C. Under torchrun (RANK/WORLD_SIZE set) it runs this process's worker only, with
-the aggregator addresses given by ``--switch``/``--servers``.
+Locally, the launcher starts whatever aggregation service the job needs on loopback, starts one
+process per worker (forked from a server that has imported torch: ``gradsum/processes.py``) with
+a torch.distributed rendezvous on a free port, and shuts everything down on exit or Ctrl-C.
+Under torchrun (RANK/WORLD_SIZE set) it runs this process's worker only, with the aggregator
+addresses given by ``--switch``/``--servers``.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from .. import processes
 from ..failures import Failure, WorkerFailed
-from .config import WORKER_ENVIRONMENT
 from .loop import TrainConfig, train_worker
 
 
@@ -120,7 +120,7 @@ def run_local(config: TrainConfig) -> dict:
     """Spawn ``config.workers`` worker processes on this machine and return worker 0's summary."""
     from .services import local_services
 
-    context = mp.get_context("spawn")
+    context = processes.context()
     with local_services(config) as addresses, context.Manager() as manager:
         results = manager.dict()
         registered = manager.list()  # (aggregator, job, key) of every job a worker registered
@@ -130,27 +130,26 @@ def run_local(config: TrainConfig) -> dict:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=config.timeout))  # fmt: skip
         port = store.port
-        processes = [
-            context.Process(
-                target=_local_entry,
-                args=(config, addresses, rank, config.workers, port, results, registered),
+        workers = [
+            processes.process(
+                context, _local_entry,
+                (config, addresses, rank, config.workers, port, results, registered),
                 name=f"gradsum-worker-{rank}",
             )
             for rank in range(config.workers)
-        ]
+        ]  # fmt: skip
         try:
-            with worker_environment():
-                for process in processes:
-                    process.start()
-            _join(processes, results, config)
+            for worker in workers:
+                processes.start(worker)
+            _join(workers, results, config)
         except BaseException:
-            _stop(processes)
+            _stop(workers)
             # The survivors tear their jobs down as they stop; a job whose workers were all
             # killed (or were killed in the middle of it) is torn down here.
             _tear_down(list(registered))
             raise
         finally:
-            _stop(processes)
+            _stop(workers)
         return dict(results[0])
 
 
@@ -184,22 +183,6 @@ def _tear_down(registered) -> None:
     if records:
         with ThreadPoolExecutor(min(16, len(records))) as pool:
             list(pool.map(tear_down, records))
-
-
-@contextlib.contextmanager
-def worker_environment():
-    """``WORKER_ENVIRONMENT`` in ``os.environ`` while workers are spawned (a spawned process
-    copies it at start), the launcher's own restored afterwards."""
-    saved = {name: os.environ.get(name) for name in WORKER_ENVIRONMENT}
-    os.environ.update(WORKER_ENVIRONMENT)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _join(processes, results, config: TrainConfig) -> None:

@@ -1,0 +1,95 @@
+"""Where gradsum's local worker processes come from.
+
+A fresh interpreter that imports torch and gradsum costs about two seconds of CPU, most of what
+a short run's start costs, paid again by every worker of every run. Workers are therefore forked
+from one forkserver per launching process, started once with torch and gradsum imported and
+with the workers' environment (``WORKER_ENVIRONMENT``: OpenMP reads ``OMP_NUM_THREADS`` when
+torch loads it, so it must be set in the process that imports torch, not after a fork).
+
+A forked worker still behaves as a spawned one: it gets the launcher's ``os.environ`` of the
+moment it starts (the forkserver's own would be that of the first run), and multiprocessing
+gives it the launcher's working directory and ``sys.path``. Where no forkserver is available,
+or one was started by other code with an environment gradsum did not choose, workers are spawned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+
+# What every worker's environment sets before its OpenMP runtime starts (the local launcher's and
+# the testbed's; torchrun sets the same). torch.set_num_threads sizes the intra-op pool of the
+# thread that calls it; every other thread of a worker (Gloo's callbacks, which run torch's
+# PowerSGD hook, and gradsum's communication thread) takes OpenMP's default, one thread per
+# core. With several, MKL's matrix products there are not bitwise reproducible, so two workers
+# could decompress the same all-reduced P and Q into different gradients: the digits MLP with
+# ddp:powersgd2 ended with "replicas diverged" after 4 to 12 steps in every run on 2 workers,
+# and in none with this set.
+WORKER_ENVIRONMENT = {"OMP_NUM_THREADS": "1"}
+
+# What the forkserver imports before it forks anyone: torch, its process groups, and the
+# modules every kind of gradsum worker (training, benchmarks' senders) starts from. Importing
+# this module loads none of them.
+PRELOAD = ["torch", "torch.distributed", "gradsum.train.launch", "gradsum.net.client"]
+
+_ours = False  # whether this process started the forkserver, under WORKER_ENVIRONMENT
+
+
+@contextlib.contextmanager
+def worker_environment():
+    """``WORKER_ENVIRONMENT`` in ``os.environ`` while workers start, the launcher's own restored
+    afterwards."""
+    saved = {name: os.environ.get(name) for name in WORKER_ENVIRONMENT}
+    os.environ.update(WORKER_ENVIRONMENT)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def context():
+    """The multiprocessing context workers start in (torch's, so tensors in its queues travel
+    through shared memory): the forkserver where this process can own one, else spawn."""
+    global _ours
+    import torch.multiprocessing as torch_mp
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return torch_mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    running = getattr(server, "_forkserver_pid", None) is not None
+    if running and not _ours:  # started by other code, with its own environment
+        return torch_mp.get_context("spawn")
+    chosen = torch_mp.get_context("forkserver")
+    if not running:
+        chosen.set_forkserver_preload(PRELOAD)
+        with worker_environment():
+            forkserver.ensure_running()
+        _ours = True
+    return chosen
+
+
+def start(process) -> None:
+    """``process.start()`` under ``WORKER_ENVIRONMENT`` (a spawned process copies it; a
+    forkserver that died and is started again reads it)."""
+    with worker_environment():
+        process.start()
+
+
+def process(ctx, target, args=(), **options):
+    """A Process of ``ctx`` that runs ``target(*args)`` under the launcher's environment of
+    this moment plus ``WORKER_ENVIRONMENT``."""
+    environ = dict(os.environ) | WORKER_ENVIRONMENT
+    return ctx.Process(target=_in_environment, args=(environ, target, args), **options)
+
+
+def _in_environment(environ: dict, target, args) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
