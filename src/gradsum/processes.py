@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import sys
 
 # What every worker's environment sets before its OpenMP runtime starts (the local launcher's and
 # the testbed's; torchrun sets the same). torch.set_num_threads sizes the intra-op pool of the
@@ -28,10 +29,12 @@ import os
 # and in none with this set.
 WORKER_ENVIRONMENT = {"OMP_NUM_THREADS": "1"}
 
-# What the forkserver imports before it forks anyone: torch, its process groups, and the
-# modules every kind of gradsum worker (training, benchmarks' senders) starts from. Importing
-# this module loads none of them.
-PRELOAD = ["torch", "torch.distributed", "gradsum.train.launch", "gradsum.net.client"]
+# What the forkserver imports before it forks anyone: torch, its process groups, dynamo (which
+# torch's optimizers and DDP import on first use, a second of CPU), and the modules every kind
+# of gradsum worker (training, benchmarks' senders) starts from. Importing this module loads
+# none of them.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "gradsum.train.launch",
+           "gradsum.net.client")  # fmt: skip
 
 _ours = False  # whether this process started the forkserver, under WORKER_ENVIRONMENT
 
@@ -52,9 +55,11 @@ def worker_environment():
                 os.environ[name] = value
 
 
-def context():
+def context(needs: tuple[str, ...] = ()):
     """The multiprocessing context workers start in (torch's, so tensors in its queues travel
-    through shared memory): the forkserver where this process can own one, else spawn."""
+    through shared memory): the forkserver where this process can own one, else spawn.
+    ``needs``: modules the workers will import beyond ``PRELOAD`` (a dataset's), imported by
+    the forkserver too if this call starts it."""
     global _ours
     import torch.multiprocessing as torch_mp
 
@@ -68,7 +73,7 @@ def context():
         return torch_mp.get_context("spawn")
     chosen = torch_mp.get_context("forkserver")
     if not running:
-        chosen.set_forkserver_preload(PRELOAD)
+        chosen.set_forkserver_preload([*PRELOAD, *needs])
         with worker_environment():
             forkserver.ensure_running()
         _ours = True
@@ -84,12 +89,43 @@ def start(process) -> None:
 
 def process(ctx, target, args=(), **options):
     """A Process of ``ctx`` that runs ``target(*args)`` under the launcher's environment of
-    this moment plus ``WORKER_ENVIRONMENT``."""
+    this moment plus ``WORKER_ENVIRONMENT``, writing to the launcher's standard output and
+    error of the moment it starts."""
     environ = dict(os.environ) | WORKER_ENVIRONMENT
-    return ctx.Process(target=_in_environment, args=(environ, target, args), **options)
+    return ctx.Process(target=_in_environment, args=(environ, _Streams(), target, args),
+                       **options)  # fmt: skip
 
 
-def _in_environment(environ: dict, target, args) -> None:
+class _Streams:
+    """The launcher's file descriptors 1 and 2, handed to the worker as it starts (a forked
+    worker's own are the forkserver's: wherever the first run's output went)."""
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        return _Streams._received, tuple(DupFd(fd) for fd in (1, 2) if _is_open(fd))
+
+    @staticmethod
+    def _received(*descriptors) -> tuple[int, ...]:
+        return tuple(d.detach() for d in descriptors)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _in_environment(environ: dict, streams: tuple[int, ...], target, args) -> None:
     os.environ.clear()
     os.environ.update(environ)
+    if len(streams) == 2:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        for fd, received in zip((1, 2), streams, strict=True):
+            os.dup2(received, fd)
+    for received in streams:
+        os.close(received)
     target(*args)

@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import sys
 
 import pytest
 import torch
@@ -64,25 +65,33 @@ def _report_environment(queue) -> None:
     thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
     thread.start()
     thread.join()
-    queue.put((os.environ.get("OMP_NUM_THREADS"), os.environ.get("GRADSUM_TEST_MARK"), seen[0]))
+    mark = os.environ.get("GRADSUM_TEST_MARK")
+    print(f"worker output {mark}", file=sys.stderr, flush=True)
+    queue.put((os.environ.get("OMP_NUM_THREADS"), mark, seen[0]))
 
 
-def test_local_workers_start_with_one_openmp_thread_and_the_launchers_environment(monkeypatch):
+def test_local_workers_start_with_one_openmp_thread_and_the_launchers_environment(
+    monkeypatch, capfd
+):
     """Workers come from ``gradsum.processes`` (forked from a server that imported torch under
-    WORKER_ENVIRONMENT): each has one OpenMP thread in every thread, and the launcher's
-    environment of the moment it started (not the server's), and the launcher keeps its own."""
+    WORKER_ENVIRONMENT): each has one OpenMP thread in every thread, the launcher's environment
+    of the moment it started (not the server's) and its standard error of that moment (the
+    first worker's is not captured), and the launcher keeps its own environment."""
     from gradsum import processes
 
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
-    context = processes.context()
+    with capfd.disabled():  # a server this starts holds the uncaptured stderr
+        context = processes.context()
     queue = context.Queue()
     for mark in ("first", "second"):  # the second worker: from the same server, if forked
         monkeypatch.setenv("GRADSUM_TEST_MARK", mark)
         process = processes.process(context, _report_environment, (queue,))
-        processes.start(process)
-        assert queue.get(timeout=60) == ("1", mark, 1)
-        process.join(60)
+        with capfd.disabled() if mark == "first" else contextlib.nullcontext():
+            processes.start(process)
+            assert queue.get(timeout=60) == ("1", mark, 1)
+            process.join(60)
     assert os.environ["OMP_NUM_THREADS"] == "7"
+    assert "worker output second" in capfd.readouterr().err
 
 
 @pytest.mark.slow

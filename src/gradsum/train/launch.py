@@ -117,10 +117,11 @@ def resumed_after_restart(config: TrainConfig, rank: int) -> TrainConfig:
 
 
 def run_local(config: TrainConfig) -> dict:
-    """Spawn ``config.workers`` worker processes on this machine and return worker 0's summary."""
+    """Start ``config.workers`` worker processes on this machine and return worker 0's summary."""
+    from .data import DATASET_MODULES
     from .services import local_services
 
-    context = processes.context()
+    context = processes.context(DATASET_MODULES.get(config.dataset, ()))
     with local_services(config) as addresses, context.Manager() as manager:
         results = manager.dict()
         registered = manager.list()  # (aggregator, job, key) of every job a worker registered
