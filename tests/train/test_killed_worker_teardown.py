@@ -1,6 +1,7 @@
 """A worker killed with SIGKILL leaves no job of its run on an external aggregator: the
 survivors, or else the launcher (all workers killed at once), tear them down."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,18 +18,25 @@ TEARDOWN_BOUND_S = 15.0  # the issue's bound from the kill to an empty job table
 
 
 def _workers(root: int) -> list[int]:
-    """The spawned worker processes of a local `gradsum train` (rank order: pid order); the
-    launcher's manager and resource tracker lack the workers' environment."""
+    """The worker processes of a local `gradsum train` by rank: its descendants named
+    ``gradsum-rank<N>`` (forked from its forkserver, beside the manager)."""
+    found = {}
+    for pid in _descendants(root):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if name.startswith("gradsum-rank"):
+            found[int(name.removeprefix("gradsum-rank"))] = pid
+    return [found[rank] for rank in sorted(found)]
+
+
+def _descendants(pid: int) -> list[int]:
     found = []
-    for task in Path(f"/proc/{root}/task").iterdir():
+    for task in Path(f"/proc/{pid}/task").iterdir():
         for child in (task / "children").read_text().split():
-            try:
-                environment = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"OMP_NUM_THREADS=1" in environment:
-                found.append(int(child))
-    return sorted(found)
+            found += [int(child), *_descendants(int(child))]
+    return found
 
 
 @pytest.mark.slow
@@ -65,9 +73,11 @@ def test_a_killed_worker_leaves_no_job_on_an_external_aggregator(kind, victim):
                 time.sleep(0.2)
             _, err = run.communicate(timeout=120)
         finally:
-            if run.poll() is None:
-                run.kill()
-                run.communicate()
+            if run.poll() is None:  # its workers and manager too, which hold its stderr
+                for pid in [*_descendants(run.pid), run.pid]:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+                run.communicate(timeout=60)
     assert run.returncode != 0
     # the launcher names the killed worker, not a survivor's reset connection to it
     named = 0 if victim == "all" else victim

@@ -249,6 +249,7 @@ def _local_entry(config, addresses, rank, world, port, results, registered=None)
     from ..sync import service
 
     _raise_on_sigterm()
+    processes.name_this(f"gradsum-rank{rank}")
     service.job_records = registered
     # Workers share this machine's cores: more intra-op threads than cores only thrash.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
