@@ -86,8 +86,11 @@ class SendWindow:
             self._in_flight_bytes += self._bytes[g]
             self._groups_in_flight += 1
             self._parts_left[g] = len(group.parts)
+            position: dict = {}  # a part's index in group.parts (the first equal one's)
+            for index, part in enumerate(group.parts):
+                position.setdefault(part, index)
             for part in self.plan.part_order(group, self.worker):
-                self._streams.setdefault(part.shard, deque()).append((g, group.parts.index(part)))
+                self._streams.setdefault(part.shard, deque()).append((g, position[part]))
                 starts += self._next_on(part.shard)
         return starts
 
