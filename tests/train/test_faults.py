@@ -22,6 +22,7 @@ from gradsum.train.launch import _join, run_local
 from gradsum.train.loop import TrainConfig
 
 from ..sync.test_recovery import _kill_when_busy
+from .helpers import descendants
 
 COMMON = {"aggregator": "switch", "codec": "thc", "workers": 2, "epochs": 1, "batch_size": 32,
           "progress": False, "liveness": 1.0}  # fmt: skip
@@ -130,18 +131,10 @@ def test_a_worker_that_exits_without_a_result_is_named_with_its_status():
     )
 
 
-def _descendants(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            found += [int(child), *_descendants(int(child))]
-    return found
-
-
 def _worker_pid(root: int, rank: int, attempt: int) -> int | None:
     """The torchrun worker of ``rank`` in restart ``attempt`` under process ``root``."""
     wanted = {f"RANK={rank}", f"TORCHELASTIC_RESTART_COUNT={attempt}"}
-    for pid in _descendants(root):
+    for pid in descendants(root):
         try:
             environment = set(Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0"))
         except OSError:

@@ -14,6 +14,8 @@ import pytest
 from gradsum.net.client import aggregator_stats
 from gradsum.net.loopback import DaemonProcess
 
+from .helpers import descendants, wait_for_rounds
+
 TEARDOWN_BOUND_S = 15.0  # the issue's bound from the kill to an empty job table
 
 
@@ -21,7 +23,7 @@ def _workers(root: int) -> list[int]:
     """The worker processes of a local `gradsum train` by rank: its descendants named
     ``gradsum-rank<N>`` (forked from its forkserver, beside the manager)."""
     found = {}
-    for pid in _descendants(root):
+    for pid in descendants(root):
         try:
             name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
@@ -29,14 +31,6 @@ def _workers(root: int) -> list[int]:
         if name.startswith("gradsum-rank"):
             found[int(name.removeprefix("gradsum-rank"))] = pid
     return [found[rank] for rank in sorted(found)]
-
-
-def _descendants(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            found += [int(child), *_descendants(int(child))]
-    return found
 
 
 @pytest.mark.slow
@@ -54,12 +48,7 @@ def test_a_killed_worker_leaves_no_job_on_an_external_aggregator(kind, victim):
         run = subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)  # fmt: skip
         try:
-            deadline = time.monotonic() + 180
-            while time.monotonic() < deadline and run.poll() is None:
-                jobs = aggregator_stats(daemon.address)["jobs"]
-                if any(counters.get("completed", 0) >= 20 for counters in jobs.values()):
-                    break  # training rounds are going through
-                time.sleep(0.1)
+            wait_for_rounds(daemon.address, run)
             assert run.poll() is None, run.communicate()[1][-3000:]
             workers = _workers(run.pid)
             assert len(workers) == 3, workers
@@ -74,7 +63,7 @@ def test_a_killed_worker_leaves_no_job_on_an_external_aggregator(kind, victim):
             _, err = run.communicate(timeout=120)
         finally:
             if run.poll() is None:  # its workers and manager too, which hold its stderr
-                for pid in [*_descendants(run.pid), run.pid]:
+                for pid in [*descendants(run.pid), run.pid]:
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)
                 run.communicate(timeout=60)

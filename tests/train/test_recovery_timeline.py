@@ -10,9 +10,11 @@ import time
 
 import pytest
 
-from gradsum.net.client import PROBE_TIMEOUT, aggregator_stats
+from gradsum.net.client import PROBE_TIMEOUT
 from gradsum.net.loopback import DaemonProcess
 from gradsum.sync.recovery import FAILOVER_WAIT
+
+from .helpers import wait_for_rounds
 
 LIVENESS = 1.0
 SLACK = 5.0  # teardowns and the workers' exits after the decision
@@ -34,12 +36,7 @@ def test_a_killed_switch_without_restart_or_standby_ends_the_run_in_time_with_on
                                                           for line in run.stderr))  # fmt: skip
     reader.start()
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and run.poll() is None:
-            jobs = aggregator_stats(switch.address)["jobs"]
-            if any(counters.get("completed", 0) >= 20 for counters in jobs.values()):
-                break  # training rounds are going through
-            time.sleep(0.05)
+        wait_for_rounds(switch.address, run)
         assert run.poll() is None, "\n".join(line for _, line in lines[-40:])
         switch.process.send_signal(signal.SIGKILL)
         killed = time.monotonic()
