@@ -239,13 +239,9 @@ def test_a_usage_error_is_raised_where_the_command_line_is_checked():
         job_config(args)
 
 
-def test_a_spec_on_the_command_line_reaches_the_codec_that_trains(tmp_path, monkeypatch):
+def test_a_spec_on_the_command_line_reaches_the_codec_that_trains(gloo_world_of_one, monkeypatch):
     """`gradsum train --codec 'thc(correlated=true)'` as one worker trains with a correlated THC:
     the options parsed on the command line are the ones the worker's codec is built with."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     from gradsum.codecs.thc.codec import THC
     from gradsum.train import loop
 
@@ -262,13 +258,7 @@ def test_a_spec_on_the_command_line_reaches_the_codec_that_trains(tmp_path, monk
             "--workers", "1", "--max-steps", "3", "--eval-every", "3", "--eval-samples", "32",
             "--no-progress", "--device", "cpu"]  # fmt: skip
     config = job_config(build_parser().parse_args(argv))
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))  # fmt: skip
-    try:
-        summary = loop.train_worker(config, 0, 1)
-    finally:
-        dist.destroy_process_group()
+    summary = loop.train_worker(config, 0, 1)
     assert summary["steps"] == 3 and summary["method"] == "allreduce:thc(correlated=true)"
     assert built and all(built), built  # every THC the run built is the correlated one
 

@@ -48,14 +48,10 @@ def test_a_session_refuses_a_codec_sized_for_fewer_workers_than_the_aggregator_h
     Session(make_codec("thc", workers=4), aggregator)
 
 
-def test_make_codec_takes_its_workers_from_the_process_group(tmp_path):
+def test_make_codec_takes_its_workers_from_the_process_group(request):
     assert make_codec("thc").workers == 1  # no process group
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        assert make_codec("bfp").workers == dist.get_world_size()
-    finally:
-        dist.destroy_process_group()
+    request.getfixturevalue("gloo_world_of_one")
+    assert make_codec("bfp").workers == dist.get_world_size()
 
 
 def test_the_hook_state_round_trips_through_torch_save():
@@ -105,22 +101,19 @@ def test_aggregators_and_sessions_close_as_context_managers():
     assert closed[-1] is session.aggregator and len(closed) == 2
 
 
-def test_an_error_inside_the_ddp_hook_reaches_backward_with_its_type_and_message(tmp_path):
+def test_an_error_inside_the_ddp_hook_reaches_backward_with_its_type_and_message(
+    gloo_world_of_one,
+):
     from gradsum.sync.ddp_hook import gradsum_hook
 
     def refuse(flat, **_):
         raise TimeoutError("timed out after 3 s waiting for the switch")
 
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
-        state = GradsumHookState(Session(make_codec("none"), Answering(refuse)))
-        model.register_comm_hook(state, gradsum_hook)
-        with pytest.raises(RuntimeError) as raised:
-            model(torch.randn(2, 4)).sum().backward()
-        state.close()
-    finally:
-        dist.destroy_process_group()
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    state = GradsumHookState(Session(make_codec("none"), Answering(refuse)))
+    model.register_comm_hook(state, gradsum_hook)
+    with pytest.raises(RuntimeError) as raised:
+        model(torch.randn(2, 4)).sum().backward()
+    state.close()
     assert "TimeoutError: timed out after 3 s waiting for the switch" in str(raised.value)
     assert "Unable to cast" not in str(raised.value)

@@ -3,11 +3,9 @@ training naming the step and the method; with --fallback none the step is retrie
 aggregator's lossless codec and counted."""
 
 import math
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from gradsum.codecs import make_codec
 from gradsum.sync.aggregator import Channel
@@ -43,15 +41,6 @@ def test_the_guard_names_non_finite_losses_and_jumps_past_its_factor():
         DivergenceGuard("x", fallback="fp32")
     with pytest.raises(ValueError, match="must exceed 1"):
         DivergenceGuard("x", factor=0.5)
-
-
-@pytest.fixture
-def gloo_alone(tmp_path):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1,
-                            timeout=timedelta(seconds=30))  # fmt: skip
-    yield
-    dist.destroy_process_group()
 
 
 class _Corrupting(AllReduceAggregator):
@@ -116,13 +105,13 @@ def test_the_finiteness_check_finds_one_bad_entry_anywhere_and_passes_large_fini
     assert _gradients_finite(torch.nn.Linear(2, 2))  # no gradients yet
 
 
-def test_a_non_finite_gradient_stops_training_naming_the_step_and_method(gloo_alone):
+def test_a_non_finite_gradient_stops_training_naming_the_step_and_method(gloo_world_of_one):
     with pytest.raises(DivergenceError, match=r"at step 3 with allreduce:thc: the averaged "
                        r"gradient is not finite; --fallback none retries"):  # fmt: skip
         _steps("stop", bad_steps={2})
 
 
-def test_fallback_none_retries_the_step_uncompressed_and_counts_it(gloo_alone):
+def test_fallback_none_retries_the_step_uncompressed_and_counts_it(gloo_world_of_one):
     losses, guard, aggregator, model = _steps("none", bad_steps={1, 4})
     assert guard.fallbacks == 2
     # the two bad compressed rounds were each followed by a lossless one (GradientSync's step
@@ -134,7 +123,7 @@ def test_fallback_none_retries_the_step_uncompressed_and_counts_it(gloo_alone):
 
 
 @pytest.mark.slow  # DDP's start-up: 10-26 s on the loaded 2-core machine
-def test_a_loss_jump_under_ddp_is_retried_outside_its_hook_and_counted(gloo_alone):
+def test_a_loss_jump_under_ddp_is_retried_outside_its_hook_and_counted(gloo_world_of_one):
     """DDP's step is taken again under ``no_sync`` (its forward already ran with the hook armed)
     and averaged in fp32 by hand; training goes on through the hook afterwards."""
     from gradsum.train.peers import DDPSync

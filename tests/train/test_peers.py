@@ -108,27 +108,22 @@ def test_ddp_powersgd_keeps_the_replicas_identical_on_the_digits_mlp():
     assert summary["test_accuracy"] > 0.8  # 0.88 in the runs seen
 
 
-def test_the_powersgd_hooks_uncompressed_start_is_the_runs_uncompressed_steps(tmp_path):
+def test_the_powersgd_hooks_uncompressed_start_is_the_runs_uncompressed_steps(gloo_world_of_one):
     """``--uncompressed-steps 3`` with torch's PowerSGD hook: the hook runs from the first step
     and averages steps 0-2 in fp32 itself (its start_powerSGD_iter), so the hook compresses
     from step 3 as gradsum's codecs do, instead of skipping the hook for 3 steps and then
     warming up for its own 2 more (5 fp32 steps: an unequal comparison)."""
-    import torch.distributed as dist
 
     from gradsum.train.config import TrainConfig
     from gradsum.train.peers import DDPSync
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
-        config = TrainConfig(aggregator="ddp", ddp_hook="powersgd", powersgd_rank=1,
-                             powersgd_start=2, uncompressed_steps=3)  # fmt: skip
-        sync = DDPSync(model, config)
-        for step in range(5):
-            with sync.uncompressed() if step < 3 else contextlib.nullcontext():
-                sync.net(torch.randn(8, 32)).square().mean().backward()
-            sync.wait()
-        assert sync.hook_state.start_powerSGD_iter == 3
-        assert sync.hook_state.iter == 5  # every step went through the hook
-    finally:
-        dist.destroy_process_group()
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+    config = TrainConfig(aggregator="ddp", ddp_hook="powersgd", powersgd_rank=1,
+                         powersgd_start=2, uncompressed_steps=3)  # fmt: skip
+    sync = DDPSync(model, config)
+    for step in range(5):
+        with sync.uncompressed() if step < 3 else contextlib.nullcontext():
+            sync.net(torch.randn(8, 32)).square().mean().backward()
+        sync.wait()
+    assert sync.hook_state.start_powerSGD_iter == 3
+    assert sync.hook_state.iter == 5  # every step went through the hook

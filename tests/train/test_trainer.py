@@ -2,11 +2,8 @@
 real worker's run (`gradsum train`, `bench train`, `bench tta`) and `bench scale`'s simulated
 workers both take their steps through it."""
 
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from gradsum.train.trainer import Report, Schedule, Trainer
 
@@ -105,7 +102,7 @@ def counted_steps(monkeypatch):
 @pytest.mark.parametrize(
     "fields", [{"epochs": 1}, {"max_steps": 3, "eval_every": 3}], ids=["epochs", "steps"]
 )
-def test_a_real_worker_steps_through_the_trainer(counted_steps, tmp_path, fields):
+def test_a_real_worker_steps_through_the_trainer(counted_steps, gloo_world_of_one, fields):
     """What `gradsum train`, `bench train` and `bench tta` run in each worker."""
     from gradsum.train import loop
     from gradsum.train.config import TrainConfig
@@ -119,14 +116,7 @@ def test_a_real_worker_steps_through_the_trainer(counted_steps, tmp_path, fields
         progress=False,
         **fields,
     )
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group(
-        "gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60)
-    )
-    try:
-        summary = loop.train_worker(config, 0, 1)
-    finally:
-        dist.destroy_process_group()
+    summary = loop.train_worker(config, 0, 1)
     assert counted_steps and set(counted_steps) == {"Worker"}
     assert summary["steps"] == len(counted_steps)
 
