@@ -36,6 +36,11 @@ from .base import Codec, CodecContext, Payload, _derive_seed, require_finite
 from .bfp import BlockFloatingPoint
 from .plain import NoCompression
 
+# where a matrix's first Q comes from: "partition", the run's shared seed and the partition;
+# "shape", the run's seed and the matrix's shape (``shape_seeded_q``), as torch's hook draws it
+# under ``--powersgd-first-q shape``: common random numbers for comparing the two
+FIRST_Q = ("partition", "shape")
+
 
 class PowerSGD(Codec):
     name = "powersgd"
@@ -55,10 +60,16 @@ class PowerSGD(Codec):
         error_feedback: bool = True,
         floats: bool = False,
         block_size: int = 256,
+        first_q: str = "partition",
     ):
         super().__init__(workers)
         if rank < 1:
             raise ValueError(f"powersgd rank must be >= 1, got {rank}")
+        if first_q not in FIRST_Q:
+            raise ValueError(f"powersgd first_q is one of {', '.join(FIRST_Q)}, got {first_q!r}")
+        if first_q == "shape" and not warm_start:
+            raise ValueError("powersgd first_q=shape draws the first Q only; it needs warm_start")
+        self.first_q = first_q
         self.rank, self.min_compression_rate = rank, min_compression_rate
         self.warm_start, self.error_feedback, self.floats = warm_start, error_feedback, floats
         self.carrier: Codec = (
@@ -179,6 +190,8 @@ class PowerSGD(Codec):
         r = min(shape[0], shape[1], self.rank)
         q = self.q_memory.get(ctx.state_key) if self.warm_start else None
         if q is None or q.shape != (shape[1], r):
+            if self.first_q == "shape":
+                return orthogonalize(shape_seeded_q(ctx.seed, *shape, r).to(device))
             step = 0 if self.warm_start else ctx.step
             seed = _derive_seed("powersgd", ctx.shared_seed(), ctx.partition, step)
             generator = torch.Generator().manual_seed(seed)
@@ -259,6 +272,15 @@ class PowerSGD(Codec):
             f"carrier={'fp32' if self.floats else 'bfp'}, warm_start={self.warm_start}, "
             f"error_feedback={self.error_feedback})"
         )
+
+
+def shape_seeded_q(seed: int, rows: int, columns: int, rank: int) -> torch.Tensor:
+    """A first Q (columns x rank, not yet orthogonalized) drawn from the run's seed and the
+    matrix's shape alone: what ``first_q="shape"`` gives gradsum's codec and what
+    ``train.peers.with_shape_seeded_q`` gives torch's hook, so that a comparison of the two starts
+    from the same Q per matrix (matrices of one shape share it)."""
+    seed = _derive_seed("powersgd-first-q", seed, rows, columns)
+    return torch.randn(columns, rank, generator=torch.Generator().manual_seed(seed))
 
 
 def orthogonalize(matrix: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ CODEC_OPTIONS: dict[str, dict[str, Option]] = {
         "rank": Option(1, _INT), "min_compression_rate": Option(2.0, _FLOAT),
         "warm_start": Option(True, _BOOL), "error_feedback": Option(True, _BOOL),
         "floats": Option(False, _BOOL), "block_size": Option(256, _INT),
+        "first_q": Option("partition", frozenset({"str"}), ("partition", "shape")),
     },
 }  # fmt: skip
 # the bound's default where the generic wrapper serves the codec (absent: it keeps its own)

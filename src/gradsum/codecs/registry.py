@@ -9,7 +9,7 @@ from ..spec import parse_options, signature_options, split_spec
 from .base import Codec
 from .bfp import BlockFloatingPoint
 from .feedback import feedback_for
-from .lowrank import PowerSGD
+from .lowrank import FIRST_Q, PowerSGD
 from .names import CODEC_NAMES, CODEC_OPTIONS, FEEDBACK_BOUNDS, check_codec
 from .plain import FP16, NoCompression
 from .qsgd import QSGD
@@ -59,6 +59,8 @@ def _declared_options_drift() -> list[str]:
             drift.append(name)
     if CODEC_OPTIONS["thc"]["scales"].words != SCALES:
         drift.append("thc")
+    if CODEC_OPTIONS["powersgd"]["first_q"].words != FIRST_Q:
+        drift.append("powersgd")
     return drift
 
 

@@ -213,6 +213,11 @@ class Method(Section):
         applies=_powersgd_hook,
         help="uncompressed steps before torch's PowerSGD (at least 2)",
     )
+    powersgd_first_q: str = setting(
+        "own", choices=("own", "shape"), applies=_powersgd_hook,
+        help="torch's PowerSGD hook's first Q per matrix: its own draw, or drawn from the seed "
+        "and the matrix's shape as gradsum's powersgd(first_q=shape) draws it",
+    )  # fmt: skip
     # DiLoCo: the optimizer above becomes the inner one, each worker's own (train/outer.py)
     local_steps: str | None = setting(
         None, parse=argument_type(_local_steps_spec), sweep=METHODS.flag, applies=_gradsum_codec,

@@ -7,7 +7,9 @@ group (the links every method shares) and torch's hook ``H``:
 * ``fp16`` / ``bf16`` — ``fp16_compress_hook`` / ``bf16_compress_hook``: each bucket cast to
   16 bits, all-reduced, cast back;
 * ``powersgd`` — ``powerSGD_hook`` at ``--powersgd-rank`` with its error feedback and warm
-  start, after ``--powersgd-start`` uncompressed steps (torch requires at least 2).
+  start, after ``--powersgd-start`` uncompressed steps (torch requires at least 2); with
+  ``--powersgd-first-q shape`` its first Q per matrix is the one gradsum's codec draws with
+  ``first_q=shape`` (common random numbers for comparing the two).
 
 :class:`DDPSync` gives the training loop what ``GradientSync`` gives it (``wait``, ``step``,
 ``uncompressed``, ``close``), so both run through the same loop, launcher, guard and links.
@@ -95,6 +97,35 @@ def in_order(hook):
     return hook_in_order
 
 
+def with_shape_seeded_q(hook, seed: int):
+    """``hook`` (torch's ``powerSGD_hook``) with each matrix's first Q drawn as gradsum's
+    PowerSGD draws it with ``first_q=shape`` (``codecs.lowrank.shape_seeded_q``) instead of from
+    the hook's own random stream: on a bucket's first compressed step the Qs go into the hook's
+    warm-start memory, in the hook's order (its matrices grouped by shape), and the hook
+    orthogonalizes them as it does its own draw."""
+    from ..codecs.lowrank import shape_seeded_q
+
+    def hook_with_shape_seeded_q(state, bucket):
+        index = bucket.index()
+        if state.iter >= state.start_powerSGD_iter and index not in state.q_memory_dict:
+            by_shape: dict[tuple[int, int], list[int]] = {}
+            for tensor in bucket.gradients():  # the hook's compression test and order
+                n, m = tensor.shape[0], tensor.numel() // tensor.shape[0]
+                r = min(n, m, state.matrix_approximation_rank)
+                if (n + m) * r * state.min_compression_rate < n * m:
+                    by_shape.setdefault((n, m), []).append(r)
+            qs = [shape_seeded_q(seed, n, m, r).reshape(-1)
+                  for (n, m), ranks in by_shape.items() for r in ranks]  # fmt: skip
+            buffer = bucket.buffer()
+            state.q_memory_dict[index] = torch.cat(qs).to(buffer) if qs else buffer.new_empty(0)
+            p_size = sum(n * r for (n, _), ranks in by_shape.items() for r in ranks)
+            state.p_memory_dict[index] = buffer.new_empty(p_size)
+        return hook(state, bucket)
+
+    hook_with_shape_seeded_q.__name__ = f"{hook.__name__}_shape_seeded_q"
+    return hook_with_shape_seeded_q
+
+
 def _settle(result: torch.futures.Future, done: torch.futures.Future) -> None:
     try:
         result.set_result(done.value())
@@ -142,7 +173,10 @@ class DDPSync:
                 random_seed=config.seed,
             )
             self.hook_state = state
-            self.net.register_comm_hook(state, in_order(powersgd.powerSGD_hook))
+            hook = powersgd.powerSGD_hook
+            if config.powersgd_first_q == "shape":
+                hook = with_shape_seeded_q(hook, config.seed)
+            self.net.register_comm_hook(state, in_order(hook))
 
     def wait(self) -> None:
         """DDP's backward has averaged the gradients already; a retried step averages them
