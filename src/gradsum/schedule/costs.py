@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import bisect
+import functools
 import heapq
 import math
 from collections.abc import Iterable, Sequence
@@ -192,6 +194,9 @@ def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> l
     """
     if plan.aggregator != "ps" or plan.order != "fifo":
         raise ValueError("ps_step_end plays PS plans sent in list order")
+    # The planners' searches play thousands of plans, so the loop below is written for speed:
+    # events are flat tuples, ``b if b > a else a`` is ``max(a, b)`` without the call (the same
+    # value, ties and all), and what does not change during a play is looked up once.
     n, m = cluster.workers, cluster.shards
     ash, bpe = cluster.alpha_shard, cluster.bytes_per_element
     rate = cluster.worker_bw
@@ -203,19 +208,25 @@ def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> l
         local[cluster.worker_machine(w)] += 1
     home = [cluster.shard_machine(s) for s in range(m)]
     nic_in, nic_out = [0.0] * machines, [0.0] * machines
+    nic_bw = cluster.nic_bw
+    senders = [(machine, count) for machine, count in enumerate(local) if count]
 
     def cross(start: float, shard: int, nbytes: float, inward: bool) -> float:
         """The NIC pipes a part's n copies cross (push: into the shard's machine)."""
         into, out_of = (nic_in, nic_out) if inward else (nic_out, nic_in)
         there, done = home[shard], start
-        for machine, count in enumerate(local):
-            if machine != there and count:
-                out_of[machine] = max(start, out_of[machine]) + count * nbytes / cluster.nic_bw
-                done = max(done, out_of[machine])
+        for machine, count in senders:
+            if machine != there:
+                free = out_of[machine]
+                out_of[machine] = (free if free > start else start) + count * nbytes / nic_bw
+                if out_of[machine] > done:
+                    done = out_of[machine]
         remote = n - local[there]
         if remote:
-            into[there] = max(start, into[there]) + remote * nbytes / cluster.nic_bw
-            done = max(done, into[there])
+            free = into[there]
+            into[there] = (free if free > start else start) + remote * nbytes / nic_bw
+            if into[there] > done:
+                done = into[there]
         return done
 
     cores, wait, cpu = cluster.shared_cores, cluster.worker_wait, cluster.worker_cpu
@@ -227,40 +238,42 @@ def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> l
         nonlocal pool
         if cores is None:
             return start + serial
-        begin = max(start, pool)
+        begin = pool if pool > start else start
         pool = begin + work / cores
-        return max(begin + serial, pool)
+        end = begin + serial
+        return pool if pool > end else end
+
+    worker_work = n * cpu
 
     def worker_message(start: float) -> float:
         """The representative worker's thread sends or receives one message, as all do."""
-        return on_cores(start + wait, cpu, n * cpu)
+        return on_cores(start + wait, cpu, worker_work)
 
     shard_rate, one_core = cluster.shard_bw, cluster.shard_one_core
     release = _release_times(plan, ready)
     groups = plan.groups
-    # Rotated send order (interleaving): which position's send gates part j at its shard.
-    gate = []
+    part_bytes = [[part.numel * bpe for part in group.parts] for group in groups]
+    part_shard = [[part.shard for part in group.parts] for group in groups]
+    # Rotated send order (interleaving): which position's send gates part j at its shard, and
+    # which parts a part's send can complete (itself, and those its position gates), in order.
+    watchers = []
     for group in groups:
         k = len(group.parts)
         if plan.interleave and k > 1:
-            gate.append([max((j - w) % k for w in range(min(n, k))) for j in range(k)])
+            gate = _rotated_gate(k, n)
+            watchers.append([[i for i in range(k) if i == j or gate[i] == j] for j in range(k)])
         else:
-            gate.append(list(range(k)))
+            watchers.append(None)
     thread = egress = ingress = 0.0
     shard_in, shard_core, shard_out = [0.0] * m, [0.0] * m, [0.0] * m
     window = SendWindow(plan, 0, bpe)  # the representative worker sends in list order
     sent = [[None] * len(g.parts) for g in groups]  # when each position's bytes are out
     arrived = [[None] * len(g.parts) for g in groups]  # when the part is in at its shard
-    events: list = []
-    seq = 0
-
-    def push(time, kind, *data):
-        nonlocal seq
-        heapq.heappush(events, (time, seq, kind, data))
-        seq += 1
-
-    for g, t in enumerate(release):
-        push(t, "release", g)
+    heappush, heappop = heapq.heappush, heapq.heappop
+    # (time, sequence, kind, group, part): the sequence number orders equal times as pushed
+    events = [(t, g, _RELEASE, g, 0) for g, t in enumerate(release)]
+    heapq.heapify(events)
+    seq = len(events)
     ends = [0.0] * len(groups)
     leads: dict[tuple[int, int], float] = {}
 
@@ -272,69 +285,101 @@ def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> l
     answer_spread = (n - 1) * ash
     spread: dict[tuple[int, int], float] = {}
 
-    def start(now: float, parts: list[tuple[int, int]], staggered: float) -> None:
-        for part in parts:
-            spread[part] = staggered
-            push(now, "start", *part)
-
     while events:
-        now, _, kind, data = heapq.heappop(events)
-        if kind == "release":
-            start(now, window.release(data[0]), 0.0)
-        elif kind == "start":
-            g, j = data
-            part = groups[g].parts[j]
-            nbytes = part.numel * bpe
+        now, _, kind, g, j = heappop(events)
+        if kind == _START:
+            nbytes = part_bytes[g][j]
+            s = part_shard[g][j]
             # the others' sends lead by the stagger, less what this worker's thread delays
-            lead = max(0.0, spread.pop((g, j), 0.0) - max(0.0, thread - now))
-            thread = worker_message(max(now, thread))
-            egress = max(thread, egress) + nbytes / rate
+            busy = thread - now
+            lead = spread.pop((g, j), 0.0) - (busy if busy > 0.0 else 0.0)
+            if not lead > 0.0:
+                lead = 0.0
+            thread = worker_message(thread if thread > now else now)
+            egress = (egress if egress > thread else thread) + nbytes / rate
             if not one_core:  # a one-core shard's bytes are its core's work ("pushed")
-                shard_in[part.shard] = (
-                    max(thread - lead, shard_in[part.shard]) + n * nbytes / shard_rate
-                )
-            crossed = cross(thread, part.shard, nbytes, inward=True)
+                free, begin = shard_in[s], thread - lead
+                shard_in[s] = (free if free > begin else begin) + n * nbytes / shard_rate
+            crossed = cross(thread, s, nbytes, True)
             sent[g][j] = egress
-            arrived[g][j] = max(egress, crossed, shard_in[part.shard])
+            done = crossed if crossed > egress else egress
+            arrived[g][j] = shard_in[s] if shard_in[s] > done else done
             leads[(g, j)] = lead
-            for i, position in enumerate(gate[g]):
-                if (i == j or position == j) and None not in (arrived[g][i], sent[g][position]):
-                    push(max(arrived[g][i], sent[g][position]), "pushed", g, i)
-        elif kind == "pushed":
-            g, j = data
-            part = groups[g].parts[j]
-            nbytes = part.numel * bpe
-            s = part.shard
+            if watchers[g] is None:  # sent in order: the part is complete once it is out
+                a, b = arrived[g][j], sent[g][j]
+                heappush(events, (b if b > a else a, seq, _PUSHED, g, j))
+                seq += 1
+            else:
+                gate = _rotated_gate(len(part_bytes[g]), n)
+                for i in watchers[g][j]:
+                    a, b = arrived[g][i], sent[g][gate[i]]
+                    if a is not None and b is not None:
+                        heappush(events, (b if b > a else a, seq, _PUSHED, g, i))
+                        seq += 1
+        elif kind == _PUSHED:
+            nbytes = part_bytes[g][j]
+            s = part_shard[g][j]
             lead = leads.pop((g, j), 0.0)
             # a message's time on the shard's core: its fixed cost, and on a one-core shard
             # its bytes too (received and summed, or sent)
             per = ash + (nbytes / shard_rate if one_core else 0.0)
-            summed = max(now + per, on_cores(max(now - lead, shard_core[s]), n * per, n * per))
+            begin, core = now - lead, shard_core[s]
+            queued = on_cores(core if core > begin else begin, n * per, n * per)
+            summed = now + per
+            if queued > summed:
+                summed = queued
             shard_core[s] = on_cores(summed, n * per, n * per)  # the n answers
             if not one_core:
-                shard_out[s] = max(summed + ash, shard_out[s]) + n * nbytes / shard_rate
-            ingress = max(shard_core[s], ingress) + nbytes / rate
-            crossed = cross(summed + per, s, nbytes, inward=False)
-            push(max(shard_out[s], ingress, crossed), "pulled", g, j)
-        elif kind == "pulled":
-            g, j = data
-            thread = worker_message(max(now, thread))
-            ends[g] = max(ends[g], thread)
-            push(thread, "back", g, j)
-        else:  # a part is back: its stream, and with its group's last part the window, free
-            g, j = data
-            freed = groups[g].parts[j].shard
-            starts, _ = window.part_back(g, j)
-            # At one instant the parts the window admits take the worker's thread before the
-            # freed stream's next part: the order the planners' searches are tuned and tested
-            # on; the other order moves a step's end by ~1e-7 s and can tip a search's tie.
-            start(
-                now,
-                [p for p in starts if groups[p[0]].parts[p[1]].shard != freed]
-                + [p for p in starts if groups[p[0]].parts[p[1]].shard == freed],
-                answer_spread,
-            )
+                answer, free = summed + ash, shard_out[s]
+                shard_out[s] = (free if free > answer else answer) + n * nbytes / shard_rate
+            core = shard_core[s]
+            ingress = (ingress if ingress > core else core) + nbytes / rate
+            crossed = cross(summed + per, s, nbytes, False)
+            back = shard_out[s]
+            if ingress > back:
+                back = ingress
+            if crossed > back:
+                back = crossed
+            heappush(events, (back, seq, _PULLED, g, j))
+            seq += 1
+        elif kind == _PULLED:
+            thread = worker_message(thread if thread > now else now)
+            if thread > ends[g]:
+                ends[g] = thread
+            heappush(events, (thread, seq, _BACK, g, j))
+            seq += 1
+        else:
+            if kind == _RELEASE:
+                starts, staggered = window.release(g), 0.0
+            else:  # a part is back: its stream, and with its group's last part the window, free
+                freed = part_shard[g][j]
+                starts, _ = window.part_back(g, j)
+                # At one instant the parts the window admits take the worker's thread before
+                # the freed stream's next part: the order the planners' searches are tuned and
+                # tested on; the other order moves a step's end by ~1e-7 s and can tip a
+                # search's tie.
+                starts = [p for p in starts if part_shard[p[0]][p[1]] != freed] + [
+                    p for p in starts if part_shard[p[0]][p[1]] == freed
+                ]
+                staggered = answer_spread
+            for part in starts:
+                spread[part] = staggered
+                heappush(events, (now, seq, _START, *part))
+                seq += 1
     return ends
+
+
+_RELEASE, _START, _PUSHED, _PULLED, _BACK = range(5)  # a play's events
+
+
+@functools.cache
+def _rotated_gate(k: int, n: int) -> tuple[int, ...]:
+    """For each part of a group rotated over k parts by n workers, the send position that
+    completes it at its shard: the latest of ``(j - w) mod k`` over the workers w that start
+    at distinct parts (the first ``min(n, k)``): j itself unless a worker's rotation wraps past
+    it, then k - 1."""
+    first = min(n, k) - 1
+    return tuple(j if j >= first else k - 1 for j in range(k))
 
 
 def _release_times(plan: Plan, ready: Sequence[float]) -> list[float]:
@@ -343,7 +388,7 @@ def _release_times(plan: Plan, ready: Sequence[float]) -> list[float]:
     times, latest = [], 0.0
     offsets = plan.layer_offsets
     for group in plan.groups:
-        last = int(np.searchsorted(offsets, group.stop, side="left")) - 1
+        last = bisect.bisect_left(offsets, group.stop) - 1
         at = ready[-1] if plan.trigger == "after_backward" else ready[last]
         latest = max(latest, at)
         times.append(latest)

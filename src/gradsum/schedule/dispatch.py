@@ -86,17 +86,22 @@ class SendWindow:
             self._in_flight_bytes += self._bytes[g]
             self._groups_in_flight += 1
             self._parts_left[g] = len(group.parts)
-            position: dict = {}  # a part's index in group.parts (the first equal one's)
-            for index, part in enumerate(group.parts):
-                position.setdefault(part, index)
+            # a part's index in group.parts, by its shard (a PS plan's group has one part per
+            # shard: Plan checks it)
+            position = {part.shard: index for index, part in enumerate(group.parts)}
             for part in self.plan.part_order(group, self.worker):
-                self._streams.setdefault(part.shard, deque()).append((g, position[part]))
+                queue = self._streams.get(part.shard)
+                if queue is None:
+                    queue = self._streams[part.shard] = deque()
+                queue.append((g, position[part.shard]))
                 starts += self._next_on(part.shard)
         return starts
 
     def _next_on(self, shard: int) -> list[PartRef]:
+        if shard in self._busy:
+            return []
         queue = self._streams.get(shard)
-        if shard in self._busy or not queue:
+        if not queue:
             return []
         self._busy.add(shard)
         return [queue.popleft()]

@@ -83,15 +83,23 @@ def place_spread(
     next_shard = 0
     for (start, stop), span in zip(ranges, spans, strict=True):
         span = max(1, min(span, num_shards, stop - start))
-        cuts = np.linspace(start, stop, span + 1).round().astype(np.int64)
-        shards = [(next_shard + k) % num_shards for k in range(span)]
+        cuts = even_cuts(start, stop, span)
         parts.append(
-            tuple(
-                Part(s, int(a), int(b)) for s, a, b in zip(shards, cuts[:-1], cuts[1:], strict=True)
-            )
+            tuple(Part((next_shard + k) % num_shards, cuts[k], cuts[k + 1]) for k in range(span))
         )
         next_shard = (next_shard + span) % num_shards
     return parts
+
+
+def even_cuts(start: int, stop: int, pieces: int) -> list[int]:
+    """``pieces + 1`` boundaries cutting [start, stop) into nearly equal pieces: the values of
+    ``np.linspace(start, stop, pieces + 1).round()``, computed with the same floating-point
+    operations (the planners' searches place thousands of candidate plans, and numpy's call
+    costs more than the arithmetic)."""
+    if pieces < 1:
+        return [start]
+    step = float(stop - start) / pieces
+    return [start, *(round(i * step + start) for i in range(1, pieces)), stop]
 
 
 def place_partitioned(
@@ -101,9 +109,8 @@ def place_partitioned(
     parts = []
     for start, stop in ranges:
         pieces = min(num_shards, -(-(stop - start) // partition))
-        cuts = np.linspace(start, stop, pieces + 1).round().astype(np.int64)
         group = []
-        for a, b in itertools.pairwise(cuts):
+        for a, b in itertools.pairwise(even_cuts(start, stop, pieces)):
             free = np.where(np.isin(np.arange(num_shards), [p.shard for p in group]), np.inf, load)
             shard = int(np.argmin(free))
             load[shard] += b - a

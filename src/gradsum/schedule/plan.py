@@ -31,6 +31,7 @@ Execution semantics shared by the simulator and the runtime:
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -132,9 +133,8 @@ class Plan:
 
     def layers_of(self, group: Group) -> range:
         """Profile layers (backward order) whose gradients a group contains, at least partly."""
-        offsets = np.asarray(self.layer_offsets)
-        first = int(np.searchsorted(offsets, group.start, side="right")) - 1
-        last = int(np.searchsorted(offsets, group.stop, side="left")) - 1
+        first = bisect.bisect_right(self.layer_offsets, group.start) - 1
+        last = bisect.bisect_left(self.layer_offsets, group.stop) - 1
         return range(first, last + 1)
 
     def params_of(self, group: Group) -> tuple[int, ...]:
