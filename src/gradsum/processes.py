@@ -55,29 +55,40 @@ def worker_environment():
                 os.environ[name] = value
 
 
+def under_torchrun() -> bool:
+    """Whether this process is a worker torchrun started (it brings its own processes)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def context(needs: tuple[str, ...] = ()):
     """The multiprocessing context workers start in (torch's, so tensors in its queues travel
     through shared memory): the forkserver where this process can own one, else spawn.
     ``needs``: modules the workers will import beyond ``PRELOAD`` (a dataset's), imported by
     the forkserver too if this call starts it."""
-    global _ours
     import torch.multiprocessing as torch_mp
 
+    return torch_mp.get_context("forkserver" if start_forkserver(needs) else "spawn")
+
+
+def start_forkserver(needs: tuple[str, ...] = ()) -> bool:
+    """Start this process's forkserver if none runs yet; whether workers can come from it.
+
+    It imports ``PRELOAD`` and ``needs`` in a process of its own, so a launcher that calls this
+    before its own start-up (importing torch, checking data and flags) overlaps the two instead
+    of paying one after the other. Imports nothing itself."""
+    global _ours
     if "forkserver" not in multiprocessing.get_all_start_methods():
-        return torch_mp.get_context("spawn")
+        return False
     from multiprocessing import forkserver
 
     server = getattr(forkserver, "_forkserver", None)
-    running = getattr(server, "_forkserver_pid", None) is not None
-    if running and not _ours:  # started by other code, with its own environment
-        return torch_mp.get_context("spawn")
-    chosen = torch_mp.get_context("forkserver")
-    if not running:
-        chosen.set_forkserver_preload([*PRELOAD, *needs])
-        with worker_environment():
-            forkserver.ensure_running()
-        _ours = True
-    return chosen
+    if getattr(server, "_forkserver_pid", None) is not None:
+        return _ours  # started by other code, with its own environment, if not by us
+    multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, *needs])
+    with worker_environment():
+        forkserver.ensure_running()
+    _ours = True
+    return True
 
 
 def start(process) -> None:

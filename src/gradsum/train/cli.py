@@ -41,19 +41,22 @@ def job_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from .. import processes
     from ..cli import UsageError
     from ..failures import WorkerFailed, report, write_failure_file
     from .checkpoints import epochs_done
-    from .config import stepped
-    from .launch import run_local, run_torchrun_worker, under_torchrun
+    from .config import DATASET_MODULES, stepped
+    from .launch import run_local, run_torchrun_worker
 
     config = job_config(args)
+    torchrun = processes.under_torchrun()
+    if not torchrun:  # the workers' imports run while this process checks data and services
+        processes.start_forkserver(DATASET_MODULES.get(config.dataset, ()))
     try:
         _check_data(config)
         _check_reachable(config)
     except (ValueError, ConnectionError) as error:
         raise UsageError(str(error)) from None
-    torchrun = under_torchrun()
     if config.resume is not None and not stepped(config):
         done = epochs_done(config.resume)
         if done >= config.epochs:  # every rank reads the same file: all leave here alike

@@ -40,6 +40,9 @@ FSDP2 = "fsdp2"
 SHARD_NAMES = ("none", FSDP2)
 OPTIMIZER_NAMES = ("sgd", "adamw")
 DATASET_NAMES = ("digits", "cifar10", "synthetic", "stdlib")
+# What loading a data set imports beyond torch (the launcher's forkserver imports it once:
+# gradsum/processes.py)
+DATASET_MODULES = {"digits": ("sklearn.datasets",)}
 MODEL_NAMES = (
     "resnet18",
     "resnet50",

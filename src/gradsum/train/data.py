@@ -46,11 +46,6 @@ class Dataset:
     augment: bool = False  # random crop + flip (images only)
 
 
-# What loading a data set imports beyond torch (the launcher's forkserver imports it once:
-# gradsum/processes.py)
-DATASET_MODULES = {"digits": ("sklearn.datasets",)}
-
-
 def load_dataset(
     name: str,
     data_dir: str | Path | None = None,

@@ -24,10 +24,6 @@ from ..failures import Failure, WorkerFailed
 from .loop import TrainConfig, train_worker
 
 
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def backend_for(config: TrainConfig, local_workers: int = 1) -> str:
     """Gloo on the CPU; on GPUs NCCL for device tensors and Gloo for the host values of the
     control plane (sizes, digests, plans), in one default group. Where this host's workers
@@ -118,7 +114,7 @@ def resumed_after_restart(config: TrainConfig, rank: int) -> TrainConfig:
 
 def run_local(config: TrainConfig) -> dict:
     """Start ``config.workers`` worker processes on this machine and return worker 0's summary."""
-    from .data import DATASET_MODULES
+    from .config import DATASET_MODULES
     from .services import local_services
 
     context = processes.context(DATASET_MODULES.get(config.dataset, ()))
