@@ -50,13 +50,6 @@ def run(args: argparse.Namespace) -> int:
 
     config = job_config(args)
     torchrun = processes.under_torchrun()
-    if not torchrun:  # the workers' imports run while this process checks data and services
-        processes.start_forkserver(DATASET_MODULES.get(config.dataset, ()))
-    try:
-        _check_data(config)
-        _check_reachable(config)
-    except (ValueError, ConnectionError) as error:
-        raise UsageError(str(error)) from None
     if config.resume is not None and not stepped(config):
         done = epochs_done(config.resume)
         if done >= config.epochs:  # every rank reads the same file: all leave here alike
@@ -68,6 +61,13 @@ def run(args: argparse.Namespace) -> int:
             if torchrun:
                 _leave_without_teardown(0)
             return 0
+    if not torchrun:  # the workers' imports run while this process checks data and services
+        processes.start_forkserver(DATASET_MODULES.get(config.dataset, ()))
+    try:
+        _check_data(config)
+        _check_reachable(config)
+    except (ValueError, ConnectionError) as error:
+        raise UsageError(str(error)) from None
     if not torchrun:
         from .methods import method_name
 
