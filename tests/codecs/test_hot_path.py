@@ -11,6 +11,7 @@ import torch
 
 from gradsum.codecs import make_codec, run_round
 from gradsum.codecs.base import CodecContext
+from gradsum.codecs.bits import unpack_bits
 from gradsum.codecs.thc import codec as thc_codec
 from gradsum.codecs.thc import native
 
@@ -135,3 +136,30 @@ def test_a_round_computes_each_partitions_tensor_scales_once(monkeypatch):
     first = len(calls)
     run_round(codec, xs, key="k", step=1, partition_elements=1 << 15)
     assert len(calls) == 2 * first  # a new round's MAX result: computed again
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"bits": 8}, {"bits": 2}, {"correlated": True}, {"rotation_block": 1024}],
+    ids=["4-bits", "8-bits", "2-bits", "correlated", "blocks"],
+)
+def test_the_residual_inside_the_encode_is_w_minus_the_decode_of_its_payload(options):
+    """Error feedback in the rotated domain keeps w - (what the payload alone decodes to), made
+    by the encode from its own rounding. The bugs feared: a residual of another level than the
+    index sent (off by one, or of the unclamped value), or the same value rounded another way
+    (step as 1 / a, a fused multiply-add) than the decode's step*T + offset, which the torch
+    path computes; the memory would then drift from what the other workers decode."""
+    codec = make_codec("thc", workers=3, error_feedback=True, **options)
+    inner = codec.inner
+    length = 1 << 16
+    ctx = CodecContext(seed=7, worker=1, step=3, partition=0, key=("k", 0))
+    x = _random(length, seed=21)
+    w = codec.precondition(x, ctx)
+    shared = codec.summarize(w, ctx)
+    payload, error = inner.encode_transformed(w, length, ctx, shared)
+    indices = unpack_bits(payload.fields["indices"], inner.bits, length).long()
+    assert int((indices == 0).sum()) and int((indices == (1 << inner.bits) - 1).sum())  # clamped
+    step = inner._round_scalars(shared, None, w.device, length).step
+    table = torch.tensor(inner.table, dtype=torch.float32)
+    decoded = table[indices].mul_(step).add_(-step * inner.granularity / 2)
+    assert torch.equal(error, w - decoded)

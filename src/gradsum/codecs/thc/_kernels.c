@@ -504,8 +504,9 @@ struct quantizer {
     int bits;
     uint8_t *out, *end;
     /* optional: error feedback's y - reconstruction, the reconstruction of T[index] being
-       (T[index] - c) * step (step = 1 / a, or 0 where a is) */
-    float *error, step;
+       T[index] * step + offset rounded as torch's mul_ then add_ round it (the decode's step
+       and offset: what the payload alone decodes to, in the rotated domain) */
+    float *error, step, offset;
     /* optional: y itself is overwritten with what the payload alone decodes to, T[index] *
        own_a + own_c (the decode's dequantization of a one-contributor sum), for error feedback
        to transform back without packing, summing and unpacking the payload */
@@ -514,16 +515,26 @@ struct quantizer {
     struct strata strata; /* correlated rounding's, where strata.n > 0 */
 };
 
+static volatile float opaque_one = 1;
+
+/* a * b + c as torch's mul_ then add_ round it, the product rounded on its own: GCC contracts
+   a * b + c into a multiply-add in GNU C, so the sum is fed (a * b) * one instead, the one
+   opaque to it; a multiply-add of that (p * 1 + c) rounds once, as p + c does. */
+INLINE f32x8 product_plus(f32x8 a, f32x8 b, f32x8 c, f32x8 one) { return (a * b) * one + c; }
+
 /* indices[0, count) of y[0, count), count a multiple of LANES; with `error`, also
-   error[i] = y[i] - (T[index] - c) * step; with `own`, y[i] = T[index] * own_a + own_c */
+   error[i] = y[i] - (T[index] * step + offset), each operation rounded to float32 as torch's
+   elementwise operations round it; with `own`, y[i] = T[index] * own_a + own_c */
 INLINE void round_all(const struct grid *grid, struct rng8 *rng, float *y, size_t count,
-                      int32_t *indices, int small, float *error, float step,
+                      int32_t *indices, int small, float *error, float step, float offset,
                       struct strata *strata, int own, float own_a, float own_c) {
+    f32x8 step_v = (f32x8){0} + step, offset_v = (f32x8){0} + offset;
+    f32x8 one = (f32x8){0} + opaque_one;
     for (size_t i = 0; i < count; i += LANES) {
         f32x8 value, v = load(y + i);
         i32x8 index = round_to_table(grid, rng, v, small, error || own ? &value : NULL, strata);
         memcpy(indices + i, &index, sizeof index);
-        if (error) store(error + i, v - (value - grid->c) * step);
+        if (error) store(error + i, v - product_plus(value, step_v, offset_v, one));
         if (own) store(y + i, value * own_a + own_c);
     }
 }
@@ -542,22 +553,23 @@ MULTIVERSION static void quantize_leaf(void *state, float *y, size_t offset, siz
     float *error = q->error ? q->error + offset : NULL;
     int own = q->own;
     float own_a = q->own_a, own_c = q->own_c;
+    float step = q->step, shift = q->offset;
     if (correlated)
-        round_all(&grid, &rng, y, whole, wide, grid.small, error, q->step, correlated, own, own_a,
-                  own_c);
+        round_all(&grid, &rng, y, whole, wide, grid.small, error, step, shift, correlated, own,
+                  own_a, own_c);
     else if (grid.small && own)
-        round_all(&grid, &rng, y, whole, wide, 1, NULL, 0, NULL, 1, own_a, own_c);
+        round_all(&grid, &rng, y, whole, wide, 1, NULL, 0, 0, NULL, 1, own_a, own_c);
     else if (grid.small && error)
-        round_all(&grid, &rng, y, whole, wide, 1, error, q->step, NULL, 0, 0, 0);
+        round_all(&grid, &rng, y, whole, wide, 1, error, step, shift, NULL, 0, 0, 0);
     else if (grid.small)
-        round_all(&grid, &rng, y, whole, wide, 1, NULL, 0, NULL, 0, 0, 0);
+        round_all(&grid, &rng, y, whole, wide, 1, NULL, 0, 0, NULL, 0, 0, 0);
     else
-        round_all(&grid, &rng, y, whole, wide, 0, error, q->step, NULL, own, own_a, own_c);
+        round_all(&grid, &rng, y, whole, wide, 0, error, step, shift, NULL, own, own_a, own_c);
     if (whole < count) {
         float tail[LANES] = {0}, tail_error[LANES];
         memcpy(tail, y + whole, (count - whole) * sizeof(float));
         round_all(&grid, &rng, tail, LANES, wide + whole, grid.small, error ? tail_error : NULL,
-                  q->step, correlated, own, own_a, own_c);
+                  step, shift, correlated, own, own_a, own_c);
         if (error) memcpy(error + whole, tail_error, (count - whole) * sizeof(float));
         if (own) memcpy(y + whole, tail, (count - whole) * sizeof(float));
     }
@@ -887,10 +899,11 @@ static PyObject *py_fwht(PyObject *Py_UNUSED(self), PyObject *args) {
 
 PyDoc_STRVAR(encode_doc,
              "encode(src, length, buffer, n, block, signs, a, c, g, cells, seed, bits, out, out_size\n"
-             "       [, error, step])\n"
+             "       [, error, step, offset, stratum_seed, strata, rank, own, own_a, own_c])\n"
              "Packed table indices of u = clamp(a*y + c, 0, g), y the unnormalised FWHT (in\n"
              "blocks) of src[0:length] * signs padded to n in buffer, or y = src[0:n] if block is 0.\n"
-             "With block 0 and an error address: error[i] = y[i] - (T[index] - c) * step.\n"
+             "With block 0 and an error address: error[i] = y[i] - (T[index] * step + offset),\n"
+             "each operation rounded to float32 (torch's mul_, add_ and sub of the decode).\n"
              "With own (a block): buffer[i] = T[index] * own_a + own_c, the rotated values the\n"
              "payload alone decodes to (``inverse`` rotates them back).\n"
              "Returns False, and no indices, where src (rotated or not) holds an Inf or NaN.");
@@ -899,10 +912,10 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long src, buffer, signs, cells, seed, out, error = 0, stratum_seed = 0;
     Py_ssize_t length, n, block, out_size;
     int g, bits;
-    struct quantizer q = {.step = 0};
-    if (!PyArg_ParseTuple(args, "KnKnnKffiKKiKn|KfKiipff", &src, &length, &buffer, &n, &block,
+    struct quantizer q = {.step = 0, .offset = 0};
+    if (!PyArg_ParseTuple(args, "KnKnnKffiKKiKn|KffKiipff", &src, &length, &buffer, &n, &block,
                           &signs, &q.grid.a, &q.grid.c, &g, &cells, &seed, &bits, &out,
-                          &out_size, &error, &q.step, &stratum_seed, &q.strata.n,
+                          &out_size, &error, &q.step, &q.offset, &stratum_seed, &q.strata.n,
                           &q.strata.rank, &q.own, &q.own_a, &q.own_c))
         return NULL;
     if (q.own && !block) {

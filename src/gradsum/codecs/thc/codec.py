@@ -774,19 +774,20 @@ class THC(GridCodec):
         self, w: torch.Tensor, length: int, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> tuple[Payload, torch.Tensor]:
         scalars = self._round_scalars(shared, None, w.device, w.numel())
-        a, c = scalars.a, self.granularity / 2
-        error = self._recycler.empty(w.numel(), torch.float32) if w.device.type == "cpu" else None
-        lookups = self._tables(w.device)
-        packed = native.encode(
-            w, None, a, c, self.granularity, lookups.cell_entries, ctx.worker_seed(), self.bits,
-            error=error, empty=self._recycler.empty, strata=self._strata(ctx),
-        )  # fmt: skip
-        if packed is not None:
-            return Payload({UPSTREAM: packed}, length), error
+        a, c, step = scalars.a, self.granularity / 2, scalars.step
+        if isinstance(step, float) and w.device.type == "cpu":
+            # the residual of the encode's own rounding, in the same pass: the values below
+            error = self._recycler.empty(w.numel(), torch.float32)
+            packed = native.encode(
+                w, None, a, c, self.granularity, self._tables(w.device).cell_entries,
+                ctx.worker_seed(), self.bits, error=(error, step, -step * c),
+                empty=self._recycler.empty, strata=self._strata(ctx),
+            )  # fmt: skip
+            if packed is not None:
+                return Payload({UPSTREAM: packed}, length), error
         payload = self._encode_grid(w, a, c, ctx, rotation=None, length=length)
-        step = scalars.step
-        # What this payload alone decodes to, a*T[index] + c lane by lane (the decode of its own
-        # one-contributor sum, without packing that sum and unpacking it again).
+        # What this payload alone decodes to, step*T[index] - step*c lane by lane (the decode of
+        # its own one-contributor sum, without packing that sum and unpacking it again).
         own = self._grid_values(payload, w.numel()).to(torch.float32)
         return payload, w - own.mul_(_float32(step)).add_(_float32(-step * c))
 

@@ -84,7 +84,7 @@ def encode(
     cells: torch.Tensor,
     seed: int,
     bits: int,
-    error: torch.Tensor | None = None,
+    error: tuple[torch.Tensor, float, float] | None = None,
     empty: Empty = fresh,
     strata: tuple[int, int, int] | None = None,
     own: tuple[float, float] | None = None,
@@ -96,8 +96,10 @@ def encode(
     y is x itself, or ``rotation.forward(x)`` (computed in the rotation's scratch buffer).
     ``cells`` (int32, one per unit cell [i, i + 1) of the grid, i = 0..g, the last repeating
     cell g - 1 for u == g) packs the cell's table interval k, its lower end T[k] and its width
-    as k | T[k] << 8 | width << 20. With ``error`` (float32 like x, only without a rotation),
-    also error = x - (T[index] - c) / a: what error feedback keeps. Raises
+    as k | T[k] << 8 | width << 20. With ``error`` = (e, step, offset), e float32 like x (only
+    without a rotation): also e = x - (T[index] * step + offset), each operation rounded as
+    torch's elementwise operations round it: x minus what the payload alone decodes to, for
+    the decode's ``step`` and ``offset`` (error feedback's memory in the rotated domain). Raises
     ``NonFiniteGradientError`` for NaN or Inf in x, found by the rotation's first pass (or,
     unrotated, as each leaf is read for its rounding).
 
@@ -108,7 +110,7 @@ def encode(
     if own is not None and rotation is None:
         return None
     if error is not None and not (
-        rotation is None and _ready((error, torch.float32)) and error.numel() == x.numel()
+        rotation is None and _ready((error[0], torch.float32)) and error[0].numel() == x.numel()
     ):
         return None
     if not (
@@ -141,8 +143,7 @@ def encode(
         bits,
         out.data_ptr(),
         out.numel(),
-        0 if error is None else error.data_ptr(),
-        1.0 / a if a else 0.0,
+        *((0, 0.0, 0.0) if error is None else (error[0].data_ptr(), *error[1:])),
         *((0, 0, 0) if strata is None else strata),
         *((False, 0.0, 0.0) if own is None else (True, *own)),
     )
