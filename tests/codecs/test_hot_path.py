@@ -14,6 +14,7 @@ from gradsum.codecs.base import CodecContext
 from gradsum.codecs.bits import unpack_bits
 from gradsum.codecs.thc import codec as thc_codec
 from gradsum.codecs.thc import native
+from gradsum.codecs.thc.codec import THC
 
 pytestmark = pytest.mark.skipif(not native.built(), reason="the C extension is not built")
 
@@ -72,6 +73,7 @@ def test_the_reconstruction_inside_the_encode_is_the_decode_of_the_payload(
     """The bug feared: the own values dequantized with other scalars than the decode's (a
     contributor count, the sqrt of the block, the tensor scales), or transformed back another
     way; error feedback's memory would then drift from what the other workers decode."""
+    residual = native.residual
     codec = make_codec("thc", workers=3, error_feedback=False, **options)
     pieces = (length - 300, 300) if described else None
     if described:
@@ -92,6 +94,14 @@ def test_the_reconstruction_inside_the_encode_is_the_decode_of_the_payload(
     payload, own = codec.encode_and_reconstruct(xs[1], ctxs[1], shared)
     assert torch.equal(payload.fields["indices"], expected_payload.fields["indices"])
     assert torch.equal(own, expected_own)
+    # error feedback's memory, the reconstruction scaled and subtracted in one native pass: the
+    # values of torch's subtraction (a fused multiply-add, or the padding kept, would differ)
+    calls = []
+    monkeypatch.setattr(native, "residual", lambda *a, **k: calls.append(1) or residual(*a, **k))
+    payload, error = codec.encode_and_residual(xs[1], ctxs[1], shared)
+    assert calls and error.shape == (length,)
+    assert torch.equal(payload.fields["indices"], expected_payload.fields["indices"])
+    assert torch.equal(error, xs[1] - expected_own)
 
 
 def test_error_feedback_on_the_native_path_keeps_the_reference_memory():
@@ -101,10 +111,12 @@ def test_error_feedback_on_the_native_path_keeps_the_reference_memory():
     def rounds(fused: bool):
         codec = make_codec("thc", workers=2, error_feedback=True)
         codec.describe("k", [(70_000,), (1000,)])
-        if not fused:  # the generic path: encode, then decode the payload alone
+        if not fused:  # the generic path: encode, decode the payload alone, subtract
             inner = codec.inner
-            inner.encode_and_reconstruct = lambda x, ctx, shared=None: (
-                (p := inner.encode(x, ctx, shared)), inner.reconstruct(p, ctx, shared))
+            inner.encode_and_residual = lambda x, ctx, shared=None: (
+                (p := inner.encode(x, ctx, shared)),
+                x.reshape(-1) - inner.reconstruct(p, ctx, shared),
+            )
         averages = []
         for step in range(3):
             xs = [_random(71_000, seed=100 * step + w) for w in range(2)]
@@ -163,3 +175,27 @@ def test_the_residual_inside_the_encode_is_w_minus_the_decode_of_its_payload(opt
     table = torch.tensor(inner.table, dtype=torch.float32)
     decoded = table[indices].mul_(step).add_(-step * inner.granularity / 2)
     assert torch.equal(error, w - decoded)
+
+
+@pytest.mark.parametrize("block", [None, 1024, 8], ids=["whole", "blocks", "8"])
+def test_the_encode_divides_by_the_tensor_scales_as_scale_pieces_does(block):
+    """The native encode divides each piece by its scale as the rotation reads it, instead of
+    a divided copy first: the same payload and the same own reconstruction, bit for bit, for
+    pieces that straddle vectors (lengths 17, 1, 5), a padded rotation and blocks of one
+    vector. The bug feared: a coordinate divided by its neighbouring piece's scale."""
+    codec = THC(workers=2, rotation_block=block)
+    x = _random(sum(PIECES), seed=30)
+    lengths = torch.tensor(PIECES)
+    divisors = torch.rand(len(PIECES), generator=torch.Generator().manual_seed(31)) * 10 + 0.01
+    ends = torch.cumsum(lengths, 0)
+    rotation = codec._rotation(x.numel(), CodecContext(), x.device)
+    divided = torch.empty_like(x)
+    assert native.scale_pieces(x, PIECES, lengths, divisors, True, divided)
+    a, g = 0.37, codec.granularity
+    args = (a, g / 2, g, codec._tables(x.device).cell_entries, 99, codec.bits)
+    own = (0.25, -3.0)
+    expected = native.encode(divided, rotation, *args, own=own)
+    expected_own = rotation.scratch.clone()
+    fused = native.encode(x, rotation, *args, own=own, pieces=(ends, divisors))
+    assert torch.equal(fused, expected)
+    assert torch.equal(rotation.scratch, expected_own)

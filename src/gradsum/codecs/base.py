@@ -341,6 +341,14 @@ class Codec(ABC):
         payload = self.encode(x, ctx, shared)
         return payload, self.reconstruct(payload, ctx, shared)
 
+    def encode_and_residual(
+        self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
+    ) -> tuple[Payload, torch.Tensor]:
+        """``encode`` and x minus what its payload alone reconstructs to (float32, flat): error
+        feedback's memory; a codec may compute it where its reconstruction is made."""
+        payload, own = self.encode_and_reconstruct(x, ctx, shared)
+        return payload, x.reshape(-1).to(torch.float32) - own
+
     def integer_op(self) -> IntegerOp:
         raise TypeError(f"codec {self.name!r} is not integer-homomorphic; a switch cannot sum it")
 

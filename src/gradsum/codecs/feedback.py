@@ -89,8 +89,7 @@ class ErrorFeedback(Codec):
     def encode(
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> Payload:
-        payload, own = self.inner.encode_and_reconstruct(x, ctx, shared)
-        self.memory[ctx.state_key] = x.reshape(-1).to(torch.float32) - own
+        payload, self.memory[ctx.state_key] = self.inner.encode_and_residual(x, ctx, shared)
         return payload
 
     def aggregate(self, payloads: Sequence[Payload], ctx: CodecContext) -> Payload:

@@ -10,6 +10,7 @@ the right dtype and size. They release the GIL, so worker threads overlap.
   decode      unpacking of sums, y = a*S + c, [rotate back:] FWHT, signs
   scale_pieces  each tensor's piece of a partition divided or multiplied by its own scale
   piece_squares  each piece's sum of squares (the tensor scales' norms)
+  residual_pieces  error feedback's x - own * scale, piece by piece
 
 Packed layout is bits.py's: element j at bits [j*w, (j+1)*w) of a little-endian bit stream.
 
@@ -96,13 +97,35 @@ INLINE f32x8 apply_signs(f32x8 v, uint8_t bits) {
 }
 
 /* What a transform's first pass reads instead of x: scale * src * signs, zero from `length` on
-   (the rotation's padding). */
+   (the rotation's padding); with pieces, scale * (src / divisors[p]) over each piece p of src
+   (the tensor scales, divided as the load reads them: no divided copy of the gradient). */
 struct source {
     const float *src;
     size_t length;
     float scale;
     const uint8_t *signs;
+    const int64_t *ends; /* the pieces' ends, increasing, the last `length` */
+    const float *divisors;
+    size_t pieces; /* 0: no division */
 };
+
+/* The divisors of coordinates i..i+7 (those past the last piece divide 0 by 1). */
+INLINE f32x8 piece_divisors(const struct source *in, size_t i) {
+    size_t low = 0, high = in->pieces; /* the first piece that ends after i */
+    while (low < high) {
+        size_t mid = (low + high) / 2;
+        if ((size_t)in->ends[mid] > i) high = mid;
+        else low = mid + 1;
+    }
+    if (low < in->pieces && (size_t)in->ends[low] >= i + LANES)
+        return (f32x8){0} + in->divisors[low];
+    f32x8 d;
+    for (int lane = 0; lane < LANES; lane++) {
+        while (low < in->pieces && (size_t)in->ends[low] <= i + lane) low++;
+        d[lane] = low < in->pieces ? in->divisors[low] : 1.0f;
+    }
+    return d;
+}
 
 /* Coordinates i..i+7 of the source; `finite` stays zero unless one of them is an Inf or NaN. */
 INLINE f32x8 source_load(const struct source *in, size_t i, f32x8 *finite) {
@@ -114,6 +137,7 @@ INLINE f32x8 source_load(const struct source *in, size_t i, f32x8 *finite) {
         if (i < in->length) memcpy(tail, in->src + i, (in->length - i) * sizeof(float));
         v = load(tail);
     }
+    if (in->pieces) v /= piece_divisors(in, i);
     *finite += v - v;
     return apply_signs(v * in->scale, in->signs[i / LANES]);
 }
@@ -844,6 +868,26 @@ MULTIVERSION static void scale_pieces(const float *src, float *dst, const int64_
     }
 }
 
+/* Error feedback's memory outside the rotated domain: dst = x - own * factors[p] over each piece
+   p (the tensor scales; none: dst = x - own), as torch's scale by the factor then subtraction
+   round it (the product on its own: (own * f) * one, the one opaque, is never fused into the
+   difference). One pass instead of a scale in place and a subtraction into a new tensor. */
+MULTIVERSION static void residual_pieces(const float *x, const float *own, float *dst, size_t n,
+                                         const int64_t *lengths, const float *factors,
+                                         size_t pieces) {
+    float one = opaque_one;
+    if (!pieces) {
+        for (size_t i = 0; i < n; i++) dst[i] = x[i] - own[i];
+        return;
+    }
+    size_t at = 0;
+    for (size_t p = 0; p < pieces; p++) {
+        float f = factors[p];
+        for (size_t i = at; i < at + (size_t)lengths[p]; i++) dst[i] = x[i] - (own[i] * f) * one;
+        at += (size_t)lengths[p];
+    }
+}
+
 /* Every piece's sum of squares, one float32 addition after another in coordinate order: the
    sums torch's segment_reduce gives, which the summaries on the wire are made of. Not cloned
    for AVX2, so that no multiply-add fuses a square into its sum. */
@@ -899,25 +943,33 @@ static PyObject *py_fwht(PyObject *Py_UNUSED(self), PyObject *args) {
 
 PyDoc_STRVAR(encode_doc,
              "encode(src, length, buffer, n, block, signs, a, c, g, cells, seed, bits, out, out_size\n"
-             "       [, error, step, offset, stratum_seed, strata, rank, own, own_a, own_c])\n"
+             "       [, error, step, offset, stratum_seed, strata, rank, own, own_a, own_c,\n"
+             "        ends, divisors, pieces])\n"
              "Packed table indices of u = clamp(a*y + c, 0, g), y the unnormalised FWHT (in\n"
              "blocks) of src[0:length] * signs padded to n in buffer, or y = src[0:n] if block is 0.\n"
              "With block 0 and an error address: error[i] = y[i] - (T[index] * step + offset),\n"
              "each operation rounded to float32 (torch's mul_, add_ and sub of the decode).\n"
              "With own (a block): buffer[i] = T[index] * own_a + own_c, the rotated values the\n"
              "payload alone decodes to (``inverse`` rotates them back).\n"
+             "With pieces (a block): src is divided by divisors[p] over each piece p (int64\n"
+             "ends, the last being length) as the transform reads it.\n"
              "Returns False, and no indices, where src (rotated or not) holds an Inf or NaN.");
 
 static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long src, buffer, signs, cells, seed, out, error = 0, stratum_seed = 0;
-    Py_ssize_t length, n, block, out_size;
+    unsigned long long ends = 0, divisors = 0;
+    Py_ssize_t length, n, block, out_size, pieces = 0;
     int g, bits;
     struct quantizer q = {.step = 0, .offset = 0};
-    if (!PyArg_ParseTuple(args, "KnKnnKffiKKiKn|KffKiipff", &src, &length, &buffer, &n, &block,
-                          &signs, &q.grid.a, &q.grid.c, &g, &cells, &seed, &bits, &out,
+    if (!PyArg_ParseTuple(args, "KnKnnKffiKKiKn|KffKiipffKKn", &src, &length, &buffer, &n,
+                          &block, &signs, &q.grid.a, &q.grid.c, &g, &cells, &seed, &bits, &out,
                           &out_size, &error, &q.step, &q.offset, &stratum_seed, &q.strata.n,
-                          &q.strata.rank, &q.own, &q.own_a, &q.own_c))
+                          &q.strata.rank, &q.own, &q.own_a, &q.own_c, &ends, &divisors, &pieces))
         return NULL;
+    if (pieces < 0 || (pieces && (!block || !ends || !divisors))) {
+        PyErr_SetString(PyExc_ValueError, "the pieces' divisors need a rotated input");
+        return NULL;
+    }
     if (q.own && !block) {
         PyErr_SetString(PyExc_ValueError, "the own reconstruction needs a rotated input");
         return NULL;
@@ -949,7 +1001,8 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
         /* a first, not after the transform (linearity): the unnormalised FWHT of a gradient
            whose norm is near the float32 limit would overflow, its scaled values never do */
         struct source in = {ADDRESS(const float *, src), (size_t)length, q.grid.a,
-                            ADDRESS(const uint8_t *, signs)};
+                            ADDRESS(const uint8_t *, signs), ADDRESS(const int64_t *, ends),
+                            ADDRESS(const float *, divisors), (size_t)pieces};
         q.grid.a = 1;
         finite = fwht_forward(ADDRESS(float *, buffer), (size_t)n, (size_t)block, &in,
                               quantize_leaf, &q);
@@ -987,7 +1040,7 @@ static PyObject *py_rotate(PyObject *Py_UNUSED(self), PyObject *args) {
         return NULL;
     }
     struct source in = {ADDRESS(const float *, src), (size_t)length, 1.0f / sqrtf((float)block),
-                        ADDRESS(const uint8_t *, signs)};
+                        ADDRESS(const uint8_t *, signs), NULL, NULL, 0};
     int finite;
     Py_BEGIN_ALLOW_THREADS
     finite = fwht_forward(ADDRESS(float *, out), (size_t)n, (size_t)block, &in,
@@ -1154,6 +1207,24 @@ static PyObject *py_scale_pieces(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(residual_pieces_doc,
+             "residual_pieces(x, own, dst, n, lengths, factors, pieces)\n"
+             "dst[0:n] = x - own * factors[p] over each of the pieces (int64 lengths, float32\n"
+             "factors), or x - own with no pieces, rounded as torch's mul then sub.");
+
+static PyObject *py_residual_pieces(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long x, own, dst, lengths, factors;
+    Py_ssize_t n, pieces;
+    if (!PyArg_ParseTuple(args, "KKKnKKn", &x, &own, &dst, &n, &lengths, &factors, &pieces))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    residual_pieces(ADDRESS(const float *, x), ADDRESS(const float *, own), ADDRESS(float *, dst),
+                    (size_t)n, ADDRESS(const int64_t *, lengths), ADDRESS(const float *, factors),
+                    (size_t)pieces);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(piece_squares_doc,
              "piece_squares(src, lengths, pieces, sums)\n"
              "sums[p] (float32) = the sum of squares of piece p of src (int64 lengths), added in\n"
@@ -1181,6 +1252,7 @@ static PyMethodDef methods[] = {
     {"decode", py_decode, METH_VARARGS, decode_doc},
     {"scale_pieces", py_scale_pieces, METH_VARARGS, scale_pieces_doc},
     {"piece_squares", py_piece_squares, METH_VARARGS, piece_squares_doc},
+    {"residual_pieces", py_residual_pieces, METH_VARARGS, residual_pieces_doc},
     {NULL, NULL, 0, NULL},
 };
 

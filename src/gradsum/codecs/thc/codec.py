@@ -493,6 +493,17 @@ class THC(GridCodec):
                 self._segment_tensors[key] = lengths
         return lengths
 
+    def _ends(self, pieces: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """The pieces' ends (int64), as the native encode's division reads them."""
+        key = ("ends", pieces, device)
+        ends = self._segment_tensors.get(key)
+        if ends is None:
+            ends = torch.tensor(list(itertools.accumulate(pieces)), dtype=torch.int64,
+                                device=device)  # fmt: skip
+            with self._lock:
+                self._segment_tensors[key] = ends
+        return ends
+
     def _piece_norms(self, flat: torch.Tensor, pieces: tuple[int, ...],
                      ctx: CodecContext) -> torch.Tensor:  # fmt: skip
         """This worker's norm of every piece, in its row of a (workers x pieces) summary."""
@@ -676,6 +687,15 @@ class THC(GridCodec):
         rotation = self._rotation(x.numel(), ctx, x.device)
         scalars = self._round_scalars(shared, pieces, flat.device, rotation.padded)
         if pieces is not None:
+            if isinstance(scalars.a, float):  # the native encode divides as it reads
+                packed = native.encode(
+                    flat, rotation, scalars.a, self.granularity / 2, self.granularity,
+                    self._tables(flat.device).cell_entries, ctx.worker_seed(), self.bits,
+                    empty=self._recycler.empty, strata=self._strata(ctx),
+                    pieces=(self._ends(pieces, flat.device), scalars.divisor),
+                )  # fmt: skip
+                if packed is not None:
+                    return Payload({UPSTREAM: packed}, x.numel())
             flat = self._scale_pieces(flat, pieces, scalars.divisor, divide=True)
         return self._encode_grid(flat, scalars.a, self.granularity / 2, ctx, rotation)
 
@@ -686,39 +706,62 @@ class THC(GridCodec):
         partition). On the CPU's native path the encode leaves what the payload decodes to,
         still rotated, in the rotation's scratch, and only the rotation back remains: the
         decode's own arithmetic without packing, summing and unpacking the payload again."""
+        return self._encode_and_own(x, ctx, shared, residual=False)
+
+    def encode_and_residual(
+        self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
+    ) -> tuple[Payload, torch.Tensor]:
+        """``encode_and_reconstruct``, and on the native path the tensor scales' multiplication
+        of the reconstruction and its subtraction from x in one pass, into a reused buffer."""
+        return self._encode_and_own(x, ctx, shared, residual=True)
+
+    def _encode_and_own(
+        self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None, residual: bool
+    ) -> tuple[Payload, torch.Tensor]:
         flat = x.reshape(-1).to(torch.float32)
         pieces = self._pieces(ctx)
         rotation = self._rotation(x.numel(), ctx, x.device)
         scalars = self._round_scalars(shared, pieces, flat.device, rotation.padded)
         a = scalars.a
         if not (isinstance(a, float) and native.available()):
-            return self._encode_and_decode_alone(x, ctx, shared)
-        if pieces is not None:
-            flat = self._scale_pieces(flat, pieces, scalars.divisor, divide=True)
+            return self._encode_and_decode_alone(x, ctx, shared, residual)
+        source = flat
+        divided = None if pieces is None else (self._ends(pieces, flat.device), scalars.divisor)
         g = self.granularity
         # the decode's scalars of a sum of one contributor (``decode``, ``native.decode``)
         root = math.sqrt(rotation.block)
         own = (_per_contributor(scalars.step, _ONE) / root, scalars.offset / root)
         packed = native.encode(flat, rotation, a, g / 2, g, self._tables(flat.device).cell_entries,
                                ctx.worker_seed(), self.bits, empty=self._recycler.empty,
-                               strata=self._strata(ctx), own=own)  # fmt: skip
+                               strata=self._strata(ctx), own=own, pieces=divided)  # fmt: skip
         if packed is None:
-            return self._encode_and_decode_alone(x, ctx, shared)
-        y = native.inverse(rotation)[: x.numel()]
+            return self._encode_and_decode_alone(x, ctx, shared, residual)
+        payload = Payload({UPSTREAM: packed}, x.numel())
+        y = native.inverse(rotation)
+        if residual:
+            lengths = None if pieces is None else self._lengths(pieces, y.device)
+            error = native.residual(source, y, pieces, lengths, scalars.rms,
+                                    empty=self._recycler.empty)  # fmt: skip
+            if error is not None:
+                return payload, error
+        y = y[: x.numel()]
         if pieces is not None:
             y = self._scale_pieces(y, pieces, scalars.rms, divide=False, out=y)
-        return Payload({UPSTREAM: packed}, x.numel()), y
+        return payload, (source - y if residual else y)
 
     def _encode_and_decode_alone(
-        self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None
-    ) -> tuple[Payload, torch.Tensor]:
+        self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None,
+        residual: bool = False,
+    ) -> tuple[Payload, torch.Tensor]:  # fmt: skip
         """The encode, and the decode of its table values as the sum of one contributor, one
         integer per lane: the values ``reconstruct`` gives, without packing that sum (on a
-        GPU, the packing alone is ~17 launches) and unpacking it again."""
+        GPU, the packing alone is ~17 launches) and unpacking it again; ``residual``: x minus
+        them instead."""
         payload = self.encode(x, ctx, shared)
         grid = self._grid_values(payload, self._coordinates(payload.length))
         alone = Payload({DOWNSTREAM: grid}, payload.length, unpacked=True)
-        return payload, self.decode(alone, ctx, shared)
+        own = self.decode(alone, ctx, shared)
+        return payload, (x.reshape(-1).to(torch.float32) - own if residual else own)
 
     def decode(
         self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None = None,

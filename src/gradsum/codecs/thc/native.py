@@ -88,6 +88,7 @@ def encode(
     empty: Empty = fresh,
     strata: tuple[int, int, int] | None = None,
     own: tuple[float, float] | None = None,
+    pieces: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """Packed ``bits``-bit table indices of u = clamp(a*y + c, 0, g), stochastically rounded.
     ``strata`` = (the round's shared stratum seed, workers, this worker's rank mod workers):
@@ -106,8 +107,17 @@ def encode(
     ``own`` = (a', c') (only with a rotation): the rotation's scratch is left holding
     a' * T[index] + c', what the payload alone decodes to before its rotation back (a' and c'
     the decode's, of the unnormalised transform), for ``inverse`` to finish.
+
+    ``pieces`` = (ends, divisors) (only with a rotation; int64 and float32, one per piece, the
+    last end ``x.numel()``): x divided by each piece's divisor as the rotation reads it, the
+    values of ``scale_pieces`` (THC's tensor scales) without a divided copy of x.
     """
-    if own is not None and rotation is None:
+    if (own is not None or pieces is not None) and rotation is None:
+        return None
+    if pieces is not None and not (
+        _ready((pieces[0], torch.int64), (pieces[1], torch.float32))
+        and pieces[0].numel() == pieces[1].numel()
+    ):
         return None
     if error is not None and not (
         rotation is None and _ready((error[0], torch.float32)) and error[0].numel() == x.numel()
@@ -146,9 +156,12 @@ def encode(
         *((0, 0.0, 0.0) if error is None else (error[0].data_ptr(), *error[1:])),
         *((0, 0, 0) if strata is None else strata),
         *((False, 0.0, 0.0) if own is None else (True, *own)),
-    )
+        *((0, 0, 0) if pieces is None else (pieces[0].data_ptr(), pieces[1].data_ptr(),
+                                            pieces[0].numel())),
+    )  # fmt: skip
     if not finite:
         check_finite(x)  # raises, naming the coordinates
+        return None  # x / divisor overflowed: the caller's torch path divides and reports it
     return out
 
 
@@ -228,6 +241,31 @@ def scale_pieces(
     _kernels.scale_pieces(x.data_ptr(), out.data_ptr(), lengths.data_ptr(), factors.data_ptr(),
                           len(pieces), divide)  # fmt: skip
     return True
+
+
+def residual(
+    x: torch.Tensor, own: torch.Tensor, pieces: tuple[int, ...] | None,
+    lengths: torch.Tensor | None, factors: torch.Tensor | None, empty: Empty = fresh,
+) -> torch.Tensor | None:  # fmt: skip
+    """x - own * factors[p] over each piece p of x (``pieces`` its lengths, ``lengths`` the same
+    as int64), or x - own without pieces: error feedback's memory outside the rotated domain,
+    rounded as torch's scale of ``own`` then subtraction round it, in one pass. ``own`` may be
+    longer than x (the padding it drops)."""
+    n = x.numel()
+    if not (_ready((x, torch.float32), (own, torch.float32)) and x.dim() == 1
+            and own.numel() >= n):  # fmt: skip
+        return None
+    count = 0
+    if pieces is not None:
+        if not (_ready((lengths, torch.int64), (factors, torch.float32)) and sum(pieces) == n
+                and lengths.numel() == factors.numel() == len(pieces)):  # fmt: skip
+            return None
+        count = len(pieces)
+    out = empty(n, torch.float32)
+    _kernels.residual_pieces(x.data_ptr(), own.data_ptr(), out.data_ptr(), n,
+                             0 if lengths is None else lengths.data_ptr(),
+                             0 if factors is None else factors.data_ptr(), count)  # fmt: skip
+    return out
 
 
 def piece_squares(x: torch.Tensor, pieces: tuple[int, ...],
