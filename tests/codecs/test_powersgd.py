@@ -1,7 +1,6 @@
 """PowerSGD: gradsum's two-stage codec against PyTorch's powerSGD_hook on the same inputs, and
 the round's stages (splitting a bucket, warm start, error feedback) on their own."""
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from unittest import mock
@@ -12,6 +11,8 @@ import torch
 
 from gradsum.codecs import make_codec, nmse, run_round
 from gradsum.codecs.lowrank import orthogonalize
+
+from .fake_ddp import Bucket, ThreadGroup
 
 WORKERS, STEPS = 4, 10
 # a conv weight (viewed 32 x 27), a bias, a linear weight and a norm's weight: what a bucket holds
@@ -36,57 +37,12 @@ def bucket_gradient(worker: int, step: int) -> torch.Tensor:
     return torch.cat(pieces)
 
 
-class _Bucket:
-    """What powerSGD_hook reads of a dist.GradBucket."""
-
-    def __init__(self, buffer: torch.Tensor):
-        self._buffer, self._views, offset = buffer, [], 0
-        for shape in SHAPES:
-            count = int(torch.tensor(shape).prod())
-            self._views.append(buffer[offset : offset + count].view(shape))
-            offset += count
-
-    def buffer(self):
-        return self._buffer
-
-    def index(self):
-        return 0
-
-    def gradients(self):
-        return self._views
-
-    def is_last(self):
-        return True
-
-
-class _Group:
-    """WORKERS threads as one process group: all_reduce sums in place, in worker order."""
-
-    def __init__(self):
-        self.barrier = threading.Barrier(WORKERS)
-        self.slots: list[torch.Tensor | None] = [None] * WORKERS
-        self.local = threading.local()
-
-    def size(self):
-        return WORKERS
-
-    def all_reduce(self, tensor, group=None, async_op=False):
-        self.slots[self.local.rank] = tensor
-        self.barrier.wait()
-        total = sum(self.slots[1:], self.slots[0].clone())
-        self.barrier.wait()
-        tensor.copy_(total)
-        future = torch.futures.Future()
-        future.set_result([tensor])
-        return SimpleNamespace(get_future=lambda: future)
-
-
 def torch_hook_averages(rank: int) -> list[list[torch.Tensor]]:
     """PyTorch's powerSGD_hook itself, its all-reduces over WORKERS threads: each step's
     average, after the warm start's first draw."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
 
-    group = _Group()
+    group = ThreadGroup(WORKERS)
     first_q = torch.cat([q.reshape(-1) for q in torch_first_qs(rank)])
     p_size = sum(n * min(n, m, rank) for n, m in MATRICES)
 
@@ -97,7 +53,7 @@ def torch_hook_averages(rank: int) -> list[list[torch.Tensor]]:
         state.iter = state.start_powerSGD_iter  # no uncompressed warm-up steps
         # its own first draw, made here: the hook draws under fork_rng, which threads would race
         state.q_memory_dict[0], state.p_memory_dict[0] = first_q.clone(), torch.empty(p_size)
-        return [hook.powerSGD_hook(state, _Bucket(bucket_gradient(w, step).clone())).wait()
+        return [hook.powerSGD_hook(state, Bucket(bucket_gradient(w, step).clone(), SHAPES)).wait()
                 for step in range(STEPS)]  # fmt: skip
 
     fake = SimpleNamespace(all_reduce=group.all_reduce, group=SimpleNamespace(WORLD=group))

@@ -10,7 +10,6 @@ Gram-Schmidt, and over a hundred steps PowerSGD amplifies such differences to a 
 the weights, as it does a change of carrier; hence few steps.)
 """
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from unittest import mock
@@ -23,62 +22,19 @@ from gradsum.codecs.lowrank import PowerSGD, shape_seeded_q
 from gradsum.train.models import DigitsCNN
 from gradsum.train.peers import with_shape_seeded_q
 
+from .fake_ddp import Bucket, ThreadGroup
+
 WORKERS, PLAIN, STEPS, RANK, SEED = 4, 2, 6, 4, 3
 SHAPES = [tuple(p.shape) for p in DigitsCNN().parameters()]
 # conv2 (32 x 144) and the classifier (10 x 128) are compressed, the rest all-reduced
 TOLERANCE = 1e-5  # |gradsum - hook| / |hook - initial weights|, after STEPS PowerSGD steps
 
 
-class _Bucket:
-    """What powerSGD_hook reads of a dist.GradBucket: the model's gradients, flat."""
-
-    def __init__(self, buffer: torch.Tensor):
-        self._buffer, self._views, offset = buffer, [], 0
-        for shape in SHAPES:
-            count = torch.Size(shape).numel()
-            self._views.append(buffer[offset : offset + count].view(shape))
-            offset += count
-
-    def buffer(self):
-        return self._buffer
-
-    def index(self):
-        return 0
-
-    def gradients(self):
-        return self._views
-
-    def is_last(self):
-        return True
-
-
-class _Group:
-    """WORKERS threads as one process group: all_reduce sums in place, in worker order."""
-
-    def __init__(self):
-        self.barrier = threading.Barrier(WORKERS)
-        self.slots: list[torch.Tensor | None] = [None] * WORKERS
-        self.local = threading.local()
-
-    def size(self):
-        return WORKERS
-
-    def all_reduce(self, tensor, group=None, async_op=False):
-        self.slots[self.local.rank] = tensor
-        self.barrier.wait()
-        total = sum(self.slots[1:], self.slots[0].clone())
-        self.barrier.wait()
-        tensor.copy_(total)
-        future = torch.futures.Future()
-        future.set_result([tensor])
-        return SimpleNamespace(get_future=lambda: future)
-
-
 def hook_average():
     """Each PowerSGD step's average gradient through torch's hook (its first Q gradsum's)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_hook
 
-    group = _Group()
+    group = ThreadGroup(WORKERS)
     hook = with_shape_seeded_q(torch_hook.powerSGD_hook, SEED)
     states = []
     for _ in range(WORKERS):
@@ -91,7 +47,7 @@ def hook_average():
     def average(gradients: list[torch.Tensor], step: int) -> torch.Tensor:
         def worker(w: int) -> torch.Tensor:
             group.local.rank = w
-            return hook(states[w], _Bucket(gradients[w].clone())).wait()
+            return hook(states[w], Bucket(gradients[w].clone(), SHAPES)).wait()
 
         with mock.patch.object(torch_hook, "dist", fake), ThreadPoolExecutor(WORKERS) as pool:
             results = list(pool.map(worker, range(WORKERS)))
@@ -195,7 +151,7 @@ def test_the_hooks_first_qs_are_drawn_from_the_seed_and_shape_in_its_order():
                                      start_powerSGD_iter=PLAIN)  # fmt: skip
     state.iter = PLAIN
     hook = with_shape_seeded_q(lambda state, bucket: None, SEED)
-    hook(state, _Bucket(torch.zeros(sum(torch.Size(s).numel() for s in SHAPES))))
+    hook(state, Bucket(torch.zeros(sum(torch.Size(s).numel() for s in SHAPES)), SHAPES))
     # conv2 (32 x 144) and the classifier (10 x 128), in the bucket's order
     want = [shape_seeded_q(SEED, 32, 144, RANK), shape_seeded_q(SEED, 10, 128, RANK)]
     assert torch.equal(state.q_memory_dict[0], torch.cat([q.reshape(-1) for q in want]))
