@@ -255,13 +255,16 @@ def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> l
     part_bytes = [[part.numel * bpe for part in group.parts] for group in groups]
     part_shard = [[part.shard for part in group.parts] for group in groups]
     # Rotated send order (interleaving): which position's send gates part j at its shard, and
-    # which parts a part's send can complete (itself, and those its position gates), in order.
+    # which parts a part's send can complete (itself, and those its position gates), in order,
+    # each with the position that gates it.
     watchers = []
     for group in groups:
         k = len(group.parts)
         if plan.interleave and k > 1:
             gate = _rotated_gate(k, n)
-            watchers.append([[i for i in range(k) if i == j or gate[i] == j] for j in range(k)])
+            watchers.append(
+                [[(i, gate[i]) for i in range(k) if i == j or gate[i] == j] for j in range(k)]
+            )
         else:
             watchers.append(None)
     thread = egress = ingress = 0.0
@@ -310,9 +313,8 @@ def ps_group_ends(plan: Plan, cluster: ClusterSpec, ready: Sequence[float]) -> l
                 heappush(events, (b if b > a else a, seq, _PUSHED, g, j))
                 seq += 1
             else:
-                gate = _rotated_gate(len(part_bytes[g]), n)
-                for i in watchers[g][j]:
-                    a, b = arrived[g][i], sent[g][gate[i]]
+                for i, position in watchers[g][j]:
+                    a, b = arrived[g][i], sent[g][position]
                     if a is not None and b is not None:
                         heappush(events, (b if b > a else a, seq, _PUSHED, g, i))
                         seq += 1
