@@ -119,3 +119,31 @@ def test_an_injected_message_delay_is_paid_on_one_thread_for_every_send_and_answ
     assert elapsed >= 6 * 0.04
     with pytest.raises(ValueError, match="per-message delay must be >= 0"):
         ShardSender(shards.session(), plan, timeout=10, message_delay=-1)
+
+
+def test_a_release_of_other_tensors_sends_those_and_leaves_param_grad_alone():
+    """Local steps' overlapped round sends its own buffers while the next inner steps write
+    ``param.grad``: what is sent, and where the average lands, must be those buffers."""
+    from gradsum.sync.gradient_sync import GradientSync
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    sync = GradientSync(model, answering_session(lambda flat, **_: flat * 2), fusion_elements=20,
+                        on_backward=False, broadcast_from=None)  # fmt: skip
+    try:
+        params = sync.parameters
+        for p in params:
+            p.grad = torch.full_like(p, 7.0)
+        buffers = [torch.randn(p.shape) for p in params]
+        sent = [b.clone() for b in buffers]
+        with pytest.raises(ValueError, match="one tensor per parameter"):
+            sync.release(buffers[:-1])
+        sync.release(buffers)
+        sync.wait()
+        for b, s, p in zip(buffers, sent, params, strict=True):
+            assert torch.equal(b, s * 2)
+            assert torch.equal(p.grad, torch.full_like(p, 7.0))
+        sync.release()  # the next round: param.grad again
+        sync.wait()
+        assert all(torch.equal(p.grad, torch.full_like(p, 14.0)) for p in params)
+    finally:
+        sync.close()

@@ -40,12 +40,10 @@ def test_one_local_step_with_a_plain_outer_step_is_a_data_parallel_step_bit_for_
         for state, g in zip(workers, grads, strict=True):
             state.inner_step([x.clone() for x in g])
             assert state.due
-            into = [torch.empty_like(w) for w in weights]
-            state.pseudo_gradient(into)
-            pseudo.append(into)
+            pseudo.append(state.launch([torch.empty_like(w) for w in weights]))
         average = [(a + b) / 2 for a, b in zip(*pseudo, strict=True)]
         for state in workers:
-            state.outer_step(average)
+            state.land(average)
         for r, a, b in zip(reference, *grads, strict=True):
             r.grad = (a + b) / 2
         dp.step()
@@ -72,8 +70,7 @@ def test_the_outer_step_is_nesterov_sgd_on_the_averaged_sum_of_inner_updates():
                 for w, s, a in zip(state.weights, state.start, state.acc, strict=True):
                     assert torch.equal(w, s + a)
         local = [s + a for s, a in zip(state.start, state.acc, strict=True)]
-        pseudo = [torch.empty_like(w) for w in weights]
-        state.pseudo_gradient(pseudo)
+        pseudo = state.launch([torch.empty_like(w) for w in weights])
         for d, s, w in zip(pseudo, start, local, strict=True):
             torch.testing.assert_close(d, s - w)
         if buffers is None:
@@ -81,7 +78,7 @@ def test_the_outer_step_is_nesterov_sgd_on_the_averaged_sum_of_inner_updates():
         else:
             buffers = [0.9 * b + d for b, d in zip(buffers, pseudo, strict=True)]
         start = [s - 0.7 * (d + 0.9 * b) for s, d, b in zip(start, pseudo, buffers, strict=True)]
-        state.outer_step(pseudo)
+        state.land(pseudo)
         for w, s in zip(state.weights, start, strict=True):
             torch.testing.assert_close(w, s)
         assert state.taken == 0
@@ -120,9 +117,7 @@ def test_the_state_resumes_mid_round_bit_for_bit():
         for g in steps:
             state.inner_step([x.clone() for x in g])
             if state.due:
-                pseudo = [torch.empty_like(w) for w in weights]
-                state.pseudo_gradient(pseudo)
-                state.outer_step(pseudo)
+                state.land(state.launch([torch.empty_like(w) for w in weights]))
 
     adamw = torch.optim.AdamW
     whole = _state([w.clone() for w in weights], spec, lr=1e-2, optimizer=adamw)
@@ -139,13 +134,128 @@ def test_the_state_resumes_mid_round_bit_for_bit():
     assert resumed.rounds == whole.rounds == 2
 
 
+def _drive(states, steps):
+    """Workers in lockstep as ``LocalWorker.apply`` drives each: the inner step, the round in
+    flight landing when due, a launch when due (its ``wait`` averages every worker's
+    pseudo-gradient in place, as the round does), and without overlap its landing at once."""
+    sent = [None] * len(states)
+
+    def arrive():
+        average = [torch.stack(ds).mean(0) for ds in zip(*sent, strict=True)]
+        for buffers in sent:
+            for d, a in zip(buffers, average, strict=True):
+                d.copy_(a)
+
+    def land_when_due():
+        for state, buffers in zip(states, sent, strict=True):
+            if state.landing:
+                state.land(None if state.sent is not None else buffers)
+
+    for grads in steps:
+        for state, g in zip(states, grads, strict=True):
+            state.inner_step([x.clone() for x in g])
+        land_when_due()
+        if states[0].due:
+            for i, state in enumerate(states):
+                into = [torch.empty_like(w) for w in state.weights]
+                sent[i] = state.launch(into, wait=arrive if i == 0 else None)
+        land_when_due()
+
+
+def _eager_reference(weights, steps, h, tau, lr, outer_lr, momentum):
+    """Overlapped DiLoCo written out on plain tensors: SGD inner steps at ``lr``; every h steps
+    the average of what each worker's steps since its last launch added is launched and lands
+    tau steps later with Nesterov's outer step, each worker's steps since that launch carried
+    onto the new start."""
+    n = len(steps[0])
+    start = [w.clone() for w in weights]
+    local = [[w.clone() for w in weights] for _ in range(n)]
+    since = [[torch.zeros_like(w) for w in weights] for _ in range(n)]
+    pending, buffers, taken = None, None, 0
+
+    def land(average):
+        nonlocal buffers
+        buffers = average if buffers is None else [
+            momentum * b + d for b, d in zip(buffers, average, strict=True)]  # fmt: skip
+        for s, d, b in zip(start, average, buffers, strict=True):
+            s -= outer_lr * (d + momentum * b) if momentum else outer_lr * d
+        for i in range(n):
+            local[i] = [s + u for s, u in zip(start, since[i], strict=True)]
+
+    for grads in steps:
+        for i in range(n):
+            for w, u, g in zip(local[i], since[i], grads[i], strict=True):
+                w -= lr * g
+                u -= lr * g
+        taken += 1
+        if pending is not None and taken == tau:
+            land(pending)
+            pending = None
+        if taken == h:
+            pending = [-torch.stack(us).mean(0) for us in zip(*since, strict=True)]
+            since = [[torch.zeros_like(w) for w in weights] for _ in range(n)]
+            taken = 0
+            if tau == 0:
+                land(pending)
+                pending = None
+    return start, local
+
+
+@pytest.mark.parametrize(("h", "tau"), [(3, 0), (3, 1), (3, 3), (1, 1)])
+def test_an_overlapped_round_lands_tau_steps_late_and_the_steps_meanwhile_carry_over(h, tau):
+    """Two workers, 11 steps: the start and each worker's weights against the eager reference
+    above (the round's average lands ``overlap`` steps into the next round, and what the worker
+    did since its launch stays on top of the new start)."""
+    generator = torch.Generator().manual_seed(5)
+    weights = _grads(generator, SHAPES)
+    steps = [[_grads(generator, SHAPES) for _ in range(2)] for _ in range(11)]
+    spec = LocalSteps(h=h, lr=0.7, momentum=0.5, overlap=tau)
+    states = [_state([w.clone() for w in weights], spec) for _ in range(2)]
+    _drive(states, steps)
+    start, local = _eager_reference(weights, steps, h, tau, 0.125, 0.7, 0.5)
+    for state, mine in zip(states, local, strict=True):
+        for a, b in zip(state.start, start, strict=True):
+            torch.testing.assert_close(a, b)
+        for a, b in zip(state.weights, mine, strict=True):
+            torch.testing.assert_close(a, b)
+    assert states[0].rounds == (11 - tau) // h
+
+
+def test_an_overlapped_round_in_flight_resumes_bit_for_bit():
+    """Saved with a round launched and not landed (h=3, overlap 2, after 4 steps): its average,
+    the weights it was launched from and the steps since must all carry."""
+    generator = torch.Generator().manual_seed(6)
+    weights = _grads(generator, SHAPES)
+    spec = LocalSteps(h=3, lr=0.7, momentum=0.5, overlap=2)
+    steps = [[_grads(generator, SHAPES)] for _ in range(10)]
+    adamw = torch.optim.AdamW
+    whole = _state([w.clone() for w in weights], spec, lr=1e-2, optimizer=adamw)
+    _drive([whole], steps)
+    first = _state([w.clone() for w in weights], spec, lr=1e-2, optimizer=adamw)
+    _drive([first], steps[:4])
+    assert first.in_flight
+    saved = first.state_dict()
+    resumed = _state([torch.zeros_like(w) for w in weights], spec, lr=1e-2, optimizer=adamw)
+    resumed.load_state_dict(saved)
+    _drive([resumed], steps[4:])
+    for mine, theirs in ((resumed.weights, whole.weights), (resumed.start, whole.start)):
+        for a, b in zip(mine, theirs, strict=True):
+            assert torch.equal(a, b)
+    plain = _state([w.clone() for w in weights], LocalSteps(h=3, lr=0.7, momentum=0.5),
+                   lr=1e-2, optimizer=adamw)  # fmt: skip
+    with pytest.raises(ValueError, match="same --local-steps overlap"):
+        plain.load_state_dict(saved)
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ("diloco(h=0)", "h=0 must be an integer >= 1"),
         ("diloco(momentum=1)", "momentum=1.0 must be in [0, 1)"),
         ("diloco(lr=-1)", "lr=-1.0 must be a positive number"),
-        ("diloco(bogus=1)", "has no option bogus; its options are h, lr, momentum"),
+        ("diloco(bogus=1)", "has no option bogus; its options are h, lr, momentum, overlap"),
+        ("diloco(h=4,overlap=5)", "overlap=5 must be an integer from 0"),
+        ("diloco(overlap=-1)", "overlap=-1 must be an integer from 0"),
         ("local(h=2)", "unknown local steps 'local'"),
         ("diloco(h=2.5)", "h=2.5 is not an integer"),
     ],
@@ -208,18 +318,22 @@ def test_one_local_step_per_round_is_data_parallel_training_bit_for_bit(codec):
 
 
 @pytest.mark.slow
-def test_local_steps_resume_bit_identically_mid_round(tmp_path):
+@pytest.mark.parametrize("overlap", [0, 5])
+def test_local_steps_resume_bit_identically_mid_round(tmp_path, overlap):
     """h=5 against 44 steps an epoch: the checkpoint falls mid-round, so each worker's own
-    weights, accumulator, inner and outer optimizers and the codec's feedback must all carry."""
+    weights, accumulator, inner and outer optimizers and the codec's feedback must all carry;
+    with overlap 5 the round launched at step 40 is still in flight (its own process group
+    beside the loss agreement's), and must arrive, be saved and land after the resume."""
     # the divergence guard's running mean starts afresh on resume (as without local steps):
     # a generous factor keeps it out of a test of the state that does carry
-    fields = dict(codec="thc", local_steps="diloco(h=5,lr=0.5,momentum=0.5)", momentum=0.9,
-                  divergence_factor=100.0)  # fmt: skip
+    spec = f"diloco(h=5,lr=0.5,momentum=0.5,overlap={overlap})"
+    fields = dict(codec="thc", local_steps=spec, momentum=0.9, divergence_factor=100.0)
     whole = _digest(epochs=2, **fields)
     checkpoint = tmp_path / "ckpt.pt"
     _digest(epochs=1, checkpoint=str(checkpoint), **fields)
     own = torch.load(f"{checkpoint}.rank1", weights_only=False)
     assert own["local_steps"]["taken"] == 44 % 5
+    assert ("in_flight" in own["local_steps"]) == (overlap > 0)
     assert _digest(epochs=2, resume=str(checkpoint), **fields) == whole
 
 

@@ -110,6 +110,7 @@ class GradientSync:
         self._missing = [len(n) for n in self._needs]
         self._released = 0
         self._futures: list[torch.futures.Future] = []
+        self._sources: list[torch.Tensor] | None = None  # release's tensors; None: param.grad
         # every round's device checks of a step, read once in ``wait`` (no host sync per group)
         self._checks = DeviceChecks()
         self._sender = self._make_sender()
@@ -132,9 +133,17 @@ class GradientSync:
 
         return on_ready
 
-    def release(self) -> None:
+    def release(self, tensors: Sequence[torch.Tensor] | None = None) -> None:
         """Send every group now, from what ``param.grad`` holds, in the send order a backward
-        pass would release them; ``wait`` as after backward."""
+        pass would release them; ``wait`` as after backward. ``tensors`` (one per parameter,
+        shaped alike): send these instead and write the averages back into them, leaving
+        ``param.grad`` free for steps taken while the round is in flight (local steps'
+        overlapped outer round, train/outer.py)."""
+        if tensors is not None:
+            tensors = list(tensors)
+            if [t.shape for t in tensors] != [p.shape for p in self.parameters]:
+                raise ValueError("release: one tensor per parameter, of its shape")
+        self._sources = tensors
         for index in range(len(self.parameters)):
             for g in self._waiting_on[index]:
                 self._missing[g] -= 1
@@ -147,10 +156,14 @@ class GradientSync:
             self._released += 1
 
     def _send(self, group: int) -> torch.futures.Future:
+        sources = self._sources
         blocks = [
             block
             for s in self._segments[group]
-            for block in row_major_blocks(self.parameters[s.param].grad, s.start, s.stop)
+            for block in row_major_blocks(
+                self.parameters[s.param].grad if sources is None else sources[s.param],
+                s.start, s.stop,
+            )
         ]
         # reshape is a view of a contiguous block and a copy (in row-major order) of any other.
         pieces = [block.reshape(-1) for block in blocks]
@@ -188,6 +201,7 @@ class GradientSync:
         finally:
             self._checks = DeviceChecks()
             self._futures = []
+            self._sources = None
             self._missing = [len(n) for n in self._needs]
             self._released = 0
             self.step += 1

@@ -54,9 +54,13 @@ def make_aggregator(config, rank: int, world: int, codec: Codec) -> Aggregator:
     """The aggregator ``config`` names, refusing one that cannot carry ``codec``."""
     check_carries(config.aggregator, codec)
     if config.aggregator == "allreduce":
+        import torch.distributed as dist
+
         from ..sync.allreduce import AllReduceAggregator
 
-        return AllReduceAggregator()
+        # an outer round in flight beside the inner steps' loss agreement: collectives from
+        # two threads on one group could pair differently on each rank
+        return AllReduceAggregator(group=dist.new_group() if _overlaps(config) else None)
     from ..sync.service import JobSettings, ServiceAggregator
     from ..sync.sharded import ShardedServiceAggregator
 
@@ -72,3 +76,10 @@ def make_aggregator(config, rank: int, world: int, codec: Codec) -> Aggregator:
     if config.aggregator == "ps":  # shards addressed one by one: plans place parts on them
         return ShardedServiceAggregator(addresses, settings, standby=config.standby)
     return ServiceAggregator(config.aggregator, addresses, settings, standby=config.standby)
+
+
+def _overlaps(config) -> bool:
+    """Whether the run's outer rounds run while inner steps do (train/outer.py)."""
+    from .outer import parse_local_steps
+
+    return bool(config.local_steps) and parse_local_steps(config.local_steps).overlap > 0

@@ -130,6 +130,8 @@ def _train(config, rank, world, dataset, model, session) -> dict:
     trainer = Trainer(replicas, batches, report, schedule, guard=guard, decides=rank == 0)
     try:
         trainer.run()
+        if local is not None:  # an overlapped outer round still in flight: let it arrive
+            local.settle()
         # mid-round, local steps' workers hold their own weights, and alike only the start
         check_replicas(local.start if local else list(model.parameters()))
         digest = parameter_digest(model)
@@ -540,6 +542,8 @@ def _save(config, rank, epoch, model, optimizer, codec, sync, local=None) -> Non
     """Model and optimizer from worker 0, plus every worker's own codec state (error feedback)
     and, with local steps, its own round (start, accumulator, inner and outer optimizers). A
     sharded model's are gathered whole first (every worker takes part)."""
+    if local is not None:  # no outer round running while its codec state is read
+        local.settle()
     sharded = is_sharded(model)
     if sharded:
         model_state, optimizer_state = full_states(model, optimizer)
