@@ -4,6 +4,7 @@ weights) through the run's Session (any codec, any aggregator) and an outer Nest
 it to the start weights, which every worker then holds alike.
 
     --local-steps 'diloco(h=32,lr=0.7,momentum=0.9)'      # gradsum train, bench train
+    --local-steps 'diloco(h=8,overlap=8)'                 # the round beside the next 8 steps
     --methods 'ddp,allreduce:thc+diloco(h=32)'            # bench tta, bench train
 
 The pseudo-gradient is kept exactly as the inner optimizer computes it: the inner optimizer
@@ -21,6 +22,12 @@ and uncompressed Session as a data-parallel step's, with the pseudo-gradient in 
 The codec's error feedback lives in the Session's codec and so carries across outer rounds; the
 inner optimizer's state stays on its worker. Evaluations see the start weights, the model every
 worker holds alike (mid-round a worker's own weights have seen its shard only).
+
+``overlap=T`` hides the round behind compute: the next T inner steps run while it travels, from
+the weights the round ended at, and it lands T steps late, those steps carried over onto the new
+start (the eager update of overlapped DiLoCo). The start weights, what is evaluated, then lag the
+local ones by a round; the sender's thread carries the round, and an all-reduce gets a process
+group of its own beside the inner steps' loss agreement (train/aggregators.py).
 """
 
 from __future__ import annotations
