@@ -121,14 +121,19 @@ def test_an_injected_message_delay_is_paid_on_one_thread_for_every_send_and_answ
         ShardSender(shards.session(), plan, timeout=10, message_delay=-1)
 
 
-def test_a_release_of_other_tensors_sends_those_and_leaves_param_grad_alone():
+@pytest.mark.parametrize(("sizes", "fusion"), [((6, 5, 3), 20), ((1201, 1000, 7), 1 << 20)],
+                         ids=["small", "past-2^20"])  # fmt: skip
+def test_a_release_of_other_tensors_sends_those_and_leaves_param_grad_alone(sizes, fusion):
     """Local steps' overlapped round sends its own buffers while the next inner steps write
-    ``param.grad``: what is sent, and where the average lands, must be those buffers."""
+    ``param.grad``: what is sent, and where the average lands, must be those buffers (also at a
+    user's size: a weight of 1,201,000 elements, past one 2^20 partition, fused with three
+    other tensors into one group)."""
     from gradsum.sync.gradient_sync import GradientSync
 
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
-    sync = GradientSync(model, answering_session(lambda flat, **_: flat * 2), fusion_elements=20,
-                        on_backward=False, broadcast_from=None)  # fmt: skip
+    a, b, c = sizes
+    model = torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.Linear(b, c))
+    sync = GradientSync(model, answering_session(lambda flat, **_: flat * 2),
+                        fusion_elements=fusion, on_backward=False, broadcast_from=None)  # fmt: skip
     try:
         params = sync.parameters
         for p in params:

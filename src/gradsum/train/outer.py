@@ -313,19 +313,17 @@ class LocalWorker:
         self._lossless = False
 
     def _land(self) -> None:
+        from .guard import DivergenceError, all_finite
+
         state = self.state
         state.settle()
-        average = None if state.sent is not None else [p.grad for p in self.sync.parameters]
-        if not _finite(state.sent if average is None else average):  # alike on every worker
-            from .guard import DivergenceError
-
+        if state.sent is None:  # the average is in param.grad
+            average, finite = [p.grad for p in self.sync.parameters], self.gradients_finite()
+        else:
+            average, finite = state.sent, all_finite(state.sent)
+        if not finite:  # alike on every worker
             raise DivergenceError(
                 f"training diverged at outer round {state.rounds + 1}: the averaged "
                 "pseudo-gradient is not finite"
             )
         state.land(average)
-
-
-def _finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """One float64 sum per tensor: NaN and inf propagate through it."""
-    return bool(torch.stack([t.sum(dtype=torch.float64) for t in tensors]).isfinite().all())

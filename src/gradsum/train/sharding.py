@@ -161,10 +161,10 @@ def gradients_finite(model) -> bool:
     import torch
     import torch.distributed as dist
 
-    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
-    finite = torch.tensor(
-        [bool(torch.stack([g.sum(dtype=torch.float64) for g in grads]).isfinite().all())
-         if grads else True], dtype=torch.int32)  # fmt: skip
+    from .guard import all_finite
+
+    mine = all_finite(_local(p.grad) for p in model.parameters() if p.grad is not None)
+    finite = torch.tensor([mine], dtype=torch.int32)
     dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     return bool(finite.item())
 
