@@ -1,4 +1,5 @@
-"""`--device` for the commands that run torch work (`gradsum train`, `gradsum bench codecs`)."""
+"""`--device` for the commands that run torch work (`gradsum train`, `gradsum bench codecs`,
+`gradsum bench train` and `bench tta`)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,14 @@ def resolve_device(asked: str | None) -> str:
             f"False, torch {torch.__version__}); use --device cpu"
         )
     return asked
+
+
+def configured_device(args, sections, config):
+    """``config`` with its device resolved: the command line's ``--device`` where given
+    (``config.device`` is then its value), else cuda when present (``resolve_device``)."""
+    from dataclasses import replace
+
+    from .config import given
+
+    asked = config.device if "device" in given(args, sections) else None
+    return replace(config, device=resolve_device(asked))

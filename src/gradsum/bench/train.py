@@ -141,6 +141,7 @@ def parse_schedulers(text: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
     from ..config import runs_from
+    from ..devices import configured_device
     from ..train.config import BENCH_SECTIONS, TrainConfig
     from ..train.methods import parse_methods
 
@@ -151,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
     schedulers = [scheduler for _, scheduler in order]
     runs = [{**fields, "scheduler": s} for _, fields in methods for s in dict.fromkeys(schedulers)]
     base, _ = runs_from(args, BENCH_SECTIONS, TrainConfig(**DEFAULTS), runs)
+    base = configured_device(args, BENCH_SECTIONS, base)
     rows = _Rows(args.json)
     try:
         for name, fields in methods:

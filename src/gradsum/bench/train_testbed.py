@@ -192,5 +192,7 @@ def train_flags(config) -> list[str]:
     from ..config import to_flags
     from ..train.config import BENCH_SECTIONS, TrainConfig
 
-    return to_flags(config, BENCH_SECTIONS, TrainConfig(),
-                    skip=("aggregator", "scheduler", "workers"))  # fmt: skip
+    # the device always: a worker given none would take cuda when present, whatever the bench's
+    return [*to_flags(config, BENCH_SECTIONS, TrainConfig(),
+                      skip=("aggregator", "scheduler", "workers", "device")),
+            "--device", config.device]  # fmt: skip

@@ -109,6 +109,7 @@ def register(benches: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
     from ..config import given, runs_from
+    from ..devices import configured_device
     from ..train.config import BENCH_SECTIONS, TrainConfig
 
     target = given(args, BENCH_SECTIONS).get("target_loss")
@@ -125,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
     runs = [(name, {**fields, "seed": seed}) for seed in seeds for name, fields in methods]
     base, configs = runs_from(args, BENCH_SECTIONS, TrainConfig(**DEFAULTS),
                               [fields for _, fields in runs])  # fmt: skip
+    base = configured_device(args, BENCH_SECTIONS, base)
+    configs = [replace(config, device=base.device) for config in configs]
     if base.time_budget is None and base.max_steps is None:
         raise UsageError("give --time-budget or --max-steps: runs must end")
     if args.stop_at_target and base.target_loss is None:

@@ -29,15 +29,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def job_config(args: argparse.Namespace):
     """The job the command line asks for, checked: flags that do not apply, bad values, and a
     --resume from another method's checkpoint are usage errors here, before anything starts."""
-    from dataclasses import replace
-
-    from ..config import config_from, given
-    from ..devices import resolve_device
+    from ..config import config_from
+    from ..devices import configured_device
     from .config import SECTIONS, TrainConfig
 
-    config = config_from(args, SECTIONS, TrainConfig())
-    asked = config.device if "device" in given(args, SECTIONS) else None
-    return replace(config, device=resolve_device(asked))
+    return configured_device(args, SECTIONS, config_from(args, SECTIONS, TrainConfig()))
 
 
 def run(args: argparse.Namespace) -> int:

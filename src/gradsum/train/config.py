@@ -407,13 +407,18 @@ class Checkpoint(Section):
 
 
 @dataclass
-class Run(Section):
-    title = "this run"
+class Device(Section):
+    title = "the device"
     device: str = setting(
         "cpu", choices=("cuda", "cpu"), shown_default="cuda when present, else cpu",
         help="where the model trains: one GPU per local rank, gradients over NCCL where the "
-        "aggregator is all-reduce",
+        "aggregator is all-reduce (Gloo where workers share a GPU)",
     )  # fmt: skip
+
+
+@dataclass
+class Run(Section):
+    title = "this run"
     # torchrun reads a script's `--log` as an ambiguous abbreviation of its own --log-dir and
     # --logs-specs and refuses to start; `--log-file` is no prefix of any flag of torchrun's
     log: str | None = setting(
@@ -425,7 +430,7 @@ class Run(Section):
 
 @dataclass
 class TrainConfig(Workload, Optimizer, Method, Schedule, Transport, Aggregators, Steps, Guard,
-                  Checkpoint, Run):  # fmt: skip
+                  Checkpoint, Device, Run):  # fmt: skip
     """A training job. The codec may be given as its spec, ``TrainConfig(codec="thc(bits=2)")``,
     as the command line writes it; it is kept as the codec's name and its options' text."""
 
@@ -444,5 +449,4 @@ class TrainConfig(Workload, Optimizer, Method, Schedule, Transport, Aggregators,
 SECTIONS = tuple(sections_of(TrainConfig))
 # what a benchmark's runs take: each starts its own aggregators, keeps no checkpoint and prints
 # its own row
-BENCH_SECTIONS = (Workload, Optimizer, Method, Schedule, Transport, Steps, Guard)
-
+BENCH_SECTIONS = (Workload, Optimizer, Method, Schedule, Transport, Steps, Guard, Device)
