@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from gradsum.bench import gpu_check
 from gradsum.cli import main
 from gradsum.codecs import make_codec
 from gradsum.train.data import DataError, load_dataset, shard_batches
@@ -35,6 +36,7 @@ def test_local_job_trains_digits_and_writes_a_summary(tmp_path):
     assert records[-1]["test_accuracy"] == summary["test_accuracy"]
     assert records[-1]["samples_per_s"] > 0
     assert summary["plan"] == records[1]["describe"]  # what the scheduler chose, for bench rows
+    assert gpu_check.median_step_ms(log) > 0  # what the device script reads of a run
 
 
 @pytest.mark.slow

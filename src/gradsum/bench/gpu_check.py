@@ -3,11 +3,19 @@
 1. The tests: tests/gpu (skipped without CUDA) and the CPU-side tests of the device path (no
    host sync in a THC round, every codec's round on the meta device, the Triton kernels under
    the interpreter, `--device`).
-2. The benchmark: THC and bfp encode + decode of one worker's gradient of 2**20 .. 2**26
+2. The codecs: THC and bfp encode + decode of one worker's gradient of 2**20 .. 2**26
    coordinates against a device copy of the same gradient, timed with CUDA events, THC with
    the fused Triton kernels (with its error feedback, as training runs it, and without) and
-   on the torch path. Each row is printed (and appended to
-   ``--json-lines``) as soon as it is measured. Without CUDA it says so and skips it.
+   on the torch path.
+3. Training: `gradsum train --device cuda --model gpt` on one GPU, fp32 and THC, under WFBP (a
+   round per gradient group) and fused into one group: THC's milliseconds a step over fp32.
+4. Time to a loss: `gradsum bench tta --device cuda` with 4 workers sharing the GPU, at
+   `--link-rate 1gbit` in the testbed (root; on loopback otherwise, said so): fp32 DDP, its
+   bf16 and PowerSGD hooks, THC through the switch and through the all-reduce, a short budget
+   each.
+
+Each row is printed (and appended to ``--json-lines``) as soon as it is measured, so a run cut
+short keeps what it had; without CUDA the parts that need it say so and are skipped.
 
 Exit status: the tests' (0 when they pass or skip).
 """
@@ -20,6 +28,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 CPU_PARTS = (
@@ -30,6 +39,15 @@ CPU_PARTS = (
     "tests/codecs/test_launches.py",
 )
 GPU_TESTS = "tests/gpu"
+PARTS = ("tests", "codecs", "train", "tta")
+
+# part 3: the model the GPU measurements of docs/benchmarks.md use, and its two schedules
+TRAIN_FLAGS = ("--model", "gpt", "--dataset", "stdlib", "--workers", "1",
+               "--aggregator", "allreduce", "--no-progress")  # fmt: skip
+SCHEDULES = {"wfbp": ("--scheduler", "wfbp"),
+             "fusion": ("--scheduler", "fusion", "--fusion-elements", "8000000")}  # fmt: skip
+# part 4: what a user on GPUs picks between, as `bench tta` spells it
+TTA_METHODS = "ddp,ddp:bf16,ddp:powersgd4,switch:thc,allreduce:thc"
 
 
 def run_tests(root: Path) -> int:
@@ -148,6 +166,87 @@ def profile(log_sizes: range, rows: int) -> None:
     os.environ.pop("GRADSUM_TRITON", None)
 
 
+def train_command(device: str, codec: str, schedule: str, steps: int, log: Path) -> list[str]:
+    """Part 3's `gradsum train` arguments for one codec and schedule."""
+    return ["train", *TRAIN_FLAGS, "--device", device, "--codec", codec, *SCHEDULES[schedule],
+            "--max-steps", str(steps), "--eval-every", str(steps), "--log", str(log)]  # fmt: skip
+
+
+def tta_command(device: str, budget: float, link_rate: str | None, out: Path) -> list[str]:
+    """Part 4's `gradsum bench tta` arguments."""
+    rate = ["--link-rate", link_rate] if link_rate else []
+    return ["bench", "tta", "--device", device, "--workers", "4", "--model", "gpt",
+            "--dataset", "stdlib", "--methods", TTA_METHODS, "--time-budget", f"{budget:g}",
+            "--eval-seconds", f"{budget / 4:g}", *rate, "--json", str(out)]  # fmt: skip
+
+
+def _gradsum(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "gradsum.cli", *args]
+    print("$ gradsum", " ".join(args), flush=True)
+    return subprocess.run(command, timeout=timeout, check=False, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def _append(out: Path | None, row: dict) -> None:
+    if out is not None:
+        with out.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+
+def median_step_ms(log: Path) -> float:
+    """A `gradsum train --log` file's median step, from its summary (the last line)."""
+    summary = json.loads(log.read_text().splitlines()[-1])
+    if summary.get("event") != "summary":
+        raise ValueError(f"{log} ends without its summary line")
+    return 1000.0 * summary["median_step_s"]
+
+
+def training(steps: int, out: Path | None, device: str = "cuda", run=_gradsum) -> list[dict]:
+    """Part 3: fp32 and THC under each schedule; a row per schedule with THC's ms over fp32."""
+    rows = []
+    print(f"{'schedule':<10}{'fp32 ms':>10}{'thc ms':>10}{'thc - fp32':>12}", flush=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        for schedule in SCHEDULES:
+            ms = {}
+            for codec in ("none", "thc"):
+                log = Path(scratch) / f"{schedule}-{codec}.jsonl"
+                done = run(train_command(device, codec, schedule, steps, log), 300)
+                if done.returncode != 0:
+                    tail = done.stdout.strip().splitlines()[-5:]
+                    print(f"  {codec} under {schedule} failed:", *tail, sep="\n    ", flush=True)
+                    break
+                ms[codec] = median_step_ms(log)
+            if len(ms) < 2:
+                continue
+            row = {"part": "train", "schedule": schedule, "steps": steps, "device": device,
+                   "fp32_ms": ms["none"], "thc_ms": ms["thc"],
+                   "overhead_ms": ms["thc"] - ms["none"]}  # fmt: skip
+            print(f"{schedule:<10}{row['fp32_ms']:>10.1f}{row['thc_ms']:>10.1f}"
+                  f"{row['overhead_ms']:>12.1f}", flush=True)  # fmt: skip
+            rows.append(row)
+            _append(out, row)
+    return rows
+
+
+def testbed_possible() -> bool:
+    """The testbed's namespaces need root and iproute2."""
+    import shutil
+
+    return os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+
+
+def time_to_loss(budget: float, out: Path | None, device: str = "cuda", run=_gradsum) -> int:
+    """Part 4: `bench tta` as the GPU user would run it; its rows print as they come."""
+    link_rate = "1gbit" if testbed_possible() else None
+    if link_rate is None:
+        print("not root, or no ip/tc: part 4 runs on loopback, without --link-rate", flush=True)
+    target = (out.with_suffix(".tta.json") if out is not None
+              else Path(tempfile.mkdtemp()) / "tta.json")  # fmt: skip
+    done = run(tta_command(device, budget, link_rate, target), 600)
+    print(done.stdout, flush=True)
+    return done.returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m gradsum.bench.gpu_check",
@@ -158,16 +257,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-lines", type=Path, help="append each benchmark row here")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per row (median)")
     parser.add_argument("--largest", type=int, default=26, help="log2 of the largest size")
-    parser.add_argument("--no-tests", action="store_true", help="only the benchmark")
+    parser.add_argument("--no-tests", action="store_true", help="every part but the tests")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="which parts to run (default: all)")  # fmt: skip
+    parser.add_argument("--train-steps", type=int, default=40,
+                        help="part 3: steps of each training run (default 40)")  # fmt: skip
+    parser.add_argument("--tta-budget", type=float, default=20.0,
+                        help="part 4: seconds of training per method (default 20)")  # fmt: skip
     parser.add_argument(
         "--profile", type=int, metavar="ROWS", default=0,
         help="then profile a THC round at 2^20 and 2^22 and print its top ROWS ops",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    status = 0 if args.no_tests else run_tests(args.root)
-    benchmark(range(20, args.largest + 1), args.repeats, args.json_lines)
+    parts = [p for p in args.parts if not (args.no_tests and p == "tests")]
+    status = run_tests(args.root) if "tests" in parts else 0
+    if "codecs" in parts:
+        benchmark(range(20, args.largest + 1), args.repeats, args.json_lines)
     if args.profile:
         profile(range(20, 23, 2), args.profile)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: parts 3 and 4 (training) are skipped", flush=True)
+        return status
+    if "train" in parts:
+        training(args.train_steps, args.json_lines)
+    if "tta" in parts:
+        time_to_loss(args.tta_budget, args.json_lines)
     return status
 
 
