@@ -358,3 +358,16 @@ def test_evaluations_see_the_synced_weights_and_training_its_own_after():
     with state.synced_weights():
         assert all(torch.equal(w, s) for w, s in zip(state.weights, state.start, strict=True))
     assert all(torch.equal(w, x) for w, x in zip(state.weights, local, strict=True))
+
+
+def test_local_steps_with_fsdp2_are_refused_before_any_worker_starts(capsys):
+    """FSDP2 shards the model; local steps average whole models. Together they crashed every
+    worker with an AttributeError after start-up."""
+    from gradsum.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--shard", "fsdp2", "--aggregator", "allreduce", "--codec", "thc",
+              "--local-steps", "diloco(h=2)", "--max-steps", "1"])  # fmt: skip
+    assert exit_.value.code == 2
+    assert "--local-steps diloco(h=2) --shard fsdp2: local steps keep" in capsys.readouterr().err
+

@@ -79,3 +79,14 @@ def test_bytes_per_step_count_the_fp32_all_gather_and_the_reduce_scatters_lanes(
     # THC's sums of 4 workers fit a byte: 4 + 1 bytes a coordinate, and its norms and the
     # rotation's padding (the small model's tensors pad by a tenth)
     assert 5 * count <= sizes["fsdp2:thc"] < 6 * count
+
+
+@pytest.mark.parametrize("flags", [["--scheduler", "fusion"], ["--fusion-elements", "1000"]])
+def test_a_schedule_given_with_fsdp2_is_refused_rather_than_ignored(flags, capsys):
+    from gradsum.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--shard", "fsdp2", "--aggregator", "allreduce", *flags,
+              "--max-steps", "1"])  # fmt: skip
+    assert exit_.value.code == 2
+    assert f"{flags[0]} {flags[1]}: does not apply to --shard fsdp2" in capsys.readouterr().err

@@ -97,6 +97,12 @@ def _gradsum_path(config) -> str | None:
     return None
 
 
+def _unsharded(config) -> str | None:
+    if config.shard == FSDP2:
+        return "does not apply to --shard fsdp2: it reduce-scatters each block in backward"
+    return None
+
+
 def _powersgd_hook(config) -> str | None:
     if config.aggregator != DDP or config.ddp_hook != "powersgd":
         return "applies to --aggregator ddp --ddp-hook powersgd only"
@@ -245,6 +251,12 @@ class Method(Section):
     )  # fmt: skip
 
     def check(self) -> None:
+        if self.shard == FSDP2 and self.local_steps is not None:
+            raise ValueError(
+                f"--local-steps {self.local_steps} --shard fsdp2: local steps keep each "
+                "worker's whole model and average it every H steps; FSDP2 shards the model and "
+                "reduce-scatters every step. Use one: drop --shard, or --local-steps"
+            )
         if self.shard == FSDP2:
             from .sharding import check_sharding
 
@@ -266,13 +278,14 @@ class Schedule(Section):
     title = "the communication schedule"
     scheduler: str = setting(
         "wfbp", parse=argument_type(_scheduler_spec), sweep=SCHEDULERS.flag,
-        metavar="POLICY[(OPTION=VALUE,...)]",
+        metavar="POLICY[(OPTION=VALUE,...)]", applies=_unsharded,
         help="communication plan, made at start-up from a measured profile and α-β "
         f"(docs/scheduling.md): {', '.join(PLANNER_NAMES)}, with the planner's options in "
         "parentheses, e.g. 'imerge(interleave=true,window=group)'",
     )  # fmt: skip
     fusion_elements: int = setting(
-        500_000, parse=positive_int, help="static fusion's threshold where --scheduler fusion "
+        500_000, parse=positive_int, applies=_unsharded,
+        help="static fusion's threshold where --scheduler fusion "
         "names none",
     )  # fmt: skip
     # (α s per message, β s per byte) to plan with instead of the start-up calibration, for
