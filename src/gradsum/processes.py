@@ -103,7 +103,8 @@ def process(ctx, target, args=(), **options):
     this moment plus ``WORKER_ENVIRONMENT``, writing to the launcher's standard output and
     error of the moment it starts."""
     environ = dict(os.environ) | WORKER_ENVIRONMENT
-    return ctx.Process(target=_in_environment, args=(environ, _Streams(), target, args),
+    return ctx.Process(target=_in_environment,
+                       args=(environ, _Streams(), target, args, os.getpid()),
                        **options)  # fmt: skip
 
 
@@ -129,7 +130,9 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-def _in_environment(environ: dict, streams: tuple[int, ...], target, args) -> None:
+def _in_environment(environ: dict, streams: tuple[int, ...], target, args,
+                    launcher: int) -> None:  # fmt: skip
+    _stop_with_launcher(launcher)
     os.environ.clear()
     os.environ.update(environ)
     if len(streams) == 2:
@@ -140,6 +143,34 @@ def _in_environment(environ: dict, streams: tuple[int, ...], target, args) -> No
     for received in streams:
         os.close(received)
     target(*args)
+
+
+def _stop_with_launcher(launcher: int) -> None:
+    """SIGTERM this worker when its launcher ends, however it ends: one killed outright
+    (SIGKILL) runs no handler that could stop its workers, and the forkserver they were forked
+    from outlives it (each worker holds the forkserver's liveness pipe open). A worker left
+    behind would go on training, holding cores, ports and aggregator jobs, until some timeout.
+    A thread waits on the launcher's pidfd (Linux 5.3 and later; elsewhere nothing is
+    watched); the signal reaches the worker as the launcher's own stop does (``Terminated``,
+    which tears its jobs down)."""
+    import signal
+    import threading
+
+    try:
+        handle = os.pidfd_open(launcher)
+    except ProcessLookupError:  # it ended before this worker started
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    except (AttributeError, OSError):
+        return
+
+    def watch() -> None:
+        import select
+
+        select.select([handle], [], [])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="gradsum-launcher-watch", daemon=True).start()
 
 
 def name_this(name: str) -> None:
