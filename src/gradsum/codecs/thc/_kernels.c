@@ -209,6 +209,162 @@ MULTIVERSION static void pass(float *x, size_t from, size_t n, size_t h, int k, 
     }
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * The same passes sixteen floats wide, for CPUs with AVX-512 (picked at load time; x86-64-v4
+ * code is only compiled into these functions). The stages run in the same order as the
+ * eight-wide passes' (1, 2, 4, 8 in a vector, then the strides upward within each group), each
+ * butterfly the same a + b and a - b, so both give the same bits; the 32 vector registers hold
+ * a column of 16 vectors, four stages a pass inside a leaf.
+ */
+#if defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 11)
+#define HAVE_WIDE 1
+#define WIDE_TARGET "arch=x86-64-v4"
+#define WIDE_INLINE static inline __attribute__((always_inline, target(WIDE_TARGET)))
+#define WIDE static __attribute__((target(WIDE_TARGET)))
+
+enum { WLANES = 16, WRADIX_LOG = 4 };
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE16(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define SHUFFLE16(v, ...) __builtin_shuffle(v, (i32x16){__VA_ARGS__})
+#endif
+
+static int use_wide; /* set at load time where the CPU has AVX-512 (F, BW, DQ, VL) */
+
+WIDE_INLINE f32x16 load16(const float *p) {
+    f32x16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+WIDE_INLINE void store16(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
+
+/* signs_at: the sign bits of the 16 coordinates (two bytes of the bit stream) */
+WIDE_INLINE f32x16 apply_signs16(f32x16 v, const uint8_t *signs_at) {
+    uint16_t bits;
+    memcpy(&bits, signs_at, sizeof bits);
+    return (f32x16)_mm512_mask_xor_epi32((__m512i)v, (__mmask16)bits, (__m512i)v,
+                                         _mm512_set1_epi32(INT32_MIN));
+}
+
+WIDE_INLINE f32x16 piece_divisors16(const struct source *in, size_t i) {
+    size_t low = 0, high = in->pieces; /* the first piece that ends after i */
+    while (low < high) {
+        size_t mid = (low + high) / 2;
+        if ((size_t)in->ends[mid] > i) high = mid;
+        else low = mid + 1;
+    }
+    if (low < in->pieces && (size_t)in->ends[low] >= i + WLANES)
+        return (f32x16){0} + in->divisors[low];
+    f32x16 d;
+    for (int lane = 0; lane < WLANES; lane++) {
+        while (low < in->pieces && (size_t)in->ends[low] <= i + lane) low++;
+        d[lane] = low < in->pieces ? in->divisors[low] : 1.0f;
+    }
+    return d;
+}
+
+WIDE_INLINE f32x16 source_load16(const struct source *in, size_t i, f32x16 *finite) {
+    f32x16 v;
+    if (i + WLANES <= in->length) {
+        v = load16(in->src + i);
+    } else {
+        float tail[WLANES] = {0};
+        if (i < in->length) memcpy(tail, in->src + i, (in->length - i) * sizeof(float));
+        v = load16(tail);
+    }
+    if (in->pieces) v /= piece_divisors16(in, i);
+    *finite += v - v;
+    return apply_signs16(v * in->scale, in->signs + i / 8);
+}
+
+WIDE_INLINE f32x16 lane_stages16(f32x16 v) {
+    v = SHUFFLE16(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14) +
+        v * (f32x16){1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1};
+    v = SHUFFLE16(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13) +
+        v * (f32x16){1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1};
+    v = SHUFFLE16(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11) +
+        v * (f32x16){1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1};
+    return SHUFFLE16(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) +
+           v * (f32x16){1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
+}
+
+WIDE_INLINE void butterflies16(f32x16 *v, int log_count) {
+    f32x16 minus_one = (f32x16){0} + opaque_minus_one;
+#pragma GCC unroll 4
+    for (int d = 1; d < 1 << log_count; d <<= 1)
+#pragma GCC unroll 16
+        for (int m = 0; m < 1 << log_count; m++)
+            if (!(m & d)) {
+                f32x16 a = v[m], b = v[m + d];
+                v[m] = a + b;
+                v[m + d] = a + b * minus_one;
+            }
+}
+
+WIDE_INLINE void radix_pass16(float *x, size_t from, size_t n, size_t h, int k, int lanes,
+                              const struct source *in, f32x8 *finite,
+                              const uint8_t *out_signs) {
+    f32x16 clean = {0};
+    for (size_t base = from; base < from + n; base += h << k)
+        for (size_t j = base; j < base + h; j += WLANES) {
+            f32x16 v[1 << WRADIX_LOG];
+#pragma GCC unroll 16
+            for (int m = 0; m < 1 << k; m++)
+                v[m] = in ? source_load16(in, j + m * h, &clean) : load16(x + j + m * h);
+            if (lanes)
+#pragma GCC unroll 16
+                for (int m = 0; m < 1 << k; m++) v[m] = lane_stages16(v[m]);
+            butterflies16(v, k);
+#pragma GCC unroll 16
+            for (int m = 0; m < 1 << k; m++)
+                store16(x + j + m * h,
+                        out_signs ? apply_signs16(v[m], out_signs + (j + m * h) / 8) : v[m]);
+        }
+    if (in) {
+        f32x8 low, high;
+        memcpy(&low, &clean, sizeof low);
+        memcpy(&high, (const char *)&clean + sizeof low, sizeof high);
+        *finite += low + high; /* NaN where either half has one */
+    }
+}
+
+#define RADIX_PASS16_VARIANTS(k)                                                                 \
+    do {                                                                                         \
+        if (in)                                                                                  \
+            radix_pass16(x, from, n, h, k, lanes, in, finite, NULL);                             \
+        else if (out_signs)                                                                      \
+            radix_pass16(x, from, n, h, k, lanes, NULL, NULL, out_signs);                        \
+        else                                                                                     \
+            radix_pass16(x, from, n, h, k, lanes, NULL, NULL, NULL);                             \
+    } while (0)
+
+WIDE void pass16(float *x, size_t from, size_t n, size_t h, int k, int lanes,
+                 const struct source *in, f32x8 *finite, const uint8_t *out_signs) {
+    switch (k) {
+    case 0: RADIX_PASS16_VARIANTS(0); break;
+    case 1: RADIX_PASS16_VARIANTS(1); break;
+    case 2: RADIX_PASS16_VARIANTS(2); break;
+    case 3: RADIX_PASS16_VARIANTS(3); break;
+    default: RADIX_PASS16_VARIANTS(WRADIX_LOG); break;
+    }
+}
+#else
+#define HAVE_WIDE 0
+enum { WLANES = 16, WRADIX_LOG = 4 };
+static const int use_wide = 0;
+static void pass16(float *x, size_t from, size_t n, size_t h, int k, int lanes,
+                   const struct source *in, f32x8 *finite, const uint8_t *out_signs) {
+    (void)x, (void)from, (void)n, (void)h, (void)k, (void)lanes, (void)in, (void)finite;
+    (void)out_signs;
+}
+#endif
+
 static int log2_of(size_t n) { return 63 - __builtin_clzll((unsigned long long)n); }
 
 /* How the stages of a group are run: the first pass reads `in`, the last stores `out_signs`. */
@@ -220,25 +376,32 @@ struct pass_ends {
 
 static const struct pass_ends PLAIN = {NULL, NULL, NULL};
 
-/* All stages of strides stride, 2 stride, ..., block / 2 on every block of x[from, from + n). */
+/* All stages of strides stride, 2 stride, ..., block / 2 on every block of x[from, from + n).
+   `wide`: sixteen-float passes (block >= WLANES), radix 16 inside a leaf (in L1) and 8 on
+   longer strides (16 columns a leaf apart would share L1 sets). */
 static void strided_stages(float *x, size_t from, size_t n, size_t block, size_t stride,
-                           struct pass_ends ends) {
+                           struct pass_ends ends, int wide) {
     for (size_t h = stride; h < block;) {
-        int k = MIN(RADIX_LOG, log2_of(block / h));
+        int radix = wide && h < LEAF ? WRADIX_LOG : RADIX_LOG;
+        int k = MIN(radix, log2_of(block / h));
         int last = h << k >= block;
-        pass(x, from, n, h, k, 0, ends.in, ends.finite, last ? ends.out_signs : NULL);
+        (wide ? pass16 : pass)(x, from, n, h, k, 0, ends.in, ends.finite,
+                               last ? ends.out_signs : NULL);
         ends.in = NULL;
         h <<= k;
     }
 }
 
 /* All stages of every block (LANES <= block <= LEAF) of a leaf x[from, from + n), n <= LEAF. */
-static void leaf_stages(float *x, size_t from, size_t n, size_t block, struct pass_ends ends) {
-    int k = MIN(RADIX_LOG, log2_of(block / LANES));
-    int last = (size_t)LANES << k >= block;
-    pass(x, from, n, LANES, k, 1, ends.in, ends.finite, last ? ends.out_signs : NULL);
+static void leaf_stages(float *x, size_t from, size_t n, size_t block, struct pass_ends ends,
+                        int wide) {
+    size_t lanes = wide ? WLANES : LANES;
+    int k = MIN(wide ? WRADIX_LOG : RADIX_LOG, log2_of(block / lanes));
+    int last = lanes << k >= block;
+    (wide ? pass16 : pass)(x, from, n, lanes, k, 1, ends.in, ends.finite,
+                           last ? ends.out_signs : NULL);
     ends.in = NULL;
-    strided_stages(x, from, n, block, LANES << k, ends);
+    strided_stages(x, from, n, block, lanes << k, ends, wide);
 }
 
 typedef void (*leaf_visitor)(void *state, float *leaf, size_t offset, size_t count);
@@ -251,20 +414,21 @@ static int fwht_forward(float *x, size_t n, size_t block, const struct source *i
                         leaf_visitor visit, void *state) {
     f32x8 finite = {0};
     struct pass_ends first = {in, &finite, NULL};
+    int wide = use_wide && block >= WLANES;
     if (block > CHUNK) {
-        strided_stages(x, 0, n, block, CHUNK, first);
+        strided_stages(x, 0, n, block, CHUNK, first, wide);
         first = PLAIN;
     }
     for (size_t c = 0; c < n; c += CHUNK) {
         size_t chunk = MIN(CHUNK, n - c);
         struct pass_ends ends = first;
         if (MIN(block, CHUNK) > LEAF) {
-            strided_stages(x, c, chunk, MIN(block, CHUNK), LEAF, ends);
+            strided_stages(x, c, chunk, MIN(block, CHUNK), LEAF, ends, wide);
             ends = PLAIN;
         }
         for (size_t l = c; l < c + chunk; l += LEAF) {
             size_t count = MIN(LEAF, c + chunk - l);
-            leaf_stages(x, l, count, MIN(block, LEAF), ends);
+            leaf_stages(x, l, count, MIN(block, LEAF), ends, wide);
             if (in) {
                 i32x8 clean = finite == finite;
                 for (int lane = 0; lane < LANES; lane++)
@@ -281,17 +445,19 @@ static int fwht_forward(float *x, size_t n, size_t block, const struct source *i
 static void fwht_reverse(float *x, size_t n, size_t block, leaf_visitor produce, void *state,
                          const uint8_t *signs) {
     struct pass_ends last = {NULL, NULL, signs};
+    int wide = use_wide && block >= WLANES;
     for (size_t c = 0; c < n; c += CHUNK) {
         size_t chunk = MIN(CHUNK, n - c);
         for (size_t l = c; l < c + chunk; l += LEAF) {
             size_t count = MIN(LEAF, c + chunk - l);
             produce(state, x + l, l, count);
-            leaf_stages(x, l, count, MIN(block, LEAF), block <= LEAF ? last : PLAIN);
+            leaf_stages(x, l, count, MIN(block, LEAF), block <= LEAF ? last : PLAIN, wide);
         }
         if (MIN(block, CHUNK) > LEAF)
-            strided_stages(x, c, chunk, MIN(block, CHUNK), LEAF, block <= CHUNK ? last : PLAIN);
+            strided_stages(x, c, chunk, MIN(block, CHUNK), LEAF, block <= CHUNK ? last : PLAIN,
+                           wide);
     }
-    if (block > CHUNK) strided_stages(x, 0, n, block, CHUNK, last);
+    if (block > CHUNK) strided_stages(x, 0, n, block, CHUNK, last, wide);
 }
 
 MULTIVERSION static void scale_leaf(void *state, float *leaf, size_t offset, size_t count) {
@@ -1241,7 +1407,28 @@ static PyObject *py_piece_squares(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(wide_doc,
+             "wide([on]) -> bool\n"
+             "Whether the sixteen-float (AVX-512) kernels run; with `on`, switches them on (where\n"
+             "the CPU has them) or off first: tests compare both ways bit for bit.");
+
+static PyObject *py_wide(PyObject *Py_UNUSED(self), PyObject *args) {
+    int on = -1;
+    if (!PyArg_ParseTuple(args, "|p", &on)) return NULL;
+#if HAVE_WIDE
+    if (on >= 0) {
+        __builtin_cpu_init();
+        use_wide = on && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                   __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                   __builtin_cpu_supports("bmi2");
+    }
+#endif
+    return PyBool_FromLong(use_wide);
+}
+
 static PyMethodDef methods[] = {
+    {"wide", py_wide, METH_VARARGS, wide_doc},
     {"fwht", py_fwht, METH_VARARGS, fwht_doc},
     {"encode", py_encode, METH_VARARGS, encode_doc},
     {"rotate", py_rotate, METH_VARARGS, rotate_doc},
@@ -1270,6 +1457,12 @@ PyMODINIT_FUNC PyInit__kernels(void) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     have_avx2 = __builtin_cpu_supports("avx2");
+    PyObject *on = PyTuple_Pack(1, Py_True);
+    if (on == NULL) return NULL;
+    PyObject *wide = py_wide(NULL, on);
+    Py_DECREF(on);
+    if (wide == NULL) return NULL;
+    Py_DECREF(wide);
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
