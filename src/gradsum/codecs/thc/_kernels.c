@@ -358,6 +358,7 @@ WIDE void pass16(float *x, size_t from, size_t n, size_t h, int k, int lanes,
 #define HAVE_WIDE 0
 enum { WLANES = 16, WRADIX_LOG = 4 };
 static const int use_wide = 0;
+#define quantize_leaf16 quantize_leaf
 static void pass16(float *x, size_t from, size_t n, size_t h, int k, int lanes,
                    const struct source *in, f32x8 *finite, const uint8_t *out_signs) {
     (void)x, (void)from, (void)n, (void)h, (void)k, (void)lanes, (void)in, (void)finite;
@@ -770,6 +771,120 @@ MULTIVERSION static void quantize_leaf(void *state, float *y, size_t offset, siz
     pack(indices, count, q->bits, q->out + offset / 8 * q->bits, q->end);
 }
 
+#if HAVE_WIDE
+/* The rounding sixteen coordinates at a time (AVX-512), drawing the same uniforms in the same
+   order as the eight-wide loop (two draws of the eight-lane generator per vector), so payloads
+   are the same bits either way. A grid of up to 32 cells is looked up with one two-table
+   permute; indices narrow to bytes in a register, and 4- and 8-bit indices are packed there
+   too, straight into the payload. */
+WIDE_INLINE f32x16 concat8(f32x8 low, f32x8 high) {
+    return (f32x16)_mm512_insertf32x8(_mm512_castps256_ps512((__m256)low), (__m256)high, 1);
+}
+
+WIDE_INLINE f32x16 blend16(i32x16 mask, f32x16 a, f32x16 b) {
+    return (f32x16)((mask & (i32x16)a) | (~mask & (i32x16)b));
+}
+
+WIDE_INLINE i32x16 round_to_table16(const struct grid *grid, __m512i low_cells,
+                                    __m512i high_cells, struct rng8 *rng, f32x16 y, int small,
+                                    f32x16 *value, struct strata *strata) {
+    f32x16 zero = {0}, g = zero + grid->g;
+    f32x16 u = y * grid->a + grid->c;
+    u = blend16(u > zero, u, zero); /* NaN -> 0 */
+    u = blend16(u < g, u, g);
+    i32x16 cell = __builtin_convertvector(u, i32x16); /* truncation: floor, as u >= 0 */
+    u32x16 entry;
+    if (small)
+        entry = (u32x16)_mm512_permutex2var_epi32(low_cells, (__m512i)cell, high_cells);
+    else
+        entry = (u32x16)_mm512_i32gather_epi32((__m512i)cell, grid->cells, 4);
+    f32x16 low = __builtin_convertvector((i32x16)(entry >> 8 & 0xFFF), f32x16);
+    f32x16 width = __builtin_convertvector((i32x16)(entry >> 20), f32x16);
+    f32x8 first = rng8_uniform(rng);
+    if (strata) first = stratified(strata, first);
+    f32x8 second = rng8_uniform(rng);
+    if (strata) second = stratified(strata, second);
+    f32x16 draw = concat8(first, second);
+    i32x16 up = draw * width < u - low; /* -1 where it rounds up */
+    if (value) *value = low + (f32x16)((i32x16)width & up); /* the table value T[index] */
+    return (i32x16)(entry & 0xFF) - up;
+}
+
+/* round_all sixteen wide over y[0, count), count a multiple of 16: index bytes into `indices`,
+   and with `packed` (4- or 8-bit indices) the packed bytes of y[0] on there as well */
+WIDE_INLINE void round_all16(const struct grid *grid, struct rng8 *rng, float *y, size_t count,
+                             uint8_t *indices, uint8_t *packed, int bits, int small,
+                             float *error, float step, float offset, struct strata *strata,
+                             int own, float own_a, float own_c) {
+    f32x16 step_v = (f32x16){0} + step, offset_v = (f32x16){0} + offset;
+    f32x16 one = (f32x16){0} + opaque_one;
+    __m512i low_cells = _mm512_loadu_si512(&grid->table[0]);
+    __m512i high_cells = _mm512_loadu_si512(&grid->table[2]);
+    for (size_t i = 0; i < count; i += WLANES) {
+        f32x16 value, v = load16(y + i);
+        i32x16 index = round_to_table16(grid, low_cells, high_cells, rng, v, small,
+                                        error || own ? &value : NULL, strata);
+        if (packed && bits == 4) {
+            /* lanes 2j and 2j + 1 in one 64-bit lane: the high index's bits 32.. move to 4.. */
+            __m512i pairs = (__m512i)index;
+            pairs = _mm512_or_si512(pairs, _mm512_srli_epi64(pairs, 28));
+            _mm_storel_epi64((__m128i *)(packed + i / 2), _mm512_cvtepi64_epi8(pairs));
+        } else if (packed) {
+            _mm_storeu_si128((__m128i *)(packed + i), _mm512_cvtepi32_epi8((__m512i)index));
+        } else {
+            _mm_storeu_si128((__m128i *)(indices + i), _mm512_cvtepi32_epi8((__m512i)index));
+        }
+        if (error) store16(error + i, v - ((value * step_v) * one + offset_v));
+        if (own) store16(y + i, value * own_a + own_c);
+    }
+}
+
+static void quantize_leaf(void *state, float *y, size_t offset, size_t count);
+
+/* quantize_leaf, sixteen wide; a count that is not a multiple of 16 leaves its last few
+   coordinates to the eight-wide loop, which continues the same draws. */
+WIDE void quantize_leaf16(void *state, float *y, size_t offset, size_t count) {
+    struct quantizer *q = state;
+    const struct grid grid = q->grid;
+    struct rng8 rng = q->rng;
+    struct strata strata = q->strata;
+    struct strata *correlated = strata.n ? &strata : NULL;
+    uint8_t indices[LEAF + 32];
+    size_t whole = count / WLANES * WLANES;
+    int bits = q->bits;
+    uint8_t *out = q->out + offset / 8 * bits;
+    uint8_t *packed = bits == 4 || bits == 8 ? out : NULL;
+    float *error = q->error ? q->error + offset : NULL;
+    int own = q->own;
+    float own_a = q->own_a, own_c = q->own_c;
+    float step = q->step, shift = q->offset;
+    if (correlated)
+        round_all16(&grid, &rng, y, whole, indices, packed, bits, grid.small, error, step, shift,
+                    correlated, own, own_a, own_c);
+    else if (grid.small && own && bits == 4)
+        round_all16(&grid, &rng, y, whole, indices, packed, 4, 1, NULL, 0, 0, NULL, 1, own_a,
+                    own_c);
+    else if (grid.small && error && bits == 4)
+        round_all16(&grid, &rng, y, whole, indices, packed, 4, 1, error, step, shift, NULL, 0, 0,
+                    0);
+    else if (grid.small && bits == 4)
+        round_all16(&grid, &rng, y, whole, indices, packed, 4, 1, NULL, 0, 0, NULL, 0, 0, 0);
+    else if (grid.small)
+        round_all16(&grid, &rng, y, whole, indices, packed, bits, 1, error, step, shift, NULL,
+                    own, own_a, own_c);
+    else
+        round_all16(&grid, &rng, y, whole, indices, packed, bits, 0, error, step, shift, NULL,
+                    own, own_a, own_c);
+    q->rng = rng;
+    q->strata = strata;
+    if (!packed && whole) {
+        memset(indices + whole, 0, 32); /* padding packs as zero bits */
+        pack(indices, whole, bits, out, q->end);
+    }
+    if (whole < count) quantize_leaf(q, y + whole, offset + whole, count - whole);
+}
+#endif
+
 /* Whether y[0, count) holds no Inf or NaN (read into L1 for the rounding that follows). */
 MULTIVERSION static int leaf_finite(const float *y, size_t count) {
     f32x8 clean = {0};
@@ -792,7 +907,7 @@ static int quantize(struct quantizer *q, float *y, size_t n) {
     for (size_t offset = 0; offset < n; offset += LEAF) {
         size_t count = MIN(LEAF, n - offset);
         if (!leaf_finite(y + offset, count)) return 0;
-        quantize_leaf(q, y + offset, offset, count);
+        (use_wide ? quantize_leaf16 : quantize_leaf)(q, y + offset, offset, count);
     }
     return 1;
 }
@@ -1171,7 +1286,7 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
                             ADDRESS(const float *, divisors), (size_t)pieces};
         q.grid.a = 1;
         finite = fwht_forward(ADDRESS(float *, buffer), (size_t)n, (size_t)block, &in,
-                              quantize_leaf, &q);
+                              use_wide ? quantize_leaf16 : quantize_leaf, &q);
     } else {
         finite = quantize(&q, ADDRESS(float *, src), (size_t)n);
     }
