@@ -935,6 +935,51 @@ MULTIVERSION static void dequantize_leaf(void *state, float *y, size_t offset, s
         for (size_t i = 0; i < count; i++) y[i] = (float)sums.wide[i] * d->a + d->c;
 }
 
+#if HAVE_WIDE
+static int have_vbmi; /* AVX-512 VBMI's byte permute, for the decode's unpacking */
+
+typedef uint64_t u64x8 __attribute__((vector_size(64)));
+
+WIDE_INLINE u64x8 unsqueeze8(u64x8 x, int lane_bits, int w) {
+    uint64_t keep = lanes_mask(2 * lane_bits, w);
+    return (x & keep) | ((x << (lane_bits - w)) & (keep << lane_bits));
+}
+
+/* dequantize_leaf for sums of up to 8 bits, 64 at a time: one byte permute puts each group of
+   eight sums (w bytes) in a 64-bit lane, unpack's steps widen them to bytes, and each byte
+   becomes a*S + c, written as the eight-wide loop writes it (one multiply-add). */
+__attribute__((target(WIDE_TARGET ",avx512vbmi"))) static void
+dequantize_leaf16(void *state, float *y, size_t offset, size_t count) {
+    const struct dequantizer *d = state;
+    int w = d->w;
+    size_t i = 0;
+    if (w <= 8) {
+        const uint8_t *in = d->in + offset / 8 * (size_t)w;
+        uint8_t order[64];
+        for (int b = 0; b < 64; b++) order[b] = (uint8_t)(b / 8 * w + b % 8);
+        __m512i gather = _mm512_loadu_si512(order);
+        f32x16 a = (f32x16){0} + d->a, c = (f32x16){0} + d->c;
+        for (; i + 64 <= count && d->end - in >= 64; i += 64, in += 8 * w) {
+            u64x8 x = (u64x8)_mm512_permutexvar_epi8(gather, _mm512_loadu_si512(in));
+            x = unsqueeze8(unsqueeze8(unsqueeze8(x, 32, 4 * w), 16, 2 * w), 8, w);
+            __m512i bytes = (__m512i)x;
+            for (int part = 0; part < 4; part++) {
+                __m128i sixteen = _mm512_extracti32x4_epi32(bytes, 0);
+                if (part == 1) sixteen = _mm512_extracti32x4_epi32(bytes, 1);
+                if (part == 2) sixteen = _mm512_extracti32x4_epi32(bytes, 2);
+                if (part == 3) sixteen = _mm512_extracti32x4_epi32(bytes, 3);
+                f32x16 s = __builtin_convertvector((i32x16)_mm512_cvtepu8_epi32(sixteen), f32x16);
+                store16(y + i + 16 * part, s * a + c);
+            }
+        }
+    }
+    if (i < count) dequantize_leaf(state, y + i, offset + i, count - i);
+}
+#else
+#define dequantize_leaf16 dequantize_leaf
+static const int have_vbmi = 0;
+#endif
+
 /* ---------------------------------------------------------------------------------------------
  * Aggregator: sums of table values of b-bit indices, per L1-sized chunk, accumulated in bytes
  * when the sums fit 8 bits and in 16-bit lanes otherwise, then packed to the sum width.
@@ -1458,12 +1503,13 @@ static PyObject *py_decode(PyObject *Py_UNUSED(self), PyObject *args) {
     const uint8_t *in = ADDRESS(const uint8_t *, packed);
     Py_BEGIN_ALLOW_THREADS
     struct dequantizer d = {in, in + packed_size, w, a, c};
+    leaf_visitor visit = use_wide && have_vbmi ? dequantize_leaf16 : dequantize_leaf;
     float *y = ADDRESS(float *, out);
     if (block) {
-        fwht_reverse(y, (size_t)n, (size_t)block, dequantize_leaf, &d, ADDRESS(const uint8_t *, signs));
+        fwht_reverse(y, (size_t)n, (size_t)block, visit, &d, ADDRESS(const uint8_t *, signs));
     } else {
         for (size_t offset = 0; offset < (size_t)n; offset += LEAF)
-            dequantize_leaf(&d, y + offset, offset, MIN(LEAF, (size_t)n - offset));
+            visit(&d, y + offset, offset, MIN(LEAF, (size_t)n - offset));
     }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -1572,6 +1618,9 @@ PyMODINIT_FUNC PyInit__kernels(void) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     have_avx2 = __builtin_cpu_supports("avx2");
+#if HAVE_WIDE
+    have_vbmi = __builtin_cpu_supports("avx512vbmi");
+#endif
     PyObject *on = PyTuple_Pack(1, Py_True);
     if (on == NULL) return NULL;
     PyObject *wide = py_wide(NULL, on);
