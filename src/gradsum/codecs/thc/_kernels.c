@@ -781,17 +781,13 @@ WIDE_INLINE f32x16 concat8(f32x8 low, f32x8 high) {
     return (f32x16)_mm512_insertf32x8(_mm512_castps256_ps512((__m256)low), (__m256)high, 1);
 }
 
-WIDE_INLINE f32x16 blend16(i32x16 mask, f32x16 a, f32x16 b) {
-    return (f32x16)((mask & (i32x16)a) | (~mask & (i32x16)b));
-}
-
 WIDE_INLINE i32x16 round_to_table16(const struct grid *grid, __m512i low_cells,
                                     __m512i high_cells, struct rng8 *rng, f32x16 y, int small,
                                     f32x16 *value, struct strata *strata) {
-    f32x16 zero = {0}, g = zero + grid->g;
     f32x16 u = y * grid->a + grid->c;
-    u = blend16(u > zero, u, zero); /* NaN -> 0 */
-    u = blend16(u < g, u, g);
+    /* max returns its second operand where the first is NaN: NaN -> 0, as the blends do */
+    u = (f32x16)_mm512_max_ps((__m512)u, _mm512_setzero_ps());
+    u = (f32x16)_mm512_min_ps((__m512)u, _mm512_set1_ps(grid->g));
     i32x16 cell = __builtin_convertvector(u, i32x16); /* truncation: floor, as u >= 0 */
     u32x16 entry;
     if (small)
@@ -805,9 +801,11 @@ WIDE_INLINE i32x16 round_to_table16(const struct grid *grid, __m512i low_cells,
     f32x8 second = rng8_uniform(rng);
     if (strata) second = stratified(strata, second);
     f32x16 draw = concat8(first, second);
-    i32x16 up = draw * width < u - low; /* -1 where it rounds up */
-    if (value) *value = low + (f32x16)((i32x16)width & up); /* the table value T[index] */
-    return (i32x16)(entry & 0xFF) - up;
+    __mmask16 up = _mm512_cmp_ps_mask((__m512)(draw * width), (__m512)(u - low), _CMP_LT_OQ);
+    if (value) /* the table value T[index] */
+        *value = (f32x16)_mm512_mask_add_ps((__m512)low, up, (__m512)low, (__m512)width);
+    __m512i index = (__m512i)(entry & 0xFF);
+    return (i32x16)_mm512_mask_add_epi32(index, up, index, _mm512_set1_epi32(1));
 }
 
 /* round_all sixteen wide over y[0, count), count a multiple of 16: index bytes into `indices`,
