@@ -151,6 +151,7 @@ INLINE f32x8 lane_stages(f32x8 v) {
 }
 
 static volatile float opaque_minus_one = -1;
+static volatile float opaque_one = 1; /* see product_plus */
 
 /* a - b is computed as a + b * -1, which the compiler cannot fold back into a subtraction
    (the -1 is opaque to it): with FMA the differences run on the multiply-add pipes while the
@@ -206,6 +207,40 @@ MULTIVERSION static void pass(float *x, size_t from, size_t n, size_t h, int k, 
     case 1: RADIX_PASS_VARIANTS(1); break;
     case 2: RADIX_PASS_VARIANTS(2); break;
     default: RADIX_PASS_VARIANTS(RADIX_LOG); break;
+    }
+}
+
+/* Where a transform's last pass puts its values instead of back into x: dst[p] = v * factor
+   (the tensor scales' multiplication of a decode) or minuend[p] - v * factor (error feedback's
+   residual), each rounded as torch's elementwise operations round it, for p < length (the
+   padding beyond is dropped); the factor is that of p's piece (ends and factors, in a source's
+   ends, divisors and pieces), or none without pieces. dst may be x. */
+struct sink {
+    float *dst;
+    size_t length;
+    const float *minuend;
+    struct source pieces;
+};
+
+/* The sink's values from a finished transform x, in a pass of their own (where the last pass
+   cannot write them as it stores). */
+static void sink_apply(const struct sink *sink, const float *x) {
+    float one = opaque_one;
+    const float *minuend = sink->minuend;
+    size_t count = sink->pieces.pieces ? sink->pieces.pieces : 1, at = 0;
+    for (size_t p = 0; p < count; p++) {
+        size_t end = sink->pieces.pieces ? (size_t)sink->pieces.ends[p] : sink->length;
+        end = MIN(end, sink->length);
+        if (!sink->pieces.pieces) {
+            for (size_t i = at; i < end; i++) sink->dst[i] = minuend ? minuend[i] - x[i] : x[i];
+        } else {
+            float f = sink->pieces.divisors[p];
+            for (size_t i = at; i < end; i++) {
+                float scaled = x[i] * f;
+                sink->dst[i] = minuend ? minuend[i] - scaled * one : scaled;
+            }
+        }
+        at = end;
     }
 }
 
@@ -307,9 +342,24 @@ WIDE_INLINE void butterflies16(f32x16 *v, int log_count) {
             }
 }
 
+/* The sink's values of coordinates p.. (v: their final values) */
+WIDE_INLINE void sink_store16(const struct sink *sink, size_t p, f32x16 v) {
+    if (p >= sink->length) return;
+    size_t count = MIN((size_t)WLANES, sink->length - p);
+    __mmask16 keep = count == WLANES ? 0xFFFF : (__mmask16)((1u << count) - 1);
+    f32x16 r = v;
+    if (sink->pieces.pieces) r = v * piece_divisors16(&sink->pieces, p);
+    if (sink->minuend) {
+        f32x16 m = (f32x16)_mm512_maskz_loadu_ps(keep, sink->minuend + p);
+        f32x16 one = (f32x16){0} + opaque_one;
+        r = sink->pieces.pieces ? m - r * one : m - v;
+    }
+    _mm512_mask_storeu_ps(sink->dst + p, keep, (__m512)r);
+}
+
 WIDE_INLINE void radix_pass16(float *x, size_t from, size_t n, size_t h, int k, int lanes,
                               const struct source *in, f32x8 *finite,
-                              const uint8_t *out_signs) {
+                              const uint8_t *out_signs, const struct sink *sink) {
     f32x16 clean = {0};
     for (size_t base = from; base < from + n; base += h << k)
         for (size_t j = base; j < base + h; j += WLANES) {
@@ -322,9 +372,13 @@ WIDE_INLINE void radix_pass16(float *x, size_t from, size_t n, size_t h, int k, 
                 for (int m = 0; m < 1 << k; m++) v[m] = lane_stages16(v[m]);
             butterflies16(v, k);
 #pragma GCC unroll 16
-            for (int m = 0; m < 1 << k; m++)
-                store16(x + j + m * h,
-                        out_signs ? apply_signs16(v[m], out_signs + (j + m * h) / 8) : v[m]);
+            for (int m = 0; m < 1 << k; m++) {
+                f32x16 out = out_signs ? apply_signs16(v[m], out_signs + (j + m * h) / 8) : v[m];
+                if (sink)
+                    sink_store16(sink, j + m * h, out);
+                else
+                    store16(x + j + m * h, out);
+            }
         }
     if (in) {
         f32x8 low, high;
@@ -337,15 +391,18 @@ WIDE_INLINE void radix_pass16(float *x, size_t from, size_t n, size_t h, int k, 
 #define RADIX_PASS16_VARIANTS(k)                                                                 \
     do {                                                                                         \
         if (in)                                                                                  \
-            radix_pass16(x, from, n, h, k, lanes, in, finite, NULL);                             \
+            radix_pass16(x, from, n, h, k, lanes, in, finite, NULL, NULL);                       \
+        else if (sink)                                                                           \
+            radix_pass16(x, from, n, h, k, lanes, NULL, NULL, out_signs, sink);                  \
         else if (out_signs)                                                                      \
-            radix_pass16(x, from, n, h, k, lanes, NULL, NULL, out_signs);                        \
+            radix_pass16(x, from, n, h, k, lanes, NULL, NULL, out_signs, NULL);                  \
         else                                                                                     \
-            radix_pass16(x, from, n, h, k, lanes, NULL, NULL, NULL);                             \
+            radix_pass16(x, from, n, h, k, lanes, NULL, NULL, NULL, NULL);                       \
     } while (0)
 
 WIDE void pass16(float *x, size_t from, size_t n, size_t h, int k, int lanes,
-                 const struct source *in, f32x8 *finite, const uint8_t *out_signs) {
+                 const struct source *in, f32x8 *finite, const uint8_t *out_signs,
+                 const struct sink *sink) {
     switch (k) {
     case 0: RADIX_PASS16_VARIANTS(0); break;
     case 1: RADIX_PASS16_VARIANTS(1); break;
@@ -360,22 +417,25 @@ enum { WLANES = 16, WRADIX_LOG = 4 };
 static const int use_wide = 0;
 #define quantize_leaf16 quantize_leaf
 static void pass16(float *x, size_t from, size_t n, size_t h, int k, int lanes,
-                   const struct source *in, f32x8 *finite, const uint8_t *out_signs) {
+                   const struct source *in, f32x8 *finite, const uint8_t *out_signs,
+                   const struct sink *sink) {
     (void)x, (void)from, (void)n, (void)h, (void)k, (void)lanes, (void)in, (void)finite;
-    (void)out_signs;
+    (void)out_signs, (void)sink;
 }
 #endif
 
 static int log2_of(size_t n) { return 63 - __builtin_clzll((unsigned long long)n); }
 
-/* How the stages of a group are run: the first pass reads `in`, the last stores `out_signs`. */
+/* How the stages of a group are run: the first pass reads `in`, the last stores `out_signs`
+   (into `sink` if given: wide passes only). */
 struct pass_ends {
     const struct source *in;
     f32x8 *finite;
     const uint8_t *out_signs;
+    const struct sink *sink;
 };
 
-static const struct pass_ends PLAIN = {NULL, NULL, NULL};
+static const struct pass_ends PLAIN = {NULL, NULL, NULL, NULL};
 
 /* All stages of strides stride, 2 stride, ..., block / 2 on every block of x[from, from + n).
    `wide`: sixteen-float passes (block >= WLANES), radix 16 inside a leaf (in L1) and 8 on
@@ -386,8 +446,11 @@ static void strided_stages(float *x, size_t from, size_t n, size_t block, size_t
         int radix = wide && h < LEAF ? WRADIX_LOG : RADIX_LOG;
         int k = MIN(radix, log2_of(block / h));
         int last = h << k >= block;
-        (wide ? pass16 : pass)(x, from, n, h, k, 0, ends.in, ends.finite,
-                               last ? ends.out_signs : NULL);
+        if (wide)
+            pass16(x, from, n, h, k, 0, ends.in, ends.finite, last ? ends.out_signs : NULL,
+                   last ? ends.sink : NULL);
+        else
+            pass(x, from, n, h, k, 0, ends.in, ends.finite, last ? ends.out_signs : NULL);
         ends.in = NULL;
         h <<= k;
     }
@@ -399,8 +462,11 @@ static void leaf_stages(float *x, size_t from, size_t n, size_t block, struct pa
     size_t lanes = wide ? WLANES : LANES;
     int k = MIN(wide ? WRADIX_LOG : RADIX_LOG, log2_of(block / lanes));
     int last = lanes << k >= block;
-    (wide ? pass16 : pass)(x, from, n, lanes, k, 1, ends.in, ends.finite,
-                           last ? ends.out_signs : NULL);
+    if (wide)
+        pass16(x, from, n, lanes, k, 1, ends.in, ends.finite, last ? ends.out_signs : NULL,
+               last ? ends.sink : NULL);
+    else
+        pass(x, from, n, lanes, k, 1, ends.in, ends.finite, last ? ends.out_signs : NULL);
     ends.in = NULL;
     strided_stages(x, from, n, block, lanes << k, ends, wide);
 }
@@ -414,7 +480,7 @@ typedef void (*leaf_visitor)(void *state, float *leaf, size_t offset, size_t cou
 static int fwht_forward(float *x, size_t n, size_t block, const struct source *in,
                         leaf_visitor visit, void *state) {
     f32x8 finite = {0};
-    struct pass_ends first = {in, &finite, NULL};
+    struct pass_ends first = {in, &finite, NULL, NULL};
     int wide = use_wide && block >= WLANES;
     if (block > CHUNK) {
         strided_stages(x, 0, n, block, CHUNK, first, wide);
@@ -442,11 +508,11 @@ static int fwht_forward(float *x, size_t n, size_t block, const struct source *i
 }
 
 /* The same transform, smallest strides first: produce(state, leaf, offset, count) fills each
-   leaf, and the signs multiply the final values as they are stored. */
+   leaf, and the signs multiply the final values as they are stored (into `sink` if given). */
 static void fwht_reverse(float *x, size_t n, size_t block, leaf_visitor produce, void *state,
-                         const uint8_t *signs) {
-    struct pass_ends last = {NULL, NULL, signs};
+                         const uint8_t *signs, const struct sink *sink) {
     int wide = use_wide && block >= WLANES;
+    struct pass_ends last = {NULL, NULL, signs, wide ? sink : NULL};
     for (size_t c = 0; c < n; c += CHUNK) {
         size_t chunk = MIN(CHUNK, n - c);
         for (size_t l = c; l < c + chunk; l += LEAF) {
@@ -459,6 +525,7 @@ static void fwht_reverse(float *x, size_t n, size_t block, leaf_visitor produce,
                            wide);
     }
     if (block > CHUNK) strided_stages(x, 0, n, block, CHUNK, last, wide);
+    if (sink && !wide) sink_apply(sink, x);
 }
 
 MULTIVERSION static void scale_leaf(void *state, float *leaf, size_t offset, size_t count) {
@@ -705,8 +772,6 @@ struct quantizer {
     float own_a, own_c;
     struct strata strata; /* correlated rounding's, where strata.n > 0 */
 };
-
-static volatile float opaque_one = 1;
 
 /* a * b + c as torch's mul_ then add_ round it, the product rounded on its own: GCC contracts
    a * b + c into a multiply-add in GNU C, so the sum is fed (a * b) * one instead, the one
@@ -1373,19 +1438,46 @@ static PyObject *py_rotate(PyObject *Py_UNUSED(self), PyObject *args) {
     return PyBool_FromLong(finite);
 }
 
+/* The sink of optional arguments dst, length, minuend, ends, factors, pieces (dst 0: none) */
+static int sink_of(struct sink *sink, unsigned long long dst, Py_ssize_t length,
+                   unsigned long long minuend, unsigned long long ends,
+                   unsigned long long factors, Py_ssize_t pieces, Py_ssize_t n) {
+    if (!dst) return 0;
+    if (length < 0 || length > n || pieces < 0 || (pieces && (!ends || !factors))) {
+        PyErr_SetString(PyExc_ValueError, "invalid sink: length or pieces");
+        return -1;
+    }
+    *sink = (struct sink){ADDRESS(float *, dst), (size_t)length, ADDRESS(const float *, minuend),
+                          {NULL, 0, 1.0f, NULL, ADDRESS(const int64_t *, ends),
+                           ADDRESS(const float *, factors), (size_t)pieces}};
+    return 1;
+}
+
 PyDoc_STRVAR(inverse_doc,
-             "inverse(x, n, block, signs)\n"
+             "inverse(x, n, block, signs[, dst, length, minuend, ends, factors, pieces])\n"
              "x[0:n] = the unnormalised FWHT of every block of x, times signs, in place: the\n"
-             "decode's transform back, of values already dequantized.");
+             "decode's transform back, of values already dequantized. With dst, the final\n"
+             "values y go to dst[0:length] instead, as minuend - y * factors[p] over each piece\n"
+             "p (int64 ends, the last `length`; none: minuend - y), rounded as torch's scale\n"
+             "then subtraction: error feedback's residual (x is then left part-transformed).");
 
 static PyObject *py_inverse(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long x, signs;
-    Py_ssize_t n, block;
-    if (!PyArg_ParseTuple(args, "KnnK", &x, &n, &block, &signs) || !check_block(n, block))
+    unsigned long long x, signs, dst = 0, minuend = 0, ends = 0, factors = 0;
+    Py_ssize_t n, block, length = 0, pieces = 0;
+    if (!PyArg_ParseTuple(args, "KnnK|KnKKKn", &x, &n, &block, &signs, &dst, &length, &minuend,
+                          &ends, &factors, &pieces) ||
+        !check_block(n, block))
         return NULL;
+    struct sink sink;
+    int sunk = sink_of(&sink, dst, length, minuend, ends, factors, pieces, n);
+    if (sunk < 0) return NULL;
+    if (sunk && !minuend) {
+        PyErr_SetString(PyExc_ValueError, "the inverse's sink needs a minuend");
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
     fwht_reverse(ADDRESS(float *, x), (size_t)n, (size_t)block, no_visit, NULL,
-                 ADDRESS(const uint8_t *, signs));
+                 ADDRESS(const uint8_t *, signs), sunk ? &sink : NULL);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1485,29 +1577,40 @@ static PyObject *py_pack_int32(PyObject *Py_UNUSED(self), PyObject *args) {
 }
 
 PyDoc_STRVAR(decode_doc,
-             "decode(packed, packed_size, w, n, a, c, out, block, signs)\n"
+             "decode(packed, packed_size, w, n, a, c, out, block, signs[, ends, factors, pieces])\n"
              "out[0:n] = a*S + c for the w-bit packed sums S; then, if block, the unnormalised\n"
-             "FWHT of every block, times signs.");
+             "FWHT of every block, times signs. With pieces (int64 ends, float32 factors), out\n"
+             "is then multiplied by factors[p] over each piece p, as the values are stored\n"
+             "(the tensor scales; the coordinates past the last end are left undefined).");
 
 static PyObject *py_decode(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long packed, out, signs;
-    Py_ssize_t packed_size, n, block;
+    unsigned long long packed, out, signs, ends = 0, factors = 0;
+    Py_ssize_t packed_size, n, block, pieces = 0;
     int w;
     float a, c;
-    if (!PyArg_ParseTuple(args, "KninffKnK", &packed, &packed_size, &w, &n, &a, &c, &out, &block,
-                          &signs) ||
+    if (!PyArg_ParseTuple(args, "KninffKnK|KKn", &packed, &packed_size, &w, &n, &a, &c, &out,
+                          &block, &signs, &ends, &factors, &pieces) ||
         !check_width(w, 16) || (block && !check_block(n, block)))
         return NULL;
+    struct sink sink;
+    int sunk = 0;
+    if (pieces) {
+        int64_t length = ADDRESS(const int64_t *, ends)[pieces - 1];
+        sunk = sink_of(&sink, out, (Py_ssize_t)length, 0, ends, factors, pieces, n);
+        if (sunk < 0) return NULL;
+    }
     const uint8_t *in = ADDRESS(const uint8_t *, packed);
     Py_BEGIN_ALLOW_THREADS
     struct dequantizer d = {in, in + packed_size, w, a, c};
     leaf_visitor visit = use_wide && have_vbmi ? dequantize_leaf16 : dequantize_leaf;
     float *y = ADDRESS(float *, out);
     if (block) {
-        fwht_reverse(y, (size_t)n, (size_t)block, visit, &d, ADDRESS(const uint8_t *, signs));
+        fwht_reverse(y, (size_t)n, (size_t)block, visit, &d, ADDRESS(const uint8_t *, signs),
+                     sunk ? &sink : NULL);
     } else {
         for (size_t offset = 0; offset < (size_t)n; offset += LEAF)
             visit(&d, y + offset, offset, MIN(LEAF, (size_t)n - offset));
+        if (sunk) sink_apply(&sink, y);
     }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
