@@ -637,9 +637,10 @@ MULTIVERSION static void unpack(const uint8_t *in, const uint8_t *end, int w, si
 
 /* ---------------------------------------------------------------------------------------------
  * Worker encode: u = clamp(a*y + c, 0, g) on the grid, then unbiased stochastic rounding to the
- * table. Randomness: xoshiro128+ in eight lanes (element i draws from lane i % 8), seeded by
+ * table. Randomness: xoshiro128+ in sixteen lanes (element i draws from lane i % 16), seeded by
  * splitmix64 from the worker's seed; the top 24 bits of each draw make a uniform in [0, 1), so
- * rounding probabilities are exact to float32 precision.
+ * rounding probabilities are exact to float32 precision. Eight-wide code runs the sixteen lanes
+ * as two halves taking turns, AVX-512 code as one vector: the same draws either way.
  */
 
 struct rng8 {
@@ -673,6 +674,26 @@ INLINE f32x8 rng8_uniform(struct rng8 *r) {
     r->s2 ^= t;
     r->s3 = (r->s3 << 11) | (r->s3 >> 21);
     return __builtin_convertvector((i32x8)(result >> 8), f32x8) * 0x1p-24f;
+}
+
+/* Sixteen lanes as two halves: lanes 0-7 and 8-15; `next` is the half whose turn it is. */
+struct rng16 {
+    struct rng8 half[2];
+    int next;
+};
+
+static void rng16_seed(struct rng16 *r, uint64_t seed) {
+    rng8_seed(&r->half[0], seed);
+    for (int lane = 0; lane < LANES; lane++) splitmix64(&seed), splitmix64(&seed);
+    rng8_seed(&r->half[1], seed); /* the splitmix64 stream's next sixteen values */
+    r->next = 0;
+}
+
+/* The uniforms of the next eight coordinates: the half whose turn it is. */
+INLINE f32x8 rng16_uniform8(struct rng16 *r) {
+    f32x8 u = r->next ? rng8_uniform(&r->half[1]) : rng8_uniform(&r->half[0]);
+    r->next ^= 1;
+    return u;
 }
 
 INLINE f32x8 blend(i32x8 mask, f32x8 a, f32x8 b) {
@@ -725,13 +746,13 @@ INLINE u32x8 cell_entries(const struct grid *grid, i32x8 cell, int small) {
    a stratum per coordinate drawn from a stream every worker of the round shares, shifted by the
    worker's rank mod n, plus this worker's private jitter: (stratum + jitter) / n, below 1. */
 struct strata {
-    struct rng8 shared;
+    struct rng16 shared;
     int n, rank; /* n = 0: independent thresholds */
 };
 
 INLINE f32x8 stratified(struct strata *strata, f32x8 jitter) {
     int n = strata->n;
-    i32x8 k = __builtin_convertvector(rng8_uniform(&strata->shared) * (float)n, i32x8);
+    i32x8 k = __builtin_convertvector(rng16_uniform8(&strata->shared) * (float)n, i32x8);
     k = blend_i(k < n - 1, k, (i32x8){0} + (n - 1)) + strata->rank; /* in [0, 2n - 1) */
     k -= (k >= n) & n;
     f32x8 draw = (__builtin_convertvector(k, f32x8) + jitter) / (float)n;
@@ -739,7 +760,7 @@ INLINE f32x8 stratified(struct strata *strata, f32x8 jitter) {
     return blend(draw < top, draw, top);
 }
 
-INLINE i32x8 round_to_table(const struct grid *grid, struct rng8 *rng, f32x8 y, int small,
+INLINE i32x8 round_to_table(const struct grid *grid, struct rng16 *rng, f32x8 y, int small,
                             f32x8 *value, struct strata *strata) {
     f32x8 zero = {0}, g = zero + grid->g;
     f32x8 u = y * grid->a + grid->c;
@@ -749,7 +770,7 @@ INLINE i32x8 round_to_table(const struct grid *grid, struct rng8 *rng, f32x8 y, 
     u32x8 entry = cell_entries(grid, cell, small);
     f32x8 low = __builtin_convertvector((i32x8)(entry >> 8 & 0xFFF), f32x8);
     f32x8 width = __builtin_convertvector((i32x8)(entry >> 20), f32x8);
-    f32x8 draw = rng8_uniform(rng);
+    f32x8 draw = rng16_uniform8(rng);
     if (strata) draw = stratified(strata, draw);
     i32x8 up = draw * width < u - low; /* -1 where it rounds up */
     if (value) *value = low + (f32x8)((i32x8)width & up); /* the table value T[index] */
@@ -758,7 +779,7 @@ INLINE i32x8 round_to_table(const struct grid *grid, struct rng8 *rng, f32x8 y, 
 
 struct quantizer {
     struct grid grid;
-    struct rng8 rng;
+    struct rng16 rng;
     int bits;
     uint8_t *out, *end;
     /* optional: error feedback's y - reconstruction, the reconstruction of T[index] being
@@ -781,7 +802,7 @@ INLINE f32x8 product_plus(f32x8 a, f32x8 b, f32x8 c, f32x8 one) { return (a * b)
 /* indices[0, count) of y[0, count), count a multiple of LANES; with `error`, also
    error[i] = y[i] - (T[index] * step + offset), each operation rounded to float32 as torch's
    elementwise operations round it; with `own`, y[i] = T[index] * own_a + own_c */
-INLINE void round_all(const struct grid *grid, struct rng8 *rng, float *y, size_t count,
+INLINE void round_all(const struct grid *grid, struct rng16 *rng, float *y, size_t count,
                       int32_t *indices, int small, float *error, float step, float offset,
                       struct strata *strata, int own, float own_a, float own_c) {
     f32x8 step_v = (f32x8){0} + step, offset_v = (f32x8){0} + offset;
@@ -800,7 +821,7 @@ MULTIVERSION static void quantize_leaf(void *state, float *y, size_t offset, siz
     struct quantizer *q = state;
     /* locals, kept in registers: stores to the arrays cannot alias them */
     const struct grid grid = q->grid;
-    struct rng8 rng = q->rng;
+    struct rng16 rng = q->rng;
     struct strata strata = q->strata;
     struct strata *correlated = strata.n ? &strata : NULL;
     int32_t wide[LEAF];
@@ -842,13 +863,57 @@ MULTIVERSION static void quantize_leaf(void *state, float *y, size_t offset, siz
    are the same bits either way. A grid of up to 32 cells is looked up with one two-table
    permute; indices narrow to bytes in a register, and 4- and 8-bit indices are packed there
    too, straight into the payload. */
-WIDE_INLINE f32x16 concat8(f32x8 low, f32x8 high) {
-    return (f32x16)_mm512_insertf32x8(_mm512_castps256_ps512((__m256)low), (__m256)high, 1);
+/* The sixteen lanes of a struct rng16 in one vector each (lanes 0-7: half 0), its turn at half
+   0: one step of it draws the uniforms of sixteen coordinates. */
+struct rng16w {
+    u32x16 s0, s1, s2, s3;
+};
+
+WIDE_INLINE u32x16 concat8u(u32x8 low, u32x8 high) {
+    return (u32x16)_mm512_inserti64x4(_mm512_castsi256_si512((__m256i)low), (__m256i)high, 1);
+}
+
+WIDE_INLINE struct rng16w rng_widen(const struct rng16 *r) {
+    const struct rng8 *a = &r->half[0], *b = &r->half[1];
+    return (struct rng16w){concat8u(a->s0, b->s0), concat8u(a->s1, b->s1),
+                           concat8u(a->s2, b->s2), concat8u(a->s3, b->s3)};
+}
+
+WIDE_INLINE void rng_narrow(struct rng16 *r, const struct rng16w *w) {
+    memcpy(&r->half[0].s0, &w->s0, 32), memcpy(&r->half[1].s0, (const char *)&w->s0 + 32, 32);
+    memcpy(&r->half[0].s1, &w->s1, 32), memcpy(&r->half[1].s1, (const char *)&w->s1 + 32, 32);
+    memcpy(&r->half[0].s2, &w->s2, 32), memcpy(&r->half[1].s2, (const char *)&w->s2 + 32, 32);
+    memcpy(&r->half[0].s3, &w->s3, 32), memcpy(&r->half[1].s3, (const char *)&w->s3 + 32, 32);
+}
+
+WIDE_INLINE f32x16 rng16w_uniform(struct rng16w *r) {
+    u32x16 result = r->s0 + r->s3, t = r->s1 << 9;
+    r->s2 ^= r->s0;
+    r->s3 ^= r->s1;
+    r->s1 ^= r->s2;
+    r->s0 ^= r->s3;
+    r->s2 ^= t;
+    r->s3 = (r->s3 << 11) | (r->s3 >> 21);
+    return __builtin_convertvector((i32x16)(result >> 8), f32x16) * 0x1p-24f;
+}
+
+struct strata16 {
+    struct rng16w shared;
+    int n, rank;
+};
+
+WIDE_INLINE f32x16 stratified16(struct strata16 *strata, f32x16 jitter) {
+    int n = strata->n;
+    i32x16 k = __builtin_convertvector(rng16w_uniform(&strata->shared) * (float)n, i32x16);
+    k = (i32x16)_mm512_min_epi32((__m512i)k, _mm512_set1_epi32(n - 1)) + strata->rank;
+    k -= (k >= n) & n;
+    f32x16 draw = (__builtin_convertvector(k, f32x16) + jitter) / (float)n;
+    return (f32x16)_mm512_min_ps((__m512)draw, _mm512_set1_ps(1.0f - 0x1p-24f));
 }
 
 WIDE_INLINE i32x16 round_to_table16(const struct grid *grid, __m512i low_cells,
-                                    __m512i high_cells, struct rng8 *rng, f32x16 y, int small,
-                                    f32x16 *value, struct strata *strata) {
+                                    __m512i high_cells, struct rng16w *rng, f32x16 y, int small,
+                                    f32x16 *value, struct strata16 *strata) {
     f32x16 u = y * grid->a + grid->c;
     /* max returns its second operand where the first is NaN: NaN -> 0, as the blends do */
     u = (f32x16)_mm512_max_ps((__m512)u, _mm512_setzero_ps());
@@ -861,11 +926,8 @@ WIDE_INLINE i32x16 round_to_table16(const struct grid *grid, __m512i low_cells,
         entry = (u32x16)_mm512_i32gather_epi32((__m512i)cell, grid->cells, 4);
     f32x16 low = __builtin_convertvector((i32x16)(entry >> 8 & 0xFFF), f32x16);
     f32x16 width = __builtin_convertvector((i32x16)(entry >> 20), f32x16);
-    f32x8 first = rng8_uniform(rng);
-    if (strata) first = stratified(strata, first);
-    f32x8 second = rng8_uniform(rng);
-    if (strata) second = stratified(strata, second);
-    f32x16 draw = concat8(first, second);
+    f32x16 draw = rng16w_uniform(rng);
+    if (strata) draw = stratified16(strata, draw);
     __mmask16 up = _mm512_cmp_ps_mask((__m512)(draw * width), (__m512)(u - low), _CMP_LT_OQ);
     if (value) /* the table value T[index] */
         *value = (f32x16)_mm512_mask_add_ps((__m512)low, up, (__m512)low, (__m512)width);
@@ -875,9 +937,9 @@ WIDE_INLINE i32x16 round_to_table16(const struct grid *grid, __m512i low_cells,
 
 /* round_all sixteen wide over y[0, count), count a multiple of 16: index bytes into `indices`,
    and with `packed` (4- or 8-bit indices) the packed bytes of y[0] on there as well */
-WIDE_INLINE void round_all16(const struct grid *grid, struct rng8 *rng, float *y, size_t count,
+WIDE_INLINE void round_all16(const struct grid *grid, struct rng16w *rng, float *y, size_t count,
                              uint8_t *indices, uint8_t *packed, int bits, int small,
-                             float *error, float step, float offset, struct strata *strata,
+                             float *error, float step, float offset, struct strata16 *strata,
                              int own, float own_a, float own_c) {
     f32x16 step_v = (f32x16){0} + step, offset_v = (f32x16){0} + offset;
     f32x16 one = (f32x16){0} + opaque_one;
@@ -908,10 +970,14 @@ static void quantize_leaf(void *state, float *y, size_t offset, size_t count);
    coordinates to the eight-wide loop, which continues the same draws. */
 WIDE void quantize_leaf16(void *state, float *y, size_t offset, size_t count) {
     struct quantizer *q = state;
+    if (q->rng.next) { /* a leaf after an odd number of eight-coordinate steps (a tail) */
+        quantize_leaf(q, y, offset, count);
+        return;
+    }
     const struct grid grid = q->grid;
-    struct rng8 rng = q->rng;
-    struct strata strata = q->strata;
-    struct strata *correlated = strata.n ? &strata : NULL;
+    struct rng16w rng = rng_widen(&q->rng);
+    struct strata16 strata = {rng_widen(&q->strata.shared), q->strata.n, q->strata.rank};
+    struct strata16 *correlated = strata.n ? &strata : NULL;
     uint8_t indices[LEAF + 32];
     size_t whole = count / WLANES * WLANES;
     int bits = q->bits;
@@ -938,8 +1004,8 @@ WIDE void quantize_leaf16(void *state, float *y, size_t offset, size_t count) {
     else
         round_all16(&grid, &rng, y, whole, indices, packed, bits, 0, error, step, shift, NULL,
                     own, own_a, own_c);
-    q->rng = rng;
-    q->strata = strata;
+    rng_narrow(&q->rng, &rng);
+    if (correlated) rng_narrow(&q->strata.shared, &strata.shared);
     if (!packed && whole) {
         memset(indices + whole, 0, 32); /* padding packs as zero bits */
         pack(indices, whole, bits, out, q->end);
@@ -1367,7 +1433,7 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
         PyErr_Format(PyExc_ValueError, "rank %d of %d strata", q.strata.rank, q.strata.n);
         return NULL;
     }
-    if (q.strata.n) rng8_seed(&q.strata.shared, stratum_seed);
+    if (q.strata.n) rng16_seed(&q.strata.shared, stratum_seed);
     if (error && block) {
         PyErr_SetString(PyExc_ValueError, "the error output needs an unrotated input (block 0)");
         return NULL;
@@ -1383,7 +1449,7 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
     q.out = ADDRESS(uint8_t *, out);
     q.end = q.out + out_size;
     q.error = ADDRESS(float *, error);
-    rng8_seed(&q.rng, seed);
+    rng16_seed(&q.rng, seed);
     int finite = 1;
     Py_BEGIN_ALLOW_THREADS
     if (block) {
