@@ -287,24 +287,25 @@ WIDE_INLINE f32x16 apply_signs16(f32x16 v, const uint8_t *signs_at) {
                                          _mm512_set1_epi32(INT32_MIN));
 }
 
-WIDE_INLINE f32x16 piece_divisors16(const struct source *in, size_t i) {
-    size_t low = 0, high = in->pieces; /* the first piece that ends after i */
-    while (low < high) {
-        size_t mid = (low + high) / 2;
-        if ((size_t)in->ends[mid] > i) high = mid;
-        else low = mid + 1;
-    }
-    if (low < in->pieces && (size_t)in->ends[low] >= i + WLANES)
-        return (f32x16){0} + in->divisors[low];
+/* The divisors of coordinates i..i+15 (those past the last piece divide by 1). `cursor`: a
+   piece at or before i's; a pass reads each column's coordinates in increasing order, so it
+   keeps one per column and finds the piece in a compare or two, not a search. */
+WIDE_INLINE f32x16 piece_divisors16(const struct source *in, size_t i, size_t *cursor) {
+    size_t c = *cursor;
+    while (c < in->pieces && (size_t)in->ends[c] <= i) c++;
+    *cursor = c;
+    if (c < in->pieces && (size_t)in->ends[c] >= i + WLANES)
+        return (f32x16){0} + in->divisors[c];
     f32x16 d;
     for (int lane = 0; lane < WLANES; lane++) {
-        while (low < in->pieces && (size_t)in->ends[low] <= i + lane) low++;
-        d[lane] = low < in->pieces ? in->divisors[low] : 1.0f;
+        while (c < in->pieces && (size_t)in->ends[c] <= i + lane) c++;
+        d[lane] = c < in->pieces ? in->divisors[c] : 1.0f;
     }
     return d;
 }
 
-WIDE_INLINE f32x16 source_load16(const struct source *in, size_t i, f32x16 *finite) {
+WIDE_INLINE f32x16 source_load16(const struct source *in, size_t i, f32x16 *finite,
+                                 size_t *cursor) {
     f32x16 v;
     if (i + WLANES <= in->length) {
         v = load16(in->src + i);
@@ -313,7 +314,7 @@ WIDE_INLINE f32x16 source_load16(const struct source *in, size_t i, f32x16 *fini
         if (i < in->length) memcpy(tail, in->src + i, (in->length - i) * sizeof(float));
         v = load16(tail);
     }
-    if (in->pieces) v /= piece_divisors16(in, i);
+    if (in->pieces) v /= piece_divisors16(in, i, cursor);
     *finite += v - v;
     return apply_signs16(v * in->scale, in->signs + i / 8);
 }
@@ -343,12 +344,12 @@ WIDE_INLINE void butterflies16(f32x16 *v, int log_count) {
 }
 
 /* The sink's values of coordinates p.. (v: their final values) */
-WIDE_INLINE void sink_store16(const struct sink *sink, size_t p, f32x16 v) {
+WIDE_INLINE void sink_store16(const struct sink *sink, size_t p, f32x16 v, size_t *cursor) {
     if (p >= sink->length) return;
     size_t count = MIN((size_t)WLANES, sink->length - p);
     __mmask16 keep = count == WLANES ? 0xFFFF : (__mmask16)((1u << count) - 1);
     f32x16 r = v;
-    if (sink->pieces.pieces) r = v * piece_divisors16(&sink->pieces, p);
+    if (sink->pieces.pieces) r = v * piece_divisors16(&sink->pieces, p, cursor);
     if (sink->minuend) {
         f32x16 m = (f32x16)_mm512_maskz_loadu_ps(keep, sink->minuend + p);
         f32x16 one = (f32x16){0} + opaque_one;
@@ -361,12 +362,14 @@ WIDE_INLINE void radix_pass16(float *x, size_t from, size_t n, size_t h, int k, 
                               const struct source *in, f32x8 *finite,
                               const uint8_t *out_signs, const struct sink *sink) {
     f32x16 clean = {0};
+    size_t cursor[1 << WRADIX_LOG] = {0}; /* each column's piece (see piece_divisors16) */
     for (size_t base = from; base < from + n; base += h << k)
         for (size_t j = base; j < base + h; j += WLANES) {
             f32x16 v[1 << WRADIX_LOG];
 #pragma GCC unroll 16
             for (int m = 0; m < 1 << k; m++)
-                v[m] = in ? source_load16(in, j + m * h, &clean) : load16(x + j + m * h);
+                v[m] = in ? source_load16(in, j + m * h, &clean, &cursor[m])
+                          : load16(x + j + m * h);
             if (lanes)
 #pragma GCC unroll 16
                 for (int m = 0; m < 1 << k; m++) v[m] = lane_stages16(v[m]);
@@ -375,7 +378,7 @@ WIDE_INLINE void radix_pass16(float *x, size_t from, size_t n, size_t h, int k, 
             for (int m = 0; m < 1 << k; m++) {
                 f32x16 out = out_signs ? apply_signs16(v[m], out_signs + (j + m * h) / 8) : v[m];
                 if (sink)
-                    sink_store16(sink, j + m * h, out);
+                    sink_store16(sink, j + m * h, out, &cursor[m]);
                 else
                     store16(x + j + m * h, out);
             }
