@@ -317,12 +317,18 @@ WIDTH_ROTATIONS = [(1000, 8), (4096 + 40, 16), (5000, None), (40_000, 16_384),
 
 
 @pytest.mark.parametrize(("length", "block"), WIDTH_ROTATIONS)
-@pytest.mark.parametrize("correlated", [False, True], ids=["independent", "correlated"])
-def test_the_wide_kernels_give_the_narrow_kernels_bits(length, block, correlated):
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"correlated": True}, {"bits": 8}, {"bits": 2, "granularity": 12},
+     {"bits": 1, "granularity": 7}, {"granularity": 300}],
+    ids=["4-bits", "correlated", "8-bits", "2-bits", "1-bit", "wide-grid"],
+)  # fmt: skip
+def test_the_wide_kernels_give_the_narrow_kernels_bits(length, block, options):
     """The AVX-512 kernels run the transform's stages in the same order and draw the same
     uniforms: every output is bit for bit the eight-wide kernels', so workers on either CPU
     decode the same averages. The bug feared: a lane, a sign bit or a draw out of place."""
-    codec = THC(workers=3, rotation_block=block, correlated=correlated)
+    correlated = options.get("correlated", False)
+    codec = THC(workers=3, rotation_block=block, **options)
     x = _random(length, seed=length)
     cells, g = codec._tables(x.device).cell_entries, codec.granularity
     strata = (1234, 3, 1) if correlated else None
