@@ -408,3 +408,22 @@ def test_the_decode_scales_the_pieces_as_scale_pieces_does(width, length, block)
     scaled = native.decode(packed, 6, n, 0.1, -3.0, rotation,
                            pieces=(torch.cumsum(lengths, 0), factors))  # fmt: skip
     assert torch.equal(scaled[:length], expected)
+
+
+@pytest.mark.parametrize("where", [0, 4100, 8200, 8204], ids=["first", "leaf", "last-16", "tail"])
+@pytest.mark.parametrize("bad", [math.nan, -math.inf])
+def test_the_unrotated_encode_refuses_non_finite_values_in_either_width(width, where, bad):
+    """The wide rounding checks the values it reads (no pass of its own), the eight-wide one
+    first reads each leaf for them: either way an Inf or NaN anywhere, in a leaf's sixteen-wide
+    part or its tail, makes the encode raise, naming the coordinate."""
+    codec = THC(workers=1)
+    x = _random(8205, seed=6)
+    cells, g = codec._tables(x.device).cell_entries, codec.granularity
+    args = (None, 1.0, g / 2, g, cells, 3, codec.bits)
+    error = torch.empty_like(x)
+    assert native.encode(x, *args, error=(error, 0.1, -1.5)) is not None
+    x[where] = bad
+    with pytest.raises(NonFiniteGradientError, match=rf"\[{where}\]"):
+        native.encode(x, *args, error=(error, 0.1, -1.5))
+    with pytest.raises(NonFiniteGradientError, match=rf"\[{where}\]"):
+        native.encode(x, *args)

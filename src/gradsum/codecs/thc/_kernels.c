@@ -795,6 +795,7 @@ struct quantizer {
     int own;
     float own_a, own_c;
     struct strata strata; /* correlated rounding's, where strata.n > 0 */
+    int finite; /* cleared by the wide rounding where a value it rounded was an Inf or NaN */
 };
 
 /* a * b + c as torch's mul_ then add_ round it, the product rounded on its own: GCC contracts
@@ -943,13 +944,14 @@ WIDE_INLINE i32x16 round_to_table16(const struct grid *grid, __m512i low_cells,
 WIDE_INLINE void round_all16(const struct grid *grid, struct rng16w *rng, float *y, size_t count,
                              uint8_t *indices, uint8_t *packed, int bits, int small,
                              float *error, float step, float offset, struct strata16 *strata,
-                             int own, float own_a, float own_c) {
+                             int own, float own_a, float own_c, f32x16 *clean) {
     f32x16 step_v = (f32x16){0} + step, offset_v = (f32x16){0} + offset;
     f32x16 one = (f32x16){0} + opaque_one;
     __m512i low_cells = _mm512_loadu_si512(&grid->table[0]);
     __m512i high_cells = _mm512_loadu_si512(&grid->table[2]);
     for (size_t i = 0; i < count; i += WLANES) {
         f32x16 value, v = load16(y + i);
+        *clean += v - v;
         i32x16 index = round_to_table16(grid, low_cells, high_cells, rng, v, small,
                                         error || own ? &value : NULL, strata);
         if (packed && bits == 4) {
@@ -982,6 +984,7 @@ WIDE void quantize_leaf16(void *state, float *y, size_t offset, size_t count) {
     struct strata16 strata = {rng_widen(&q->strata.shared), q->strata.n, q->strata.rank};
     struct strata16 *correlated = strata.n ? &strata : NULL;
     uint8_t indices[LEAF + 32];
+    f32x16 clean = {0};
     size_t whole = count / WLANES * WLANES;
     int bits = q->bits;
     uint8_t *out = q->out + offset / 8 * bits;
@@ -992,22 +995,24 @@ WIDE void quantize_leaf16(void *state, float *y, size_t offset, size_t count) {
     float step = q->step, shift = q->offset;
     if (correlated)
         round_all16(&grid, &rng, y, whole, indices, packed, bits, grid.small, error, step, shift,
-                    correlated, own, own_a, own_c);
+                    correlated, own, own_a, own_c, &clean);
     else if (grid.small && own && bits == 4)
         round_all16(&grid, &rng, y, whole, indices, packed, 4, 1, NULL, 0, 0, NULL, 1, own_a,
-                    own_c);
+                    own_c, &clean);
     else if (grid.small && error && bits == 4)
         round_all16(&grid, &rng, y, whole, indices, packed, 4, 1, error, step, shift, NULL, 0, 0,
-                    0);
+                    0, &clean);
     else if (grid.small && bits == 4)
-        round_all16(&grid, &rng, y, whole, indices, packed, 4, 1, NULL, 0, 0, NULL, 0, 0, 0);
+        round_all16(&grid, &rng, y, whole, indices, packed, 4, 1, NULL, 0, 0, NULL, 0, 0, 0,
+                    &clean);
     else if (grid.small)
         round_all16(&grid, &rng, y, whole, indices, packed, bits, 1, error, step, shift, NULL,
-                    own, own_a, own_c);
+                    own, own_a, own_c, &clean);
     else
         round_all16(&grid, &rng, y, whole, indices, packed, bits, 0, error, step, shift, NULL,
-                    own, own_a, own_c);
+                    own, own_a, own_c, &clean);
     rng_narrow(&q->rng, &rng);
+    if (_mm512_cmp_ps_mask((__m512)clean, (__m512)clean, _CMP_UNORD_Q)) q->finite = 0;
     if (correlated) rng_narrow(&q->strata.shared, &strata.shared);
     if (!packed && whole) {
         memset(indices + whole, 0, 32); /* padding packs as zero bits */
@@ -1038,8 +1043,18 @@ MULTIVERSION static int leaf_finite(const float *y, size_t count) {
 static int quantize(struct quantizer *q, float *y, size_t n) {
     for (size_t offset = 0; offset < n; offset += LEAF) {
         size_t count = MIN(LEAF, n - offset);
+#if HAVE_WIDE
+        if (use_wide && !q->rng.next) { /* the wide rounding checks what it reads */
+            size_t whole = count / WLANES * WLANES;
+            if (whole < count && !leaf_finite(y + offset + whole, count - whole)) return 0;
+            q->finite = 1;
+            quantize_leaf16(q, y + offset, offset, count);
+            if (!q->finite) return 0;
+            continue;
+        }
+#endif
         if (!leaf_finite(y + offset, count)) return 0;
-        (use_wide ? quantize_leaf16 : quantize_leaf)(q, y + offset, offset, count);
+        quantize_leaf(q, y + offset, offset, count);
     }
     return 1;
 }
