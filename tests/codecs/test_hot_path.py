@@ -73,7 +73,7 @@ def test_the_reconstruction_inside_the_encode_is_the_decode_of_the_payload(
     """The bug feared: the own values dequantized with other scalars than the decode's (a
     contributor count, the sqrt of the block, the tensor scales), or transformed back another
     way; error feedback's memory would then drift from what the other workers decode."""
-    residual = native.residual
+    inverse_residual = native.inverse_residual
     codec = make_codec("thc", workers=3, error_feedback=False, **options)
     pieces = (length - 300, 300) if described else None
     if described:
@@ -94,10 +94,12 @@ def test_the_reconstruction_inside_the_encode_is_the_decode_of_the_payload(
     payload, own = codec.encode_and_reconstruct(xs[1], ctxs[1], shared)
     assert torch.equal(payload.fields["indices"], expected_payload.fields["indices"])
     assert torch.equal(own, expected_own)
-    # error feedback's memory, the reconstruction scaled and subtracted in one native pass: the
-    # values of torch's subtraction (a fused multiply-add, or the padding kept, would differ)
+    # error feedback's memory, the reconstruction scaled and subtracted by the last pass of the
+    # transform back, never written out: the values of torch's subtraction (a fused
+    # multiply-add, or the padding kept, would differ)
     calls = []
-    monkeypatch.setattr(native, "residual", lambda *a, **k: calls.append(1) or residual(*a, **k))
+    monkeypatch.setattr(native, "inverse_residual",
+                        lambda *a, **k: calls.append(1) or inverse_residual(*a, **k))  # fmt: skip
     payload, error = codec.encode_and_residual(xs[1], ctxs[1], shared)
     assert calls and error.shape == (length,)
     assert torch.equal(payload.fields["indices"], expected_payload.fields["indices"])

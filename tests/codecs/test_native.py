@@ -283,3 +283,147 @@ def test_norm_near_the_float32_limit_does_not_overflow_the_transform(native_only
     average = run_round(make_codec("thc", workers=1, error_feedback=False), inputs).average
     assert bool(torch.isfinite(average).all())
     assert nmse(average, inputs) == pytest.approx(ANALYTIC_THC_NMSE, rel=0.15)
+
+
+# -- the sixteen-wide (AVX-512) kernels ------------------------------------------------------------
+@pytest.fixture(params=[False, True], ids=["narrow", "wide"])
+def width(request):
+    """Each test once with the eight-wide kernels and once with the sixteen-wide ones (where
+    the CPU has AVX-512; the same eight-wide run otherwise)."""
+    kernels = native._kernels
+    was = kernels.wide()
+    kernels.wide(request.param)
+    yield request.param
+    kernels.wide(was)
+
+
+def _in_both_widths(make):
+    """make() with the eight-wide kernels and with the sixteen-wide ones."""
+    kernels = native._kernels
+    was = kernels.wide()
+    try:
+        kernels.wide(False)
+        narrow = make()
+        kernels.wide(True)
+        wide = make()
+    finally:
+        kernels.wide(was)
+    return narrow, wide
+
+
+# blocks of 8 (the eight-wide kernels' alone), 16, one leaf, several chunks; padded lengths
+WIDTH_ROTATIONS = [(1000, 8), (4096 + 40, 16), (5000, None), (40_000, 16_384),
+                   ((1 << 18) + 77, None), (3 << 17, None)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("length", "block"), WIDTH_ROTATIONS)
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"correlated": True}, {"bits": 8}, {"bits": 2, "granularity": 12},
+     {"bits": 1, "granularity": 7}, {"granularity": 300}],
+    ids=["4-bits", "correlated", "8-bits", "2-bits", "1-bit", "wide-grid"],
+)  # fmt: skip
+def test_the_wide_kernels_give_the_narrow_kernels_bits(length, block, options):
+    """The AVX-512 kernels run the transform's stages in the same order and draw the same
+    uniforms: every output is bit for bit the eight-wide kernels', so workers on either CPU
+    decode the same averages. The bug feared: a lane, a sign bit or a draw out of place."""
+    correlated = options.get("correlated", False)
+    codec = THC(workers=3, rotation_block=block, **options)
+    x = _random(length, seed=length)
+    cells, g = codec._tables(x.device).cell_entries, codec.granularity
+    strata = (1234, 3, 1) if correlated else None
+    pieces = (length // 3, 17, length - length // 3 - 17)
+    ends = torch.cumsum(torch.tensor(pieces), 0)
+    factors = torch.tensor([0.5, 3.0, 1.7])
+
+    def outputs():
+        rotation = Rotation(length, block, seed=7, device="cpu")
+        n = rotation.padded
+        sums = _random(n, seed=3, high=1 << 7, dtype=torch.int64)
+        wide_sums = _random(n, seed=4, high=1 << 12, dtype=torch.int64)
+        args = (3.0, g / 2, g, cells, 11, codec.bits)
+        results = [
+            native.rotate(x, rotation).clone(),
+            native.rotate(x, rotation, add=x.new_ones(n)).clone(),
+        ]
+        results.append(native.encode(x, rotation, *args, strata=strata))
+        results.append(native.encode(x, rotation, *args, own=(0.25, -3.0), pieces=(ends, factors)))
+        results.append(rotation.scratch.clone())
+        results.append(native.inverse(rotation).clone())
+        native.encode(x, rotation, *args, own=(0.25, -3.0))
+        results.append(native.inverse_residual(rotation, x, (ends, factors)))
+        native.encode(x, rotation, *args, own=(0.25, -3.0))
+        results.append(native.inverse_residual(rotation, x, None))
+        error = torch.empty(length)
+        results.append(native.encode(x, None, *args, error=(error, 0.1, -1.5), strata=strata))
+        results.append(error)
+        for values, width in ((sums, 7), (wide_sums, 12)):
+            packed = pack_bits(values, width)
+            results.append(native.decode(packed, width, n, 0.1, -3.0, rotation).clone())
+            results.append(native.decode(packed, width, n, 0.1, -3.0, rotation,
+                                         pieces=(ends, factors))[:length].clone())  # fmt: skip
+            results.append(native.decode(packed, width, n, 0.1, -3.0, None).clone())
+        return results
+
+    narrow, wide = _in_both_widths(outputs)
+    assert all(r is not None for r in narrow)
+    for i, (a, b) in enumerate(zip(narrow, wide, strict=True)):
+        assert torch.equal(a, b), f"output {i}: {int((a != b).sum())} of {a.numel()} differ"
+
+
+@pytest.mark.parametrize(("length", "block"), [(5000, None), ((1 << 18) + 77, None), (3000, 1024)])
+def test_the_residual_in_the_transform_back_is_inverse_then_residual(width, length, block):
+    """``inverse_residual`` (the residual stored by the transform's last pass) gives what the
+    reconstruction written out and ``residual`` give, bit for bit, padding dropped."""
+    codec = THC(workers=2, rotation_block=block)
+    x = _random(length, seed=5)
+    pieces = (length - 300, 1, 299)
+    lengths = torch.tensor(pieces)
+    factors = torch.tensor([0.3, 7.0, 2.5])
+    rotation = Rotation(length, block, seed=9, device="cpu")
+    cells, g = codec._tables(x.device).cell_entries, codec.granularity
+    args = (x, rotation, 2.0, g / 2, g, cells, 13, codec.bits)
+    for scaled in (None, (torch.cumsum(lengths, 0), factors)):
+        native.encode(*args, own=(0.5, -7.0))
+        own = native.inverse(rotation).clone()
+        expected = native.residual(x, own, None if scaled is None else pieces,
+                                   None if scaled is None else lengths, factors)  # fmt: skip
+        native.encode(*args, own=(0.5, -7.0))
+        assert torch.equal(native.inverse_residual(rotation, x, scaled), expected)
+
+
+@pytest.mark.parametrize(("length", "block"), [(5000, None), (40_000, 16_384), (77, None)])
+def test_the_decode_scales_the_pieces_as_scale_pieces_does(width, length, block):
+    """The decode's multiplication by the tensor scales as it stores the values (THC.decode's
+    native path) rounds as ``scale_pieces`` after the decode does."""
+    rotation = Rotation(length, block, seed=9, device="cpu")
+    n = rotation.padded
+    packed = pack_bits(_random(n, seed=8, high=1 << 6, dtype=torch.int64), 6)
+    pieces = (length - 40, 3, 37)
+    lengths = torch.tensor(pieces)
+    factors = torch.tensor([0.3, 7.0, 2.5])
+    plain = native.decode(packed, 6, n, 0.1, -3.0, rotation)[:length].clone()
+    expected = torch.empty(length)
+    assert native.scale_pieces(plain, pieces, lengths, factors, False, expected)
+    scaled = native.decode(packed, 6, n, 0.1, -3.0, rotation,
+                           pieces=(torch.cumsum(lengths, 0), factors))  # fmt: skip
+    assert torch.equal(scaled[:length], expected)
+
+
+@pytest.mark.parametrize("where", [0, 4100, 8200, 8204], ids=["first", "leaf", "last-16", "tail"])
+@pytest.mark.parametrize("bad", [math.nan, -math.inf])
+def test_the_unrotated_encode_refuses_non_finite_values_in_either_width(width, where, bad):
+    """The wide rounding checks the values it reads (no pass of its own), the eight-wide one
+    first reads each leaf for them: either way an Inf or NaN anywhere, in a leaf's sixteen-wide
+    part or its tail, makes the encode raise, naming the coordinate."""
+    codec = THC(workers=1)
+    x = _random(8205, seed=6)
+    cells, g = codec._tables(x.device).cell_entries, codec.granularity
+    args = (None, 1.0, g / 2, g, cells, 3, codec.bits)
+    error = torch.empty_like(x)
+    assert native.encode(x, *args, error=(error, 0.1, -1.5)) is not None
+    x[where] = bad
+    with pytest.raises(NonFiniteGradientError, match=rf"\[{where}\]"):
+        native.encode(x, *args, error=(error, 0.1, -1.5))
+    with pytest.raises(NonFiniteGradientError, match=rf"\[{where}\]"):
+        native.encode(x, *args)

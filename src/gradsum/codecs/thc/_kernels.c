@@ -16,7 +16,10 @@ Packed layout is bits.py's: element j at bits [j*w, (j+1)*w) of a little-endian 
 
 Portability: plain C with GCC/Clang vector extensions, which compile to SSE2 anywhere on x86-64;
 the hot functions also get an AVX2 clone picked at load time (no -march flags). The nibble table
-lookup uses AVX2 intrinsics behind a runtime CPU check, with a scalar loop otherwise.
+lookup uses AVX2 intrinsics behind a runtime CPU check, with a scalar loop otherwise. Where the
+CPU has AVX-512 (F, BW, DQ, VL), the transform passes, the rounding and (with VBMI) the decode's
+unpacking run sixteen floats wide instead, in functions compiled for x86-64-v4 alone; they give
+the eight-wide code's bits (``wide(False)`` switches them off, for tests to compare).
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -151,6 +154,7 @@ INLINE f32x8 lane_stages(f32x8 v) {
 }
 
 static volatile float opaque_minus_one = -1;
+static volatile float opaque_one = 1; /* see product_plus */
 
 /* a - b is computed as a + b * -1, which the compiler cannot fold back into a subtraction
    (the -1 is opaque to it): with FMA the differences run on the multiply-add pipes while the
@@ -209,36 +213,268 @@ MULTIVERSION static void pass(float *x, size_t from, size_t n, size_t h, int k, 
     }
 }
 
+/* Where a transform's last pass puts its values instead of back into x: dst[p] = v * factor
+   (the tensor scales' multiplication of a decode) or minuend[p] - v * factor (error feedback's
+   residual), each rounded as torch's elementwise operations round it, for p < length (the
+   padding beyond is dropped); the factor is that of p's piece (ends and factors, in a source's
+   ends, divisors and pieces), or none without pieces. dst may be x. */
+struct sink {
+    float *dst;
+    size_t length;
+    const float *minuend;
+    struct source pieces;
+};
+
+/* The sink's values from a finished transform x, in a pass of their own (where the last pass
+   cannot write them as it stores). */
+static void sink_apply(const struct sink *sink, const float *x) {
+    float one = opaque_one;
+    const float *minuend = sink->minuend;
+    size_t count = sink->pieces.pieces ? sink->pieces.pieces : 1, at = 0;
+    for (size_t p = 0; p < count; p++) {
+        size_t end = sink->pieces.pieces ? (size_t)sink->pieces.ends[p] : sink->length;
+        end = MIN(end, sink->length);
+        if (!sink->pieces.pieces) {
+            for (size_t i = at; i < end; i++) sink->dst[i] = minuend ? minuend[i] - x[i] : x[i];
+        } else {
+            float f = sink->pieces.divisors[p];
+            for (size_t i = at; i < end; i++) {
+                float scaled = x[i] * f;
+                sink->dst[i] = minuend ? minuend[i] - scaled * one : scaled;
+            }
+        }
+        at = end;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The same passes sixteen floats wide, for CPUs with AVX-512 (picked at load time; x86-64-v4
+ * code is only compiled into these functions). The stages run in the same order as the
+ * eight-wide passes' (1, 2, 4, 8 in a vector, then the strides upward within each group), each
+ * butterfly the same a + b and a - b, so both give the same bits; the 32 vector registers hold
+ * a column of 16 vectors, four stages a pass inside a leaf.
+ */
+#if defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 11)
+#define HAVE_WIDE 1
+#define WIDE_TARGET "arch=x86-64-v4"
+#define WIDE_INLINE static inline __attribute__((always_inline, target(WIDE_TARGET)))
+#define WIDE static __attribute__((target(WIDE_TARGET)))
+
+enum { WLANES = 16, WRADIX_LOG = 4 };
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE16(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define SHUFFLE16(v, ...) __builtin_shuffle(v, (i32x16){__VA_ARGS__})
+#endif
+
+static int use_wide; /* set at load time where the CPU has AVX-512 (F, BW, DQ, VL) */
+
+WIDE_INLINE f32x16 load16(const float *p) {
+    f32x16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+WIDE_INLINE void store16(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
+
+/* signs_at: the sign bits of the 16 coordinates (two bytes of the bit stream) */
+WIDE_INLINE f32x16 apply_signs16(f32x16 v, const uint8_t *signs_at) {
+    uint16_t bits;
+    memcpy(&bits, signs_at, sizeof bits);
+    return (f32x16)_mm512_mask_xor_epi32((__m512i)v, (__mmask16)bits, (__m512i)v,
+                                         _mm512_set1_epi32(INT32_MIN));
+}
+
+/* The divisors of coordinates i..i+15 (those past the last piece divide by 1). `cursor`: a
+   piece at or before i's; a pass reads each column's coordinates in increasing order, so it
+   keeps one per column and finds the piece in a compare or two, not a search. */
+WIDE_INLINE f32x16 piece_divisors16(const struct source *in, size_t i, size_t *cursor) {
+    size_t c = *cursor;
+    while (c < in->pieces && (size_t)in->ends[c] <= i) c++;
+    *cursor = c;
+    if (c < in->pieces && (size_t)in->ends[c] >= i + WLANES)
+        return (f32x16){0} + in->divisors[c];
+    f32x16 d;
+    for (int lane = 0; lane < WLANES; lane++) {
+        while (c < in->pieces && (size_t)in->ends[c] <= i + lane) c++;
+        d[lane] = c < in->pieces ? in->divisors[c] : 1.0f;
+    }
+    return d;
+}
+
+WIDE_INLINE f32x16 source_load16(const struct source *in, size_t i, f32x16 *finite,
+                                 size_t *cursor) {
+    f32x16 v;
+    if (i + WLANES <= in->length) {
+        v = load16(in->src + i);
+    } else {
+        float tail[WLANES] = {0};
+        if (i < in->length) memcpy(tail, in->src + i, (in->length - i) * sizeof(float));
+        v = load16(tail);
+    }
+    if (in->pieces) v /= piece_divisors16(in, i, cursor);
+    *finite += v - v;
+    return apply_signs16(v * in->scale, in->signs + i / 8);
+}
+
+WIDE_INLINE f32x16 lane_stages16(f32x16 v) {
+    v = SHUFFLE16(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14) +
+        v * (f32x16){1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1};
+    v = SHUFFLE16(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13) +
+        v * (f32x16){1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1};
+    v = SHUFFLE16(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11) +
+        v * (f32x16){1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1};
+    return SHUFFLE16(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) +
+           v * (f32x16){1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
+}
+
+WIDE_INLINE void butterflies16(f32x16 *v, int log_count) {
+    f32x16 minus_one = (f32x16){0} + opaque_minus_one;
+#pragma GCC unroll 4
+    for (int d = 1; d < 1 << log_count; d <<= 1)
+#pragma GCC unroll 16
+        for (int m = 0; m < 1 << log_count; m++)
+            if (!(m & d)) {
+                f32x16 a = v[m], b = v[m + d];
+                v[m] = a + b;
+                v[m + d] = a + b * minus_one;
+            }
+}
+
+/* The sink's values of coordinates p.. (v: their final values) */
+WIDE_INLINE void sink_store16(const struct sink *sink, size_t p, f32x16 v, size_t *cursor) {
+    if (p >= sink->length) return;
+    size_t count = MIN((size_t)WLANES, sink->length - p);
+    __mmask16 keep = count == WLANES ? 0xFFFF : (__mmask16)((1u << count) - 1);
+    f32x16 r = v;
+    if (sink->pieces.pieces) r = v * piece_divisors16(&sink->pieces, p, cursor);
+    if (sink->minuend) {
+        f32x16 m = (f32x16)_mm512_maskz_loadu_ps(keep, sink->minuend + p);
+        f32x16 one = (f32x16){0} + opaque_one;
+        r = sink->pieces.pieces ? m - r * one : m - v;
+    }
+    _mm512_mask_storeu_ps(sink->dst + p, keep, (__m512)r);
+}
+
+WIDE_INLINE void radix_pass16(float *x, size_t from, size_t n, size_t h, int k, int lanes,
+                              const struct source *in, f32x8 *finite,
+                              const uint8_t *out_signs, const struct sink *sink) {
+    f32x16 clean = {0};
+    size_t cursor[1 << WRADIX_LOG] = {0}; /* each column's piece (see piece_divisors16) */
+    for (size_t base = from; base < from + n; base += h << k)
+        for (size_t j = base; j < base + h; j += WLANES) {
+            f32x16 v[1 << WRADIX_LOG];
+#pragma GCC unroll 16
+            for (int m = 0; m < 1 << k; m++)
+                v[m] = in ? source_load16(in, j + m * h, &clean, &cursor[m])
+                          : load16(x + j + m * h);
+            if (lanes)
+#pragma GCC unroll 16
+                for (int m = 0; m < 1 << k; m++) v[m] = lane_stages16(v[m]);
+            butterflies16(v, k);
+#pragma GCC unroll 16
+            for (int m = 0; m < 1 << k; m++) {
+                f32x16 out = out_signs ? apply_signs16(v[m], out_signs + (j + m * h) / 8) : v[m];
+                if (sink)
+                    sink_store16(sink, j + m * h, out, &cursor[m]);
+                else
+                    store16(x + j + m * h, out);
+            }
+        }
+    if (in) {
+        f32x8 low, high;
+        memcpy(&low, &clean, sizeof low);
+        memcpy(&high, (const char *)&clean + sizeof low, sizeof high);
+        *finite += low + high; /* NaN where either half has one */
+    }
+}
+
+#define RADIX_PASS16_VARIANTS(k)                                                                 \
+    do {                                                                                         \
+        if (in)                                                                                  \
+            radix_pass16(x, from, n, h, k, lanes, in, finite, NULL, NULL);                       \
+        else if (sink)                                                                           \
+            radix_pass16(x, from, n, h, k, lanes, NULL, NULL, out_signs, sink);                  \
+        else if (out_signs)                                                                      \
+            radix_pass16(x, from, n, h, k, lanes, NULL, NULL, out_signs, NULL);                  \
+        else                                                                                     \
+            radix_pass16(x, from, n, h, k, lanes, NULL, NULL, NULL, NULL);                       \
+    } while (0)
+
+WIDE void pass16(float *x, size_t from, size_t n, size_t h, int k, int lanes,
+                 const struct source *in, f32x8 *finite, const uint8_t *out_signs,
+                 const struct sink *sink) {
+    switch (k) {
+    case 0: RADIX_PASS16_VARIANTS(0); break;
+    case 1: RADIX_PASS16_VARIANTS(1); break;
+    case 2: RADIX_PASS16_VARIANTS(2); break;
+    case 3: RADIX_PASS16_VARIANTS(3); break;
+    default: RADIX_PASS16_VARIANTS(WRADIX_LOG); break;
+    }
+}
+#else
+#define HAVE_WIDE 0
+enum { WLANES = 16, WRADIX_LOG = 4 };
+static const int use_wide = 0;
+#define quantize_leaf16 quantize_leaf
+static void pass16(float *x, size_t from, size_t n, size_t h, int k, int lanes,
+                   const struct source *in, f32x8 *finite, const uint8_t *out_signs,
+                   const struct sink *sink) {
+    (void)x, (void)from, (void)n, (void)h, (void)k, (void)lanes, (void)in, (void)finite;
+    (void)out_signs, (void)sink;
+}
+#endif
+
 static int log2_of(size_t n) { return 63 - __builtin_clzll((unsigned long long)n); }
 
-/* How the stages of a group are run: the first pass reads `in`, the last stores `out_signs`. */
+/* How the stages of a group are run: the first pass reads `in`, the last stores `out_signs`
+   (into `sink` if given: wide passes only). */
 struct pass_ends {
     const struct source *in;
     f32x8 *finite;
     const uint8_t *out_signs;
+    const struct sink *sink;
 };
 
-static const struct pass_ends PLAIN = {NULL, NULL, NULL};
+static const struct pass_ends PLAIN = {NULL, NULL, NULL, NULL};
 
-/* All stages of strides stride, 2 stride, ..., block / 2 on every block of x[from, from + n). */
+/* All stages of strides stride, 2 stride, ..., block / 2 on every block of x[from, from + n).
+   `wide`: sixteen-float passes (block >= WLANES), radix 16 inside a leaf (in L1) and 8 on
+   longer strides (16 columns a leaf apart would share L1 sets). */
 static void strided_stages(float *x, size_t from, size_t n, size_t block, size_t stride,
-                           struct pass_ends ends) {
+                           struct pass_ends ends, int wide) {
     for (size_t h = stride; h < block;) {
-        int k = MIN(RADIX_LOG, log2_of(block / h));
+        int radix = wide && h < LEAF ? WRADIX_LOG : RADIX_LOG;
+        int k = MIN(radix, log2_of(block / h));
         int last = h << k >= block;
-        pass(x, from, n, h, k, 0, ends.in, ends.finite, last ? ends.out_signs : NULL);
+        if (wide)
+            pass16(x, from, n, h, k, 0, ends.in, ends.finite, last ? ends.out_signs : NULL,
+                   last ? ends.sink : NULL);
+        else
+            pass(x, from, n, h, k, 0, ends.in, ends.finite, last ? ends.out_signs : NULL);
         ends.in = NULL;
         h <<= k;
     }
 }
 
 /* All stages of every block (LANES <= block <= LEAF) of a leaf x[from, from + n), n <= LEAF. */
-static void leaf_stages(float *x, size_t from, size_t n, size_t block, struct pass_ends ends) {
-    int k = MIN(RADIX_LOG, log2_of(block / LANES));
-    int last = (size_t)LANES << k >= block;
-    pass(x, from, n, LANES, k, 1, ends.in, ends.finite, last ? ends.out_signs : NULL);
+static void leaf_stages(float *x, size_t from, size_t n, size_t block, struct pass_ends ends,
+                        int wide) {
+    size_t lanes = wide ? WLANES : LANES;
+    int k = MIN(wide ? WRADIX_LOG : RADIX_LOG, log2_of(block / lanes));
+    int last = lanes << k >= block;
+    if (wide)
+        pass16(x, from, n, lanes, k, 1, ends.in, ends.finite, last ? ends.out_signs : NULL,
+               last ? ends.sink : NULL);
+    else
+        pass(x, from, n, lanes, k, 1, ends.in, ends.finite, last ? ends.out_signs : NULL);
     ends.in = NULL;
-    strided_stages(x, from, n, block, LANES << k, ends);
+    strided_stages(x, from, n, block, lanes << k, ends, wide);
 }
 
 typedef void (*leaf_visitor)(void *state, float *leaf, size_t offset, size_t count);
@@ -250,21 +486,22 @@ typedef void (*leaf_visitor)(void *state, float *leaf, size_t offset, size_t cou
 static int fwht_forward(float *x, size_t n, size_t block, const struct source *in,
                         leaf_visitor visit, void *state) {
     f32x8 finite = {0};
-    struct pass_ends first = {in, &finite, NULL};
+    struct pass_ends first = {in, &finite, NULL, NULL};
+    int wide = use_wide && block >= WLANES;
     if (block > CHUNK) {
-        strided_stages(x, 0, n, block, CHUNK, first);
+        strided_stages(x, 0, n, block, CHUNK, first, wide);
         first = PLAIN;
     }
     for (size_t c = 0; c < n; c += CHUNK) {
         size_t chunk = MIN(CHUNK, n - c);
         struct pass_ends ends = first;
         if (MIN(block, CHUNK) > LEAF) {
-            strided_stages(x, c, chunk, MIN(block, CHUNK), LEAF, ends);
+            strided_stages(x, c, chunk, MIN(block, CHUNK), LEAF, ends, wide);
             ends = PLAIN;
         }
         for (size_t l = c; l < c + chunk; l += LEAF) {
             size_t count = MIN(LEAF, c + chunk - l);
-            leaf_stages(x, l, count, MIN(block, LEAF), ends);
+            leaf_stages(x, l, count, MIN(block, LEAF), ends, wide);
             if (in) {
                 i32x8 clean = finite == finite;
                 for (int lane = 0; lane < LANES; lane++)
@@ -277,21 +514,24 @@ static int fwht_forward(float *x, size_t n, size_t block, const struct source *i
 }
 
 /* The same transform, smallest strides first: produce(state, leaf, offset, count) fills each
-   leaf, and the signs multiply the final values as they are stored. */
+   leaf, and the signs multiply the final values as they are stored (into `sink` if given). */
 static void fwht_reverse(float *x, size_t n, size_t block, leaf_visitor produce, void *state,
-                         const uint8_t *signs) {
-    struct pass_ends last = {NULL, NULL, signs};
+                         const uint8_t *signs, const struct sink *sink) {
+    int wide = use_wide && block >= WLANES;
+    struct pass_ends last = {NULL, NULL, signs, wide ? sink : NULL};
     for (size_t c = 0; c < n; c += CHUNK) {
         size_t chunk = MIN(CHUNK, n - c);
         for (size_t l = c; l < c + chunk; l += LEAF) {
             size_t count = MIN(LEAF, c + chunk - l);
             produce(state, x + l, l, count);
-            leaf_stages(x, l, count, MIN(block, LEAF), block <= LEAF ? last : PLAIN);
+            leaf_stages(x, l, count, MIN(block, LEAF), block <= LEAF ? last : PLAIN, wide);
         }
         if (MIN(block, CHUNK) > LEAF)
-            strided_stages(x, c, chunk, MIN(block, CHUNK), LEAF, block <= CHUNK ? last : PLAIN);
+            strided_stages(x, c, chunk, MIN(block, CHUNK), LEAF, block <= CHUNK ? last : PLAIN,
+                           wide);
     }
-    if (block > CHUNK) strided_stages(x, 0, n, block, CHUNK, last);
+    if (block > CHUNK) strided_stages(x, 0, n, block, CHUNK, last, wide);
+    if (sink && !wide) sink_apply(sink, x);
 }
 
 MULTIVERSION static void scale_leaf(void *state, float *leaf, size_t offset, size_t count) {
@@ -403,9 +643,10 @@ MULTIVERSION static void unpack(const uint8_t *in, const uint8_t *end, int w, si
 
 /* ---------------------------------------------------------------------------------------------
  * Worker encode: u = clamp(a*y + c, 0, g) on the grid, then unbiased stochastic rounding to the
- * table. Randomness: xoshiro128+ in eight lanes (element i draws from lane i % 8), seeded by
+ * table. Randomness: xoshiro128+ in sixteen lanes (element i draws from lane i % 16), seeded by
  * splitmix64 from the worker's seed; the top 24 bits of each draw make a uniform in [0, 1), so
- * rounding probabilities are exact to float32 precision.
+ * rounding probabilities are exact to float32 precision. Eight-wide code runs the sixteen lanes
+ * as two halves taking turns, AVX-512 code as one vector: the same draws either way.
  */
 
 struct rng8 {
@@ -439,6 +680,26 @@ INLINE f32x8 rng8_uniform(struct rng8 *r) {
     r->s2 ^= t;
     r->s3 = (r->s3 << 11) | (r->s3 >> 21);
     return __builtin_convertvector((i32x8)(result >> 8), f32x8) * 0x1p-24f;
+}
+
+/* Sixteen lanes as two halves: lanes 0-7 and 8-15; `next` is the half whose turn it is. */
+struct rng16 {
+    struct rng8 half[2];
+    int next;
+};
+
+static void rng16_seed(struct rng16 *r, uint64_t seed) {
+    rng8_seed(&r->half[0], seed);
+    for (int lane = 0; lane < LANES; lane++) splitmix64(&seed), splitmix64(&seed);
+    rng8_seed(&r->half[1], seed); /* the splitmix64 stream's next sixteen values */
+    r->next = 0;
+}
+
+/* The uniforms of the next eight coordinates: the half whose turn it is. */
+INLINE f32x8 rng16_uniform8(struct rng16 *r) {
+    f32x8 u = r->next ? rng8_uniform(&r->half[1]) : rng8_uniform(&r->half[0]);
+    r->next ^= 1;
+    return u;
 }
 
 INLINE f32x8 blend(i32x8 mask, f32x8 a, f32x8 b) {
@@ -491,13 +752,13 @@ INLINE u32x8 cell_entries(const struct grid *grid, i32x8 cell, int small) {
    a stratum per coordinate drawn from a stream every worker of the round shares, shifted by the
    worker's rank mod n, plus this worker's private jitter: (stratum + jitter) / n, below 1. */
 struct strata {
-    struct rng8 shared;
+    struct rng16 shared;
     int n, rank; /* n = 0: independent thresholds */
 };
 
 INLINE f32x8 stratified(struct strata *strata, f32x8 jitter) {
     int n = strata->n;
-    i32x8 k = __builtin_convertvector(rng8_uniform(&strata->shared) * (float)n, i32x8);
+    i32x8 k = __builtin_convertvector(rng16_uniform8(&strata->shared) * (float)n, i32x8);
     k = blend_i(k < n - 1, k, (i32x8){0} + (n - 1)) + strata->rank; /* in [0, 2n - 1) */
     k -= (k >= n) & n;
     f32x8 draw = (__builtin_convertvector(k, f32x8) + jitter) / (float)n;
@@ -505,7 +766,7 @@ INLINE f32x8 stratified(struct strata *strata, f32x8 jitter) {
     return blend(draw < top, draw, top);
 }
 
-INLINE i32x8 round_to_table(const struct grid *grid, struct rng8 *rng, f32x8 y, int small,
+INLINE i32x8 round_to_table(const struct grid *grid, struct rng16 *rng, f32x8 y, int small,
                             f32x8 *value, struct strata *strata) {
     f32x8 zero = {0}, g = zero + grid->g;
     f32x8 u = y * grid->a + grid->c;
@@ -515,7 +776,7 @@ INLINE i32x8 round_to_table(const struct grid *grid, struct rng8 *rng, f32x8 y, 
     u32x8 entry = cell_entries(grid, cell, small);
     f32x8 low = __builtin_convertvector((i32x8)(entry >> 8 & 0xFFF), f32x8);
     f32x8 width = __builtin_convertvector((i32x8)(entry >> 20), f32x8);
-    f32x8 draw = rng8_uniform(rng);
+    f32x8 draw = rng16_uniform8(rng);
     if (strata) draw = stratified(strata, draw);
     i32x8 up = draw * width < u - low; /* -1 where it rounds up */
     if (value) *value = low + (f32x8)((i32x8)width & up); /* the table value T[index] */
@@ -524,7 +785,7 @@ INLINE i32x8 round_to_table(const struct grid *grid, struct rng8 *rng, f32x8 y, 
 
 struct quantizer {
     struct grid grid;
-    struct rng8 rng;
+    struct rng16 rng;
     int bits;
     uint8_t *out, *end;
     /* optional: error feedback's y - reconstruction, the reconstruction of T[index] being
@@ -537,9 +798,8 @@ struct quantizer {
     int own;
     float own_a, own_c;
     struct strata strata; /* correlated rounding's, where strata.n > 0 */
+    int finite; /* cleared by the wide rounding where a value it rounded was an Inf or NaN */
 };
-
-static volatile float opaque_one = 1;
 
 /* a * b + c as torch's mul_ then add_ round it, the product rounded on its own: GCC contracts
    a * b + c into a multiply-add in GNU C, so the sum is fed (a * b) * one instead, the one
@@ -549,7 +809,7 @@ INLINE f32x8 product_plus(f32x8 a, f32x8 b, f32x8 c, f32x8 one) { return (a * b)
 /* indices[0, count) of y[0, count), count a multiple of LANES; with `error`, also
    error[i] = y[i] - (T[index] * step + offset), each operation rounded to float32 as torch's
    elementwise operations round it; with `own`, y[i] = T[index] * own_a + own_c */
-INLINE void round_all(const struct grid *grid, struct rng8 *rng, float *y, size_t count,
+INLINE void round_all(const struct grid *grid, struct rng16 *rng, float *y, size_t count,
                       int32_t *indices, int small, float *error, float step, float offset,
                       struct strata *strata, int own, float own_a, float own_c) {
     f32x8 step_v = (f32x8){0} + step, offset_v = (f32x8){0} + offset;
@@ -568,7 +828,7 @@ MULTIVERSION static void quantize_leaf(void *state, float *y, size_t offset, siz
     struct quantizer *q = state;
     /* locals, kept in registers: stores to the arrays cannot alias them */
     const struct grid grid = q->grid;
-    struct rng8 rng = q->rng;
+    struct rng16 rng = q->rng;
     struct strata strata = q->strata;
     struct strata *correlated = strata.n ? &strata : NULL;
     int32_t wide[LEAF];
@@ -604,6 +864,167 @@ MULTIVERSION static void quantize_leaf(void *state, float *y, size_t offset, siz
     pack(indices, count, q->bits, q->out + offset / 8 * q->bits, q->end);
 }
 
+#if HAVE_WIDE
+/* The rounding sixteen coordinates at a time (AVX-512), drawing the same uniforms in the same
+   order as the eight-wide loop (two draws of the eight-lane generator per vector), so payloads
+   are the same bits either way. A grid of up to 32 cells is looked up with one two-table
+   permute; indices narrow to bytes in a register, and 4- and 8-bit indices are packed there
+   too, straight into the payload. */
+/* The sixteen lanes of a struct rng16 in one vector each (lanes 0-7: half 0), its turn at half
+   0: one step of it draws the uniforms of sixteen coordinates. */
+struct rng16w {
+    u32x16 s0, s1, s2, s3;
+};
+
+WIDE_INLINE u32x16 concat8u(u32x8 low, u32x8 high) {
+    return (u32x16)_mm512_inserti64x4(_mm512_castsi256_si512((__m256i)low), (__m256i)high, 1);
+}
+
+WIDE_INLINE struct rng16w rng_widen(const struct rng16 *r) {
+    const struct rng8 *a = &r->half[0], *b = &r->half[1];
+    return (struct rng16w){concat8u(a->s0, b->s0), concat8u(a->s1, b->s1),
+                           concat8u(a->s2, b->s2), concat8u(a->s3, b->s3)};
+}
+
+WIDE_INLINE void rng_narrow(struct rng16 *r, const struct rng16w *w) {
+    memcpy(&r->half[0].s0, &w->s0, 32), memcpy(&r->half[1].s0, (const char *)&w->s0 + 32, 32);
+    memcpy(&r->half[0].s1, &w->s1, 32), memcpy(&r->half[1].s1, (const char *)&w->s1 + 32, 32);
+    memcpy(&r->half[0].s2, &w->s2, 32), memcpy(&r->half[1].s2, (const char *)&w->s2 + 32, 32);
+    memcpy(&r->half[0].s3, &w->s3, 32), memcpy(&r->half[1].s3, (const char *)&w->s3 + 32, 32);
+}
+
+WIDE_INLINE f32x16 rng16w_uniform(struct rng16w *r) {
+    u32x16 result = r->s0 + r->s3, t = r->s1 << 9;
+    r->s2 ^= r->s0;
+    r->s3 ^= r->s1;
+    r->s1 ^= r->s2;
+    r->s0 ^= r->s3;
+    r->s2 ^= t;
+    r->s3 = (r->s3 << 11) | (r->s3 >> 21);
+    return __builtin_convertvector((i32x16)(result >> 8), f32x16) * 0x1p-24f;
+}
+
+struct strata16 {
+    struct rng16w shared;
+    int n, rank;
+};
+
+WIDE_INLINE f32x16 stratified16(struct strata16 *strata, f32x16 jitter) {
+    int n = strata->n;
+    i32x16 k = __builtin_convertvector(rng16w_uniform(&strata->shared) * (float)n, i32x16);
+    k = (i32x16)_mm512_min_epi32((__m512i)k, _mm512_set1_epi32(n - 1)) + strata->rank;
+    k -= (k >= n) & n;
+    f32x16 draw = (__builtin_convertvector(k, f32x16) + jitter) / (float)n;
+    return (f32x16)_mm512_min_ps((__m512)draw, _mm512_set1_ps(1.0f - 0x1p-24f));
+}
+
+WIDE_INLINE i32x16 round_to_table16(const struct grid *grid, __m512i low_cells,
+                                    __m512i high_cells, struct rng16w *rng, f32x16 y, int small,
+                                    f32x16 *value, struct strata16 *strata) {
+    f32x16 u = y * grid->a + grid->c;
+    /* max returns its second operand where the first is NaN: NaN -> 0, as the blends do */
+    u = (f32x16)_mm512_max_ps((__m512)u, _mm512_setzero_ps());
+    u = (f32x16)_mm512_min_ps((__m512)u, _mm512_set1_ps(grid->g));
+    i32x16 cell = __builtin_convertvector(u, i32x16); /* truncation: floor, as u >= 0 */
+    u32x16 entry;
+    if (small)
+        entry = (u32x16)_mm512_permutex2var_epi32(low_cells, (__m512i)cell, high_cells);
+    else
+        entry = (u32x16)_mm512_i32gather_epi32((__m512i)cell, grid->cells, 4);
+    f32x16 low = __builtin_convertvector((i32x16)(entry >> 8 & 0xFFF), f32x16);
+    f32x16 width = __builtin_convertvector((i32x16)(entry >> 20), f32x16);
+    f32x16 draw = rng16w_uniform(rng);
+    if (strata) draw = stratified16(strata, draw);
+    __mmask16 up = _mm512_cmp_ps_mask((__m512)(draw * width), (__m512)(u - low), _CMP_LT_OQ);
+    if (value) /* the table value T[index] */
+        *value = (f32x16)_mm512_mask_add_ps((__m512)low, up, (__m512)low, (__m512)width);
+    __m512i index = (__m512i)(entry & 0xFF);
+    return (i32x16)_mm512_mask_add_epi32(index, up, index, _mm512_set1_epi32(1));
+}
+
+/* round_all sixteen wide over y[0, count), count a multiple of 16: index bytes into `indices`,
+   and with `packed` (4- or 8-bit indices) the packed bytes of y[0] on there as well */
+WIDE_INLINE void round_all16(const struct grid *grid, struct rng16w *rng, float *y, size_t count,
+                             uint8_t *indices, uint8_t *packed, int bits, int small,
+                             float *error, float step, float offset, struct strata16 *strata,
+                             int own, float own_a, float own_c, f32x16 *clean) {
+    f32x16 step_v = (f32x16){0} + step, offset_v = (f32x16){0} + offset;
+    f32x16 one = (f32x16){0} + opaque_one;
+    __m512i low_cells = _mm512_loadu_si512(&grid->table[0]);
+    __m512i high_cells = _mm512_loadu_si512(&grid->table[2]);
+    for (size_t i = 0; i < count; i += WLANES) {
+        f32x16 value, v = load16(y + i);
+        *clean += v - v;
+        i32x16 index = round_to_table16(grid, low_cells, high_cells, rng, v, small,
+                                        error || own ? &value : NULL, strata);
+        if (packed && bits == 4) {
+            /* lanes 2j and 2j + 1 in one 64-bit lane: the high index's bits 32.. move to 4.. */
+            __m512i pairs = (__m512i)index;
+            pairs = _mm512_or_si512(pairs, _mm512_srli_epi64(pairs, 28));
+            _mm_storel_epi64((__m128i *)(packed + i / 2), _mm512_cvtepi64_epi8(pairs));
+        } else if (packed) {
+            _mm_storeu_si128((__m128i *)(packed + i), _mm512_cvtepi32_epi8((__m512i)index));
+        } else {
+            _mm_storeu_si128((__m128i *)(indices + i), _mm512_cvtepi32_epi8((__m512i)index));
+        }
+        if (error) store16(error + i, v - ((value * step_v) * one + offset_v));
+        if (own) store16(y + i, value * own_a + own_c);
+    }
+}
+
+static void quantize_leaf(void *state, float *y, size_t offset, size_t count);
+
+/* quantize_leaf, sixteen wide; a count that is not a multiple of 16 leaves its last few
+   coordinates to the eight-wide loop, which continues the same draws. */
+WIDE void quantize_leaf16(void *state, float *y, size_t offset, size_t count) {
+    struct quantizer *q = state;
+    if (q->rng.next) { /* a leaf after an odd number of eight-coordinate steps (a tail) */
+        quantize_leaf(q, y, offset, count);
+        return;
+    }
+    const struct grid grid = q->grid;
+    struct rng16w rng = rng_widen(&q->rng);
+    struct strata16 strata = {rng_widen(&q->strata.shared), q->strata.n, q->strata.rank};
+    struct strata16 *correlated = strata.n ? &strata : NULL;
+    uint8_t indices[LEAF + 32];
+    f32x16 clean = {0};
+    size_t whole = count / WLANES * WLANES;
+    int bits = q->bits;
+    uint8_t *out = q->out + offset / 8 * bits;
+    uint8_t *packed = bits == 4 || bits == 8 ? out : NULL;
+    float *error = q->error ? q->error + offset : NULL;
+    int own = q->own;
+    float own_a = q->own_a, own_c = q->own_c;
+    float step = q->step, shift = q->offset;
+    if (correlated)
+        round_all16(&grid, &rng, y, whole, indices, packed, bits, grid.small, error, step, shift,
+                    correlated, own, own_a, own_c, &clean);
+    else if (grid.small && own && bits == 4)
+        round_all16(&grid, &rng, y, whole, indices, packed, 4, 1, NULL, 0, 0, NULL, 1, own_a,
+                    own_c, &clean);
+    else if (grid.small && error && bits == 4)
+        round_all16(&grid, &rng, y, whole, indices, packed, 4, 1, error, step, shift, NULL, 0, 0,
+                    0, &clean);
+    else if (grid.small && bits == 4)
+        round_all16(&grid, &rng, y, whole, indices, packed, 4, 1, NULL, 0, 0, NULL, 0, 0, 0,
+                    &clean);
+    else if (grid.small)
+        round_all16(&grid, &rng, y, whole, indices, packed, bits, 1, error, step, shift, NULL,
+                    own, own_a, own_c, &clean);
+    else
+        round_all16(&grid, &rng, y, whole, indices, packed, bits, 0, error, step, shift, NULL,
+                    own, own_a, own_c, &clean);
+    rng_narrow(&q->rng, &rng);
+    if (_mm512_cmp_ps_mask((__m512)clean, (__m512)clean, _CMP_UNORD_Q)) q->finite = 0;
+    if (correlated) rng_narrow(&q->strata.shared, &strata.shared);
+    if (!packed && whole) {
+        memset(indices + whole, 0, 32); /* padding packs as zero bits */
+        pack(indices, whole, bits, out, q->end);
+    }
+    if (whole < count) quantize_leaf(q, y + whole, offset + whole, count - whole);
+}
+#endif
+
 /* Whether y[0, count) holds no Inf or NaN (read into L1 for the rounding that follows). */
 MULTIVERSION static int leaf_finite(const float *y, size_t count) {
     f32x8 clean = {0};
@@ -625,6 +1046,16 @@ MULTIVERSION static int leaf_finite(const float *y, size_t count) {
 static int quantize(struct quantizer *q, float *y, size_t n) {
     for (size_t offset = 0; offset < n; offset += LEAF) {
         size_t count = MIN(LEAF, n - offset);
+#if HAVE_WIDE
+        if (use_wide && !q->rng.next) { /* the wide rounding checks what it reads */
+            size_t whole = count / WLANES * WLANES;
+            if (whole < count && !leaf_finite(y + offset + whole, count - whole)) return 0;
+            q->finite = 1;
+            quantize_leaf16(q, y + offset, offset, count);
+            if (!q->finite) return 0;
+            continue;
+        }
+#endif
         if (!leaf_finite(y + offset, count)) return 0;
         quantize_leaf(q, y + offset, offset, count);
     }
@@ -653,6 +1084,51 @@ MULTIVERSION static void dequantize_leaf(void *state, float *y, size_t offset, s
     else
         for (size_t i = 0; i < count; i++) y[i] = (float)sums.wide[i] * d->a + d->c;
 }
+
+#if HAVE_WIDE
+static int have_vbmi; /* AVX-512 VBMI's byte permute, for the decode's unpacking */
+
+typedef uint64_t u64x8 __attribute__((vector_size(64)));
+
+WIDE_INLINE u64x8 unsqueeze8(u64x8 x, int lane_bits, int w) {
+    uint64_t keep = lanes_mask(2 * lane_bits, w);
+    return (x & keep) | ((x << (lane_bits - w)) & (keep << lane_bits));
+}
+
+/* dequantize_leaf for sums of up to 8 bits, 64 at a time: one byte permute puts each group of
+   eight sums (w bytes) in a 64-bit lane, unpack's steps widen them to bytes, and each byte
+   becomes a*S + c, written as the eight-wide loop writes it (one multiply-add). */
+__attribute__((target(WIDE_TARGET ",avx512vbmi"))) static void
+dequantize_leaf16(void *state, float *y, size_t offset, size_t count) {
+    const struct dequantizer *d = state;
+    int w = d->w;
+    size_t i = 0;
+    if (w <= 8) {
+        const uint8_t *in = d->in + offset / 8 * (size_t)w;
+        uint8_t order[64];
+        for (int b = 0; b < 64; b++) order[b] = (uint8_t)(b / 8 * w + b % 8);
+        __m512i gather = _mm512_loadu_si512(order);
+        f32x16 a = (f32x16){0} + d->a, c = (f32x16){0} + d->c;
+        for (; i + 64 <= count && d->end - in >= 64; i += 64, in += 8 * w) {
+            u64x8 x = (u64x8)_mm512_permutexvar_epi8(gather, _mm512_loadu_si512(in));
+            x = unsqueeze8(unsqueeze8(unsqueeze8(x, 32, 4 * w), 16, 2 * w), 8, w);
+            __m512i bytes = (__m512i)x;
+            for (int part = 0; part < 4; part++) {
+                __m128i sixteen = _mm512_extracti32x4_epi32(bytes, 0);
+                if (part == 1) sixteen = _mm512_extracti32x4_epi32(bytes, 1);
+                if (part == 2) sixteen = _mm512_extracti32x4_epi32(bytes, 2);
+                if (part == 3) sixteen = _mm512_extracti32x4_epi32(bytes, 3);
+                f32x16 s = __builtin_convertvector((i32x16)_mm512_cvtepu8_epi32(sixteen), f32x16);
+                store16(y + i + 16 * part, s * a + c);
+            }
+        }
+    }
+    if (i < count) dequantize_leaf(state, y + i, offset + i, count - i);
+}
+#else
+#define dequantize_leaf16 dequantize_leaf
+static const int have_vbmi = 0;
+#endif
 
 /* ---------------------------------------------------------------------------------------------
  * Aggregator: sums of table values of b-bit indices, per L1-sized chunk, accumulated in bytes
@@ -978,7 +1454,7 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
         PyErr_Format(PyExc_ValueError, "rank %d of %d strata", q.strata.rank, q.strata.n);
         return NULL;
     }
-    if (q.strata.n) rng8_seed(&q.strata.shared, stratum_seed);
+    if (q.strata.n) rng16_seed(&q.strata.shared, stratum_seed);
     if (error && block) {
         PyErr_SetString(PyExc_ValueError, "the error output needs an unrotated input (block 0)");
         return NULL;
@@ -994,7 +1470,7 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
     q.out = ADDRESS(uint8_t *, out);
     q.end = q.out + out_size;
     q.error = ADDRESS(float *, error);
-    rng8_seed(&q.rng, seed);
+    rng16_seed(&q.rng, seed);
     int finite = 1;
     Py_BEGIN_ALLOW_THREADS
     if (block) {
@@ -1005,7 +1481,7 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
                             ADDRESS(const float *, divisors), (size_t)pieces};
         q.grid.a = 1;
         finite = fwht_forward(ADDRESS(float *, buffer), (size_t)n, (size_t)block, &in,
-                              quantize_leaf, &q);
+                              use_wide ? quantize_leaf16 : quantize_leaf, &q);
     } else {
         finite = quantize(&q, ADDRESS(float *, src), (size_t)n);
     }
@@ -1049,19 +1525,46 @@ static PyObject *py_rotate(PyObject *Py_UNUSED(self), PyObject *args) {
     return PyBool_FromLong(finite);
 }
 
+/* The sink of optional arguments dst, length, minuend, ends, factors, pieces (dst 0: none) */
+static int sink_of(struct sink *sink, unsigned long long dst, Py_ssize_t length,
+                   unsigned long long minuend, unsigned long long ends,
+                   unsigned long long factors, Py_ssize_t pieces, Py_ssize_t n) {
+    if (!dst) return 0;
+    if (length < 0 || length > n || pieces < 0 || (pieces && (!ends || !factors))) {
+        PyErr_SetString(PyExc_ValueError, "invalid sink: length or pieces");
+        return -1;
+    }
+    *sink = (struct sink){ADDRESS(float *, dst), (size_t)length, ADDRESS(const float *, minuend),
+                          {NULL, 0, 1.0f, NULL, ADDRESS(const int64_t *, ends),
+                           ADDRESS(const float *, factors), (size_t)pieces}};
+    return 1;
+}
+
 PyDoc_STRVAR(inverse_doc,
-             "inverse(x, n, block, signs)\n"
+             "inverse(x, n, block, signs[, dst, length, minuend, ends, factors, pieces])\n"
              "x[0:n] = the unnormalised FWHT of every block of x, times signs, in place: the\n"
-             "decode's transform back, of values already dequantized.");
+             "decode's transform back, of values already dequantized. With dst, the final\n"
+             "values y go to dst[0:length] instead, as minuend - y * factors[p] over each piece\n"
+             "p (int64 ends, the last `length`; none: minuend - y), rounded as torch's scale\n"
+             "then subtraction: error feedback's residual (x is then left part-transformed).");
 
 static PyObject *py_inverse(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long x, signs;
-    Py_ssize_t n, block;
-    if (!PyArg_ParseTuple(args, "KnnK", &x, &n, &block, &signs) || !check_block(n, block))
+    unsigned long long x, signs, dst = 0, minuend = 0, ends = 0, factors = 0;
+    Py_ssize_t n, block, length = 0, pieces = 0;
+    if (!PyArg_ParseTuple(args, "KnnK|KnKKKn", &x, &n, &block, &signs, &dst, &length, &minuend,
+                          &ends, &factors, &pieces) ||
+        !check_block(n, block))
         return NULL;
+    struct sink sink;
+    int sunk = sink_of(&sink, dst, length, minuend, ends, factors, pieces, n);
+    if (sunk < 0) return NULL;
+    if (sunk && !minuend) {
+        PyErr_SetString(PyExc_ValueError, "the inverse's sink needs a minuend");
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
     fwht_reverse(ADDRESS(float *, x), (size_t)n, (size_t)block, no_visit, NULL,
-                 ADDRESS(const uint8_t *, signs));
+                 ADDRESS(const uint8_t *, signs), sunk ? &sink : NULL);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1161,28 +1664,40 @@ static PyObject *py_pack_int32(PyObject *Py_UNUSED(self), PyObject *args) {
 }
 
 PyDoc_STRVAR(decode_doc,
-             "decode(packed, packed_size, w, n, a, c, out, block, signs)\n"
+             "decode(packed, packed_size, w, n, a, c, out, block, signs[, ends, factors, pieces])\n"
              "out[0:n] = a*S + c for the w-bit packed sums S; then, if block, the unnormalised\n"
-             "FWHT of every block, times signs.");
+             "FWHT of every block, times signs. With pieces (int64 ends, float32 factors), out\n"
+             "is then multiplied by factors[p] over each piece p, as the values are stored\n"
+             "(the tensor scales; the coordinates past the last end are left undefined).");
 
 static PyObject *py_decode(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long packed, out, signs;
-    Py_ssize_t packed_size, n, block;
+    unsigned long long packed, out, signs, ends = 0, factors = 0;
+    Py_ssize_t packed_size, n, block, pieces = 0;
     int w;
     float a, c;
-    if (!PyArg_ParseTuple(args, "KninffKnK", &packed, &packed_size, &w, &n, &a, &c, &out, &block,
-                          &signs) ||
+    if (!PyArg_ParseTuple(args, "KninffKnK|KKn", &packed, &packed_size, &w, &n, &a, &c, &out,
+                          &block, &signs, &ends, &factors, &pieces) ||
         !check_width(w, 16) || (block && !check_block(n, block)))
         return NULL;
+    struct sink sink;
+    int sunk = 0;
+    if (pieces) {
+        int64_t length = ADDRESS(const int64_t *, ends)[pieces - 1];
+        sunk = sink_of(&sink, out, (Py_ssize_t)length, 0, ends, factors, pieces, n);
+        if (sunk < 0) return NULL;
+    }
     const uint8_t *in = ADDRESS(const uint8_t *, packed);
     Py_BEGIN_ALLOW_THREADS
     struct dequantizer d = {in, in + packed_size, w, a, c};
+    leaf_visitor visit = use_wide && have_vbmi ? dequantize_leaf16 : dequantize_leaf;
     float *y = ADDRESS(float *, out);
     if (block) {
-        fwht_reverse(y, (size_t)n, (size_t)block, dequantize_leaf, &d, ADDRESS(const uint8_t *, signs));
+        fwht_reverse(y, (size_t)n, (size_t)block, visit, &d, ADDRESS(const uint8_t *, signs),
+                     sunk ? &sink : NULL);
     } else {
         for (size_t offset = 0; offset < (size_t)n; offset += LEAF)
-            dequantize_leaf(&d, y + offset, offset, MIN(LEAF, (size_t)n - offset));
+            visit(&d, y + offset, offset, MIN(LEAF, (size_t)n - offset));
+        if (sunk) sink_apply(&sink, y);
     }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -1241,7 +1756,28 @@ static PyObject *py_piece_squares(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(wide_doc,
+             "wide([on]) -> bool\n"
+             "Whether the sixteen-float (AVX-512) kernels run; with `on`, switches them on (where\n"
+             "the CPU has them) or off first: tests compare both ways bit for bit.");
+
+static PyObject *py_wide(PyObject *Py_UNUSED(self), PyObject *args) {
+    int on = -1;
+    if (!PyArg_ParseTuple(args, "|p", &on)) return NULL;
+#if HAVE_WIDE
+    if (on >= 0) {
+        __builtin_cpu_init();
+        use_wide = on && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                   __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                   __builtin_cpu_supports("bmi2");
+    }
+#endif
+    return PyBool_FromLong(use_wide);
+}
+
 static PyMethodDef methods[] = {
+    {"wide", py_wide, METH_VARARGS, wide_doc},
     {"fwht", py_fwht, METH_VARARGS, fwht_doc},
     {"encode", py_encode, METH_VARARGS, encode_doc},
     {"rotate", py_rotate, METH_VARARGS, rotate_doc},
@@ -1270,6 +1806,15 @@ PyMODINIT_FUNC PyInit__kernels(void) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     have_avx2 = __builtin_cpu_supports("avx2");
+#if HAVE_WIDE
+    have_vbmi = __builtin_cpu_supports("avx512vbmi");
+#endif
+    PyObject *on = PyTuple_Pack(1, Py_True);
+    if (on == NULL) return NULL;
+    PyObject *wide = py_wide(NULL, on);
+    Py_DECREF(on);
+    if (wide == NULL) return NULL;
+    Py_DECREF(wide);
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;

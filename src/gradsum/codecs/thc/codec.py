@@ -737,6 +737,11 @@ class THC(GridCodec):
         if packed is None:
             return self._encode_and_decode_alone(x, ctx, shared, residual)
         payload = Payload({UPSTREAM: packed}, x.numel())
+        if residual:  # the transform back's last pass stores x - own * scale: no own written
+            scaled = None if pieces is None else (self._ends(pieces, flat.device), scalars.rms)
+            error = native.inverse_residual(rotation, source, scaled, empty=self._recycler.empty)
+            if error is not None:
+                return payload, error
         y = native.inverse(rotation)
         if residual:
             lengths = None if pieces is None else self._lengths(pieces, y.device)
@@ -772,11 +777,32 @@ class THC(GridCodec):
         rotation = self._rotation(payload.length, ctx, device)
         scalars = self._round_scalars(shared, pieces, device, rotation.padded)
         # y = (S / contributors - g/2) * step
-        y = self._decode_grid(payload, _per_contributor(scalars.step, payload), scalars.offset,
-                              rotation, out=out)  # fmt: skip
+        step = _per_contributor(scalars.step, payload)
+        if pieces is not None:
+            y = self._decode_scaled(payload, step, scalars.offset, rotation, pieces, scalars.rms,
+                                    out)  # fmt: skip
+            if y is not None:
+                return y
+        y = self._decode_grid(payload, step, scalars.offset, rotation, out=out)
         if pieces is None:
             return y
         return self._scale_pieces(y, pieces, scalars.rms, divide=False, out=y)
+
+    def _decode_scaled(
+        self, payload: Payload, a: Scalar, c: Scalar, rotation: Rotation,
+        pieces: tuple[int, ...], factors: torch.Tensor, out: torch.Tensor | None,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """The CPU's native decode, each piece multiplied by its tensor scale as the transform
+        back stores it (no pass of its own); None where that kernel cannot run."""
+        if not (DOWNSTREAM in payload.fields and not payload.unpacked and isinstance(a, float)):
+            return None
+        count, empty = self._coordinates(payload.length), self._recycler.empty
+        if out is not None and out.numel() == count and out.is_contiguous():
+            empty = lambda n, dtype: out  # noqa: E731 (the caller's buffer)
+        sums = payload.fields[DOWNSTREAM]
+        y = native.decode(sums, self.sum_bits, count, a, c, rotation, empty=empty,
+                          pieces=(self._ends(pieces, sums.device), factors))  # fmt: skip
+        return None if y is None else y[: payload.length]
 
     def decode_into(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
                     out: torch.Tensor) -> None:  # fmt: skip

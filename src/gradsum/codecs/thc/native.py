@@ -173,6 +173,31 @@ def inverse(rotation: Rotation) -> torch.Tensor:
     return y
 
 
+def inverse_residual(
+    rotation: Rotation, x: torch.Tensor, pieces: tuple[torch.Tensor, torch.Tensor] | None,
+    empty: Empty = fresh,
+) -> torch.Tensor | None:  # fmt: skip
+    """``residual(x, inverse(rotation), ...)`` without the reconstruction written out: the last
+    pass of the transform back stores x - own * factors[p] (``pieces`` = (ends, factors), int64
+    and float32, the last end ``x.numel()``; None: x - own) straight into a new tensor, rounded
+    as ``residual`` rounds it. The rotation's scratch is left part-transformed."""
+    n = x.numel()
+    if not (_ready((x, torch.float32)) and x.dim() == 1 and n <= rotation.scratch.numel()):
+        return None
+    if pieces is not None and not (
+        _ready((pieces[0], torch.int64), (pieces[1], torch.float32))
+        and pieces[0].numel() == pieces[1].numel() > 0
+    ):
+        return None
+    y, out = rotation.scratch, empty(n, torch.float32)
+    _kernels.inverse(y.data_ptr(), y.numel(), rotation.block, rotation.sign_bits.data_ptr(),
+                     out.data_ptr(), n, x.data_ptr(),
+                     *((0, 0, 0) if pieces is None else (pieces[0].data_ptr(),
+                                                         pieces[1].data_ptr(),
+                                                         pieces[0].numel())))  # fmt: skip
+    return out
+
+
 def lookup_sum(
     payloads: Sequence[torch.Tensor], bits: int, table: torch.Tensor, count: int, width: int
 ) -> torch.Tensor | None:
@@ -202,13 +227,23 @@ def decode(
     c: float,
     rotation: Rotation | None,
     empty: Empty = fresh,
+    pieces: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """a*S + c for ``count`` packed ``width``-bit sums S, then ``rotation.inverse`` if given
-    (returning all ``count`` padded coordinates)."""
+    (returning all ``count`` padded coordinates). ``pieces`` = (ends, factors) (int64 and
+    float32, the last end at most ``count``): the values then multiplied by each piece's
+    factor as they are stored, as ``scale_pieces`` multiplies them (THC's tensor scales);
+    the coordinates past the last end are left undefined."""
     if not (
         _ready((packed, torch.uint8))
         and width <= MAX_SUM_BITS
         and packed.numel() >= (count * width + 7) // 8
+    ):
+        return None
+    if pieces is not None and not (
+        _ready((pieces[0], torch.int64), (pieces[1], torch.float32))
+        and pieces[0].numel() == pieces[1].numel() > 0
+        and int(pieces[0][-1]) <= count
     ):
         return None
     signs, block = 0, 0
@@ -219,8 +254,10 @@ def decode(
         a, c = a / math.sqrt(block), c / math.sqrt(block)  # the kernel's transform is unnormalised
     out = empty(count, torch.float32)
     _kernels.decode(
-        packed.data_ptr(), packed.numel(), width, count, a, c, out.data_ptr(), block, signs
-    )
+        packed.data_ptr(), packed.numel(), width, count, a, c, out.data_ptr(), block, signs,
+        *((0, 0, 0) if pieces is None else (pieces[0].data_ptr(), pieces[1].data_ptr(),
+                                            pieces[0].numel())),
+    )  # fmt: skip
     return out
 
 
