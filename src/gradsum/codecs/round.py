@@ -622,6 +622,67 @@ def _run_round(codec, inputs, seed, step, key, contributors, partition_elements,
     return RoundResult(average, pieces)
 
 
+def run_step_round(
+    codec: Codec,
+    inputs: Sequence[Sequence[torch.Tensor]],
+    *,
+    keys: Sequence[Hashable] | None = None,
+    seed: int = 0,
+    step: int = 0,
+    partition_elements: int = PARTITION_ELEMENTS,
+    clock: PhaseClock | None = None,
+) -> list[torch.Tensor]:
+    """The reference of a step: every worker's round over all of its gradients at once,
+    ``inputs`` one list of gradients per worker (a model's groups, ``keys`` theirs; default
+    0, 1, ...), the average of each. Where the codec batches a step (``thc.step.StepRound``:
+    THC on the fused kernels) every partition of every gradient is one row of one round, in
+    a fixed number of launches; otherwise, and always in values, it is ``run_round`` of each
+    gradient."""
+    groups = len(inputs[0])
+    keys = list(range(groups)) if keys is None else list(keys)
+    clock = clock or PhaseClock()
+    checks = DeviceChecks()
+    with checks.deferring():
+        result = _run_step_round(codec, inputs, keys, seed, step, partition_elements, clock)
+    checks.raise_if_failed()
+    if result is not None:
+        return result
+    return [
+        run_round(codec, [worker[g] for worker in inputs], seed=seed, step=step, key=keys[g],
+                  partition_elements=partition_elements, clock=clock).average
+        for g in range(groups)
+    ]  # fmt: skip
+
+
+def _run_step_round(codec, inputs, keys, seed, step, partition_elements, clock):
+    from .thc.step import StepRound
+
+    rounds = []
+    for w, flats in enumerate(inputs):
+        with clock.phase("encode"):
+            flats = [x.reshape(-1).to(torch.float32) for x in flats]
+            batched = StepRound.build(codec, flats, worker=w, keys=keys, step=step, seed=seed,
+                                      partition_elements=partition_elements)  # fmt: skip
+            if batched is None:
+                return None
+            batched.prepare()
+        rounds.append(batched)
+    with clock.phase("aggregate"):
+        shared = torch.stack([r.summaries for r in rounds]).amax(dim=0)
+    payloads = []
+    for batched in rounds:
+        with clock.phase("encode"):
+            payloads.append(batched.encode(shared))
+    first = rounds[0]
+    with clock.phase("aggregate"):
+        sums = [codec.aggregate([p[i] for p in payloads], aggregator_context(ctx))
+                for i, ctx in enumerate(first.contexts)]  # fmt: skip
+    if not first.decodes(sums):
+        raise RuntimeError("the step's sums are not the packed sums of one contributor count")
+    with clock.phase("decode"):
+        return first.decode(sums)
+
+
 def run_quorum_round(
     codec: Codec,
     inputs: Sequence[torch.Tensor],

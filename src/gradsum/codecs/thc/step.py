@@ -1,0 +1,318 @@
+"""A step's THC rounds in a fixed number of launches, whatever its partitions and gradients.
+
+On a GPU a THC round is bound by its launches (~70 per 2**20 partition with error feedback,
+``tests/codecs/test_launches.py``), and a step makes one round per partition of each of its
+gradients (a GPT's 27 WFBP groups, ready together). Here every partition of every gradient of
+the step is one row of [P, N] buffers (N: the longest row's padded length), and each operation
+of the round is one launch over all rows, the per-partition scalars (norms, grid scalars, seeds)
+[P] device arrays:
+
+    encode: the rows' memory norms (one multi-tensor reduction), the rotation with the bounded
+            memory added (2 kernels), the summaries (one multi-tensor reduction), the grid
+            scalars from the MAX round's norms (1 kernel), the quantization with the new
+            rotated memory (1 kernel), and where memory stays in the gradient's domain
+            (padded rows) its residual (2 kernels);
+    decode: the sums, one buffer, dequantized and rotated back into the step's output
+            (2 kernels).
+
+Each row takes the per-partition round's operations in its order, so the values are the
+round's (``codec.round.run_round`` of each gradient) bit for bit: a row's kernels are the fused
+kernels of one partition with per-row scalars, a row's rotation stages stop at its own block
+(``_triton._stages_upto``), its thresholds are ``base.hashed_uniform`` of its own seed,
+computed in the kernel, and its norms come from ``torch._foreach_norm``, whose value for a
+tensor does not depend on the others in its list (``base.norms_of``; the per-partition path takes
+them from the same call on a list of one).
+
+What batches (``StepRound.build`` says None otherwise, and the caller runs a round per
+gradient): THC of one scale per partition (no tensor scales described), independent rounding
+and the fixed clamp, with or without error feedback (rotated or in the gradient's domain), on
+the fused kernels (a GPU with Triton; the CPU under the interpreter in tests), every row a whole
+number of packed bytes, sums of one contributor count for the whole step, packed.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..base import CodecContext, DeviceChecks, Payload, check_finite, norms_of, require
+from ..bits import packed_nbytes
+from ..feedback import ErrorFeedback, TransformedErrorFeedback
+from ..round import PARTITION_ELEMENTS, partition_bounds, partition_id
+from . import triton_kernels
+from .codec import DOWNSTREAM, THC, UPSTREAM, _reads_scalars
+from .hadamard import padded_length
+
+KIND_NONE, KIND_ROTATED, KIND_GRADIENT = 0, 1, 2  # where a row's error feedback memory lives
+
+
+@dataclass(frozen=True)
+class Row:
+    """Partition ``index`` of gradient ``group``: coordinates [start, stop) of that gradient,
+    at ``source`` of the step's flat input and output."""
+
+    group: int
+    index: int
+    start: int
+    stop: int
+    source: int
+    padded: int
+    block: int
+    kind: int
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+class StepLayout:
+    """The rows of a step's gradients (their lengths and keys) and their device tables: fixed
+    for the run, so built once and kept with the codec (``_LAYOUTS``)."""
+
+    def __init__(self, codec, inner: THC, lengths: Sequence[int], keys: Sequence[Hashable],
+                 partition_elements: int, device: torch.device):  # fmt: skip
+        rows, source = [], 0
+        self.group_starts = []
+        for g, (total, key) in enumerate(zip(lengths, keys, strict=True)):
+            self.group_starts.append(source)
+            bounds = codec.partitions(key, total, partition_elements)
+            if bounds is None:
+                bounds = partition_bounds(total, partition_elements)
+            for i, (a, b) in enumerate(bounds):
+                padded = padded_length(b - a, inner.rotation_block)
+                block = padded if inner.rotation_block is None else inner.rotation_block
+                kind = KIND_NONE
+                if isinstance(codec, TransformedErrorFeedback):
+                    ctx = CodecContext(key=(key, i))
+                    kind = (KIND_ROTATED if inner.transform_keeps_length(b - a, ctx)
+                            else KIND_GRADIENT)  # fmt: skip
+                elif isinstance(codec, ErrorFeedback):
+                    kind = KIND_GRADIENT
+                rows.append(Row(g, i, a, b, source + a, padded, block, kind))
+            source += total
+        self.total = source
+        self.rows_of = rows
+        self.rows = len(rows)
+        self.width = max((r.padded for r in rows), default=1)
+        self.keys = tuple(keys)
+        self.partition_ids = [partition_id(keys[r.group], r.index) for r in rows]
+        sums = [packed_nbytes(r.padded, inner.sum_bits) for r in rows]
+        self.sum_starts = [sum(sums[:i]) for i in range(len(sums))]
+        self.sum_bytes = sums
+        # every distinct padded length's signs once (a rotation's signs depend on it alone)
+        signs, sign_start = [], {}
+        for r in rows:
+            if r.padded not in sign_start:
+                sign_start[r.padded] = sum(s.numel() for s in signs)
+                ctx = CodecContext(key=(keys[r.group], r.index))
+                signs.append(inner._rotation(r.length, ctx, device).signs)
+        self.signs = torch.cat(signs) if signs else torch.zeros(1, device=device)
+        meta = [
+            [r.source, r.length, r.padded, r.block.bit_length() - 1, sign_start[r.padded],
+             r.source, r.kind, start]
+            for r, start in zip(rows, self.sum_starts, strict=True)
+        ]  # fmt: skip
+        self.meta = torch.tensor(meta, dtype=torch.int64).to(device)
+        self.scales = torch.tensor([1.0 / math.sqrt(r.block) for r in rows],
+                                   dtype=torch.float32).to(device)  # fmt: skip
+        self.sqrt_padded = torch.tensor([math.sqrt(r.padded) for r in rows],
+                                        dtype=torch.float64).to(device)  # fmt: skip
+        g = inner.granularity
+        clamp = inner.threshold
+        self.constants = torch.tensor([g, 2 * clamp, 2 * clamp / g, g / 2],
+                                      dtype=torch.float64).to(device)  # fmt: skip
+        self.kinds = {r.kind for r in rows}
+
+    def fits(self, inner: THC) -> bool:
+        """Whether the row kernels take this layout (``triton_kernels.rows_fit``)."""
+        per = 8 // inner.bits if inner.bits in (1, 2, 4, 8) else 0
+        return (self.rows > 0 and per > 0 and all(r.padded % per == 0 for r in self.rows_of)
+                and all(r.padded <= self.width for r in self.rows_of)
+                and triton_kernels.rows_fit(self.width, inner.bits))  # fmt: skip
+
+
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _layout(codec, inner: THC, lengths, keys, partition_elements, device) -> StepLayout:
+    kept = _LAYOUTS.setdefault(codec, {})
+    key = (tuple(lengths), tuple(keys), partition_elements, device)
+    layout = kept.get(key)
+    if layout is None:
+        layout = kept[key] = StepLayout(codec, inner, lengths, keys, partition_elements, device)
+    return layout
+
+
+def _inner(codec) -> THC | None:
+    inner = codec.inner if isinstance(codec, ErrorFeedback) else codec
+    return inner if isinstance(inner, THC) else None
+
+
+class StepRound:
+    """One worker's batched round over a step's gradients: ``prepare`` (precondition and
+    summarize: the summaries, one [P] tensor for the MAX round), ``encode`` (the MAX round's
+    [P] result; every row's payload) and ``decode`` (every row's summed payload; the averages,
+    one per gradient, views of one output). Error feedback's memory is kept per row as the
+    per-partition round keeps it (``ErrorFeedback.memory`` by the row's state key), as views
+    of one [P, N] buffer that the next step reads without gathering it."""
+
+    def __init__(self, codec, inner: THC, layout: StepLayout, flats: Sequence[torch.Tensor],
+                 worker: int, seed: int, step: int):  # fmt: skip
+        self.codec, self.inner, self.layout = codec, inner, layout
+        self.feedback = isinstance(codec, ErrorFeedback)
+        self.contexts = [
+            CodecContext(seed, worker, step, pid, key=(layout.keys[r.group], r.index))
+            for r, pid in zip(layout.rows_of, layout.partition_ids, strict=True)
+        ]
+        self.flats = [f.reshape(-1) for f in flats]
+        self.checks = DeviceChecks.current()
+
+    @classmethod
+    def build(cls, codec, flats: Sequence[torch.Tensor], *, worker: int,
+              keys: Sequence[Hashable], step: int, seed: int = 0,
+              partition_elements: int = PARTITION_ELEMENTS) -> StepRound | None:  # fmt: skip
+        """The batched round of these gradients, or None where it does not batch (see the
+        module docstring): the caller then runs a round per gradient, the same values."""
+        inner = _inner(codec)
+        if inner is None or inner.correlated or inner.spread_clamp or codec.stages != 1:
+            return None
+        if not flats or len({f.device for f in flats}) != 1:
+            return None
+        device = flats[0].device
+        probe = torch.empty(0, device=device)
+        if _reads_scalars(probe) or not triton_kernels.use_for(device):
+            return None
+        if any(inner._pieces(CodecContext(key=(k, 0))) is not None
+               or inner._layouts.get(k) is not None for k in keys):  # fmt: skip
+            return None  # tensor scales: per partition
+        layout = _layout(codec, inner, [f.numel() for f in flats], keys, partition_elements,
+                         device)  # fmt: skip
+        if not layout.fits(inner):
+            return None
+        return cls(codec, inner, layout, flats, worker, seed, step)
+
+    # -- before the MAX round ------------------------------------------------------------------
+    def prepare(self) -> torch.Tensor:
+        """Precondition and summarize every row: the [P] summaries for the MAX round."""
+        layout, rows = self.layout, self.layout.rows_of
+        flats = [f.to(torch.float32) for f in self.flats]
+        src = flats[0] if len(flats) == 1 else torch.cat(flats)
+        self.src = src.contiguous()
+        xs = [self.src[r.source : r.source + r.length] for r in rows]
+        memory, norms, bound = None, None, None
+        if self.feedback:
+            memory, errors = self._memory()
+            bound = self.codec.bound
+            if memory is not None and bound is not None:
+                norms = torch.stack(norms_of(xs + errors))
+        w, xp = triton_kernels.rows_rotate(layout, self.src, memory, norms, bound,
+                                           self.feedback)  # fmt: skip
+        self.w, self.xp = w, xp
+        summarized = [
+            w[i, : r.padded] if r.kind == KIND_ROTATED
+            else (xp[i, : r.length] if r.kind == KIND_GRADIENT else xs[i])
+            for i, r in enumerate(rows)
+        ]  # fmt: skip
+        self.summaries = torch.stack(norms_of(summarized, torch.float64)).to(torch.float32)
+        return self.summaries
+
+    def _memory(self) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """The rows' memory as one [P, N] buffer (the last step's, where every row's memory is
+        still its view; else gathered, zero where a row has none), and each row's own."""
+        layout, memory = self.layout, self.codec.memory
+        kept = [memory.get(ctx.state_key) for ctx in self.contexts]
+        if all(e is None for e in kept):
+            return None, []
+        for i, (e, r) in enumerate(zip(kept, layout.rows_of, strict=True)):
+            length = r.padded if r.kind == KIND_ROTATED else r.length
+            if e is not None and e.numel() != length:
+                raise ValueError(
+                    f"error-feedback memory for {self.contexts[i].state_key!r} holds "
+                    f"{e.numel()} coordinates, the gradient has {r.length}; call reset() "
+                    "after re-bucketing"
+                )
+        base = kept[0]._base if kept[0] is not None else None
+        n = layout.width
+        if base is not None and base.shape == (layout.rows, n) and all(
+            e is not None and e._base is base and e.storage_offset() == i * n
+            for i, e in enumerate(kept)
+        ):  # fmt: skip
+            return base, kept
+        zeros = torch.zeros(n, device=self.src.device)
+        rows = [zeros[:1] if e is None else e.reshape(-1) for e in kept]
+        pieces = [part for e in rows for part in (e, zeros[: n - e.numel()])]
+        return torch.cat(pieces).view(layout.rows, n), rows
+
+    # -- the SUM's two halves -----------------------------------------------------------------
+    def encode(self, shared: torch.Tensor) -> list[Payload]:
+        """Every row's payload, from the MAX round's [P] norms; error feedback's new memory."""
+        layout, inner = self.layout, self.inner
+        shared = shared.reshape(-1)
+        if shared.numel() != layout.rows:
+            raise ValueError(f"{shared.numel()} MAX results for a step of {layout.rows} rows")
+        a, step, step32, offset, own_offset, ok = triton_kernels.rows_scalars(
+            shared, layout.sqrt_padded, layout.constants
+        )
+        self.step, self.offset = step, offset
+        require(ok.all(), lambda: self._invalid(shared))
+        lookups = inner._tables(self.src.device)
+        seeds = torch.tensor([ctx.worker_seed() for ctx in self.contexts], dtype=torch.int64)
+        seeds = seeds.to(self.src.device)
+        g = inner.granularity
+        new = None
+        if self.feedback:
+            new = torch.empty(layout.rows, layout.width, dtype=torch.float32,
+                              device=self.src.device)  # fmt: skip
+        error = None
+        if KIND_ROTATED in layout.kinds:
+            error = (lookups.value_of_index, step32, own_offset, new)
+        packed = triton_kernels.rows_quantize(layout, self.w, seeds, lookups, a, g / 2, g,
+                                              inner.bits, error)  # fmt: skip
+        if KIND_GRADIENT in layout.kinds and self.feedback:
+            triton_kernels.rows_dequantize_inverse(
+                layout, packed, inner.bits, step, offset, 1, new, lookups.value_of_index, self.xp
+            )
+        payloads = []
+        for i, (r, ctx) in enumerate(zip(layout.rows_of, self.contexts, strict=True)):
+            payloads.append(Payload({UPSTREAM: packed[i, : r.padded * inner.bits // 8]},
+                                    r.length))  # fmt: skip
+            if self.feedback:
+                kept = r.padded if r.kind == KIND_ROTATED else r.length
+                self.codec.memory[ctx.state_key] = new[i, :kept]
+                if isinstance(self.codec, TransformedErrorFeedback):
+                    self.codec._lengths[ctx.state_key] = (
+                        r.length if r.kind == KIND_ROTATED else None)  # fmt: skip
+        return payloads
+
+    def _invalid(self, shared: torch.Tensor) -> None:
+        """The failed check: a row's own input (a NaN or Inf names its coordinate), else the
+        MAX round's norms."""
+        for r in self.layout.rows_of:
+            check_finite(self.src[r.source : r.source + r.length])
+        raise ValueError(f"{self.inner.name}: invalid max norms {shared.tolist()}")
+
+    def decodes(self, sums: Sequence[Payload]) -> bool:
+        """Whether ``decode`` takes these sums (else decode them row by row)."""
+        counts = {s.contributors for s in sums}
+        return (len(sums) == self.layout.rows and len(counts) == 1
+                and all(s.counts is None and not s.unpacked and DOWNSTREAM in s.fields
+                        and s.fields[DOWNSTREAM].numel() == n
+                        for s, n in zip(sums, self.layout.sum_bytes, strict=True)))  # fmt: skip
+
+    def decode(
+        self, sums: Sequence[Payload], out: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """Every gradient's average from every row's summed payload (``decodes``)."""
+        layout = self.layout
+        fields = [s.fields[DOWNSTREAM].reshape(-1) for s in sums]
+        packed = fields[0] if len(fields) == 1 else torch.cat(fields)
+        if out is None:
+            out = torch.empty(layout.total, dtype=torch.float32, device=packed.device)
+        triton_kernels.rows_dequantize_inverse(layout, packed, self.inner.sum_bits, self.step,
+                                               self.offset, sums[0].contributors, out)  # fmt: skip
+        ends = [*layout.group_starts[1:], layout.total]
+        return [out[a:b] for a, b in zip(layout.group_starts, ends, strict=True)]
