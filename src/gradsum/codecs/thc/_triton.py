@@ -135,6 +135,9 @@ def _quantize_kernel(y, draws, low_of_cell, inverse_width, interval, packed, a, 
 # the step's flat output (OUT), the domain of its error feedback memory (KIND: 1 rotated, added
 # after the transform; 2 the gradient's, added before) and where its sums start (SUMS, bytes).
 SRC, LEN, PAD, LOG, SIGNS, OUT, KIND, SUMS = 0, 1, 2, 3, 4, 5, 6, 7
+# tensor scales (``_rows_tensor_scales_kernel``): the row's first piece, its number of pieces
+# (0: one scale) and where its one scale's norm lies among the plain rows' summaries
+PIECE0, NPIECES, SUMMARY = 8, 9, 10
 
 
 @triton.jit
@@ -164,21 +167,24 @@ def _bound_factor(norms, r, P, bound, BOUND: tl.constexpr):
 
 
 @triton.jit
-def _rows_rotate_kernel(src, memory, norms, xp, dst, signs, meta, scales, bound, P, N,
-                        K: tl.constexpr, T: tl.constexpr, LOG_T: tl.constexpr,
-                        XP: tl.constexpr, MEMORY: tl.constexpr,
-                        BOUND: tl.constexpr):  # fmt: skip
+def _rows_rotate_kernel(src, memory, norms, xp, dst, signs, meta, scales, bound, divisors,
+                        lengths, P, N, K: tl.constexpr, T: tl.constexpr, LOG_T: tl.constexpr,
+                        XP: tl.constexpr, MEMORY: tl.constexpr, BOUND: tl.constexpr,
+                        PIECES: tl.constexpr, SELECT: tl.constexpr):  # fmt: skip
     """Tile ``program_id(1)`` of row ``program_id(0)``: the encode's rotation input (the
     row's coordinates, with its bounded gradient-domain memory added, times its signs, zero
     past its length) through the in-tile stages; where the row's block fits in a tile, the
-    scale and its bounded rotated memory added too. XP: the rows of gradient-domain memory
-    (KIND 2) store x + e into ``xp``, which their summaries and residuals read."""
+    scale and its bounded rotated memory added too. XP: every row stores its x (+ e where its
+    memory is the gradient's, KIND 2) into ``xp`` (at SRC, as the source lies), which the
+    summaries and residuals read. PIECES: x + e divided by its tensor's scale (``divisors``,
+    one per piece, ``_piece_of``). SELECT: which rows are rotated (``_selected``)."""
     r = tl.program_id(0)
     j = tl.program_id(1) * T + tl.arange(0, T)
     row = meta + r * K
     length, padded, log_block = tl.load(row + LEN), tl.load(row + PAD), tl.load(row + LOG)
     inside = j < length
-    x = tl.load(src + tl.load(row + SRC) + j, mask=inside, other=0.0)
+    start = tl.load(row + SRC)
+    x = tl.load(src + start + j, mask=inside, other=0.0)
     f = _bound_factor(norms, r, P, bound, BOUND)
     kind = tl.load(row + KIND)
     before = j < tl.where(kind == 2, length, 0)  # (a scalar condition is a row's bound)
@@ -186,7 +192,9 @@ def _rows_rotate_kernel(src, memory, norms, xp, dst, signs, meta, scales, bound,
         e = tl.load(memory + r * N + j, mask=before, other=0.0)
         x = tl.where(before, x + e * f, x)
     if XP:
-        tl.store(xp + r * N + j, x, mask=before)
+        tl.store(xp + start + j, x, mask=inside)
+    if PIECES:
+        x = tl.math.div_rn(x, tl.load(divisors + _piece_of(j, row, lengths)))
     x = x * tl.load(signs + tl.load(row + SIGNS) + j, mask=inside, other=0.0)
     x = tl.reshape(_stages_upto(tl.reshape(x, (1, T)), T, LOG_T, log_block), (T,))
     last = log_block <= LOG_T
@@ -194,14 +202,41 @@ def _rows_rotate_kernel(src, memory, norms, xp, dst, signs, meta, scales, bound,
     if MEMORY:
         after = j < tl.where((kind == 1) & last, padded, 0)
         y = tl.where(after, y + tl.load(memory + r * N + j, mask=after, other=0.0) * f, y)
-    tl.store(dst + r * N + j, tl.where(last, y, x), mask=j < padded)
+    tl.store(dst + r * N + j, tl.where(last, y, x),
+             mask=j < tl.where(_selected(kind, SELECT), padded, 0))  # fmt: skip
+
+
+@triton.jit
+def _piece_of(j, row, lengths):
+    """The piece (of the step's, PIECE0 on) that a row's coordinates j lie in: its tensors'
+    pieces end where their ``lengths`` add up to; a row of one scale has one."""
+    first = tl.load(row + PIECE0)
+    piece = j * 0 + first
+    end = j * 0
+    for k in range(tl.load(row + NPIECES) - 1):
+        end = end + tl.load(lengths + first + k)
+        piece = piece + (j >= end).to(piece.dtype)
+    return piece
+
+
+@triton.jit
+def _selected(kind, SELECT: tl.constexpr):
+    """Whether a row of this KIND is rotated by a launch of SELECT 0 (all rows), 1 (those of
+    rotated memory: before the MAX round, which their norms take part in) or 2 (the others:
+    after it, divided by their tensors' scales)."""
+    if SELECT == 0:
+        return kind >= 0
+    elif SELECT == 1:
+        return kind == 1
+    else:
+        return kind != 1
 
 
 @triton.jit
 def _rows_dequantize_kernel(sums, dst, step, offset, values, signs, meta, scales, xp, out,
-                            contributors, N, K: tl.constexpr, T: tl.constexpr,
+                            factors, lengths, contributors, N, K: tl.constexpr, T: tl.constexpr,
                             LOG_T: tl.constexpr, WIDTH: tl.constexpr, LOOKUP: tl.constexpr,
-                            RESIDUAL: tl.constexpr):  # fmt: skip
+                            RESIDUAL: tl.constexpr, PIECES: tl.constexpr):  # fmt: skip
     """Tile ``program_id(1)`` of row ``program_id(0)`` of the decode: its sums (WIDTH-bit
     lanes packed from byte SUMS; LOOKUP: table indices packed at r * N * WIDTH / 8, read as
     their table values, a payload's own sum) times step / contributors plus the row's offset,
@@ -223,33 +258,40 @@ def _rows_dequantize_kernel(sums, dst, step, offset, values, signs, meta, scales
     x = lanes.to(tl.float32) * a + tl.load(offset + r)
     x = tl.reshape(_stages_upto(tl.reshape(x, (1, T)), T, LOG_T, log_block), (T,))
     last = log_block <= LOG_T
-    _finish_decode(x * tl.load(scales + r), j, r, row, signs, xp, out, N,
-                   j < tl.where(last, padded, 0), RESIDUAL)  # fmt: skip
+    _finish_decode(x * tl.load(scales + r), j, r, row, signs, xp, out, factors, lengths, N,
+                   j < tl.where(last, padded, 0), RESIDUAL, PIECES)  # fmt: skip
     tl.store(dst + r * N + j, x, mask=j < tl.where(last, 0, padded))
 
 
 @triton.jit
-def _finish_decode(y, j, r, row, signs, xp, out, N, valid, RESIDUAL: tl.constexpr):
-    """A decoded row's coordinates j (valid ones), transformed and scaled: times its signs,
-    the first LEN of them stored at OUT of the step's output, or (RESIDUAL) subtracted from
-    x + e, its memory's new value, stored at r * N of ``out``."""
+def _finish_decode(y, j, r, row, signs, xp, out, factors, lengths, N, valid,
+                   RESIDUAL: tl.constexpr, PIECES: tl.constexpr):  # fmt: skip
+    """A decoded row's coordinates j (valid ones), transformed and scaled: times its signs
+    (PIECES: and its tensors' scales, ``factors`` per piece), the first LEN of them stored at OUT
+    of the step's output, or (RESIDUAL) subtracted from x + e (``xp`` at SRC), its memory's
+    new value, stored at r * N of ``out``."""
     length = tl.load(row + LEN)
     if RESIDUAL:  # the rows of rotated memory have theirs from the quantization
         length = tl.where(tl.load(row + KIND) == 2, length, 0)
     valid = valid & (j < length)
     y = y * tl.load(signs + tl.load(row + SIGNS) + j, mask=valid, other=0.0)
+    start = tl.load(row + SRC)
+    if PIECES:
+        y = y * tl.load(factors + _piece_of(j, row, lengths))
     if RESIDUAL:
-        tl.store(out + r * N + j, tl.load(xp + r * N + j, mask=valid, other=0.0) - y, mask=valid)
+        tl.store(out + r * N + j, tl.load(xp + start + j, mask=valid, other=0.0) - y, mask=valid)
     else:
         tl.store(out + tl.load(row + OUT) + j, y, mask=valid)
 
 
 @triton.jit
-def _rows_cross_kernel(buf, memory, norms, signs, meta, scales, xp, out, bound, P, N,
+def _rows_cross_kernel(buf, memory, norms, signs, meta, scales, xp, out, bound, factors,
+                       lengths, P, N,
                        K: tl.constexpr, RM: tl.constexpr, LOG_RM: tl.constexpr,
                        T: tl.constexpr, LOG_T: tl.constexpr, C: tl.constexpr,
                        DECODE: tl.constexpr, MEMORY: tl.constexpr, BOUND: tl.constexpr,
-                       RESIDUAL: tl.constexpr):  # fmt: skip
+                       RESIDUAL: tl.constexpr, PIECES: tl.constexpr,
+                       SELECT: tl.constexpr):  # fmt: skip
     """Cross-tile stages (strides T .. block / 2) of row ``program_id(0)`` for C positions of
     its tiles, where its block spans tiles, then its scale and the encode's rotated memory
     (into ``buf``) or the decode's finish (``_finish_decode``)."""
@@ -257,14 +299,16 @@ def _rows_cross_kernel(buf, memory, norms, signs, meta, scales, xp, out, bound, 
     row = meta + r * K
     padded, log_block = tl.load(row + PAD), tl.load(row + LOG)
     offsets = tl.arange(0, RM)[:, None] * T + tl.program_id(1) * C + tl.arange(0, C)[None, :]
-    valid = offsets < tl.where(log_block > LOG_T, padded, 0)  # the rows whose blocks span tiles
+    spans = (log_block > LOG_T) & _selected(tl.load(row + KIND), SELECT)  # blocks across tiles
+    valid = offsets < tl.where(spans, padded, 0)
     x = tl.trans(tl.load(buf + r * N + offsets, mask=valid, other=0.0))
     x = tl.trans(_stages_upto(x, RM, LOG_RM, log_block - LOG_T)) * tl.load(scales + r)
     if DECODE:
-        _finish_decode(x, offsets, r, row, signs, xp, out, N, valid, RESIDUAL)
+        _finish_decode(x, offsets, r, row, signs, xp, out, factors, lengths, N, valid, RESIDUAL,
+                       PIECES)  # fmt: skip
     else:
         if MEMORY:
-            after = offsets < tl.where((tl.load(row + KIND) == 1) & (log_block > LOG_T), padded, 0)
+            after = offsets < tl.where((tl.load(row + KIND) == 1) & spans, padded, 0)
             f = _bound_factor(norms, r, P, bound, BOUND)
             x = tl.where(after, x + tl.load(memory + r * N + offsets, mask=after, other=0.0) * f,
                          x)  # fmt: skip
@@ -306,23 +350,67 @@ def _rows_quantize_kernel(y, seeds, low_of_cell, inverse_width, interval, packed
 
 @triton.jit
 def _rows_scalars_kernel(shared, sqrt_padded, constants, a, step, step32, offset, own_offset,
-                         ok, P, BLOCK: tl.constexpr):  # fmt: skip
+                         ok, prior, P, BLOCK: tl.constexpr, PRIOR: tl.constexpr):  # fmt: skip
     """Every row's grid scalars from its MAX round's norm m, in float64 as
     ``thc.codec._RoundScalars`` computes them: a = where(m > 0, sqrt(padded) / m, 0) * g /
     (2 t); step = (2 t / g) * m / sqrt(padded); offset = -step * g / 2; own_offset = -step *
     g / 2 as error feedback's own decode rounds it (``constants``: g, 2 t, 2 t / g, g / 2);
-    ``ok``: m is finite and >= 0."""
+    ``ok``: m is finite and >= 0 (PRIOR: and ``prior``, the tensor scales' check, holds)."""
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = r < P
     m = tl.load(shared + r, mask=inside, other=0.0).to(tl.float64)
     root = tl.load(sqrt_padded + r, mask=inside, other=1.0)
     g, twice_clamp = tl.load(constants), tl.load(constants + 1)
     per_step, half_g = tl.load(constants + 2), tl.load(constants + 3)
-    scale = tl.where(m > 0, root / m, 0.0)
+    scale = tl.where(m > 0, root / tl.where(m > 0, m, 1.0), 0.0)  # the same where m > 0
     s = (per_step * m) / root
     tl.store(a + r, ((scale * g) / twice_clamp).to(tl.float32), mask=inside)
     tl.store(step + r, s, mask=inside)
     tl.store(step32 + r, s.to(tl.float32), mask=inside)
     tl.store(offset + r, (((-s) * g) / 2.0).to(tl.float32), mask=inside)
     tl.store(own_offset + r, ((-s) * half_g).to(tl.float32), mask=inside)
-    tl.store(ok + r, ((m - m == 0) & (m >= 0)).to(tl.int8), mask=inside)
+    valid = (m - m == 0) & (m >= 0)
+    if PRIOR:
+        valid = valid & (tl.load(prior + r, mask=inside, other=1) != 0)
+    tl.store(ok + r, valid.to(tl.int8), mask=inside)
+
+
+@triton.jit
+def _rows_tensor_scales_kernel(shared, meta, sqrt_lengths, largest, factors, divisors, ok,
+                               plain, pieces, W, K: tl.constexpr,
+                               WB: tl.constexpr):  # fmt: skip
+    """Row ``program_id(0)``'s tensor scales (``THC._tensor_scales``) from the MAX round's
+    result ``shared``: the ``plain`` rows' norms (one scale), then a (W x ``pieces``) matrix
+    of every worker's piece norms. A row of NPIECES > 0 pieces, from column PIECE0: each
+    piece's RMS (the largest norm over the workers over the square root of its length,
+    ``sqrt_lengths``), its decode factor (float32) and encode divisor (1 where the RMS is 0),
+    and the largest over the workers of the norm of the row divided piece by piece, summed
+    piece after piece; a row of one scale: its own norm (SUMMARY: its place among the plain
+    rows), factor and divisor 1. ``largest`` float64; ``ok``: the norms are finite and >= 0."""
+    r = tl.program_id(0)
+    row = meta + r * K
+    count, first = tl.load(row + NPIECES), tl.load(row + PIECE0)
+    if count == 0:
+        m = tl.load(shared + tl.load(row + SUMMARY)).to(tl.float64)
+        tl.store(largest + r, m)
+        tl.store(factors + first, 1.0)
+        tl.store(divisors + first, 1.0)
+        tl.store(ok + r, ((m - m == 0) & (m >= 0)).to(tl.int8))
+    else:
+        w = tl.arange(0, WB)
+        workers = w < W
+        total = tl.zeros((WB,), dtype=tl.float64)
+        bad = tl.zeros((WB,), dtype=tl.int32)
+        for k in range(count):
+            norms = tl.load(shared + plain + w * pieces + first + k, mask=workers, other=0.0)
+            norms = norms.to(tl.float64)
+            bad = bad | ((norms - norms != 0) | (norms < 0)).to(tl.int32)
+            rms = tl.max(norms, axis=0) / tl.load(sqrt_lengths + first + k)
+            inverse = tl.where(rms > 0, 1.0 / tl.maximum(rms, 1e-300), 0.0)
+            scaled = norms * inverse
+            total = total + scaled * scaled
+            rms32 = rms.to(tl.float32)
+            tl.store(factors + first + k, rms32)
+            tl.store(divisors + first + k, tl.where(rms32 > 0, rms32, 1.0))
+        tl.store(largest + r, tl.max(tl.where(workers, tl.sqrt(total), 0.0), axis=0))
+        tl.store(ok + r, (tl.max(bad, axis=0) == 0).to(tl.int8))

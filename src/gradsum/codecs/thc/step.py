@@ -23,11 +23,16 @@ computed in the kernel, and its norms come from ``torch._foreach_norm``, whose v
 tensor does not depend on the others in its list (``base.norms_of``; the per-partition path takes
 them from the same call on a list of one).
 
+With tensor scales (``THC.describe``) the rows of several tensors take their pieces' norms
+from one segment reduction and their scales from one kernel (``_rows_tensor_scales_kernel``),
+and are rotated after the MAX round, divided by them.
+
 What batches (``StepRound.build`` says None otherwise, and the caller runs a round per
-gradient): THC of one scale per partition (no tensor scales described), independent rounding
-and the fixed clamp, with or without error feedback (rotated or in the gradient's domain), on
-the fused kernels (a GPU with Triton; the CPU under the interpreter in tests), every row a whole
-number of packed bytes, sums of one contributor count for the whole step, packed.
+gradient): THC with independent rounding and the fixed clamp, of one scale per partition or
+tensor scales, with or without error feedback (rotated or in the gradient's domain), on the
+fused kernels (a GPU with Triton; the CPU under the interpreter in tests), every row a whole
+number of packed bytes. ``decodes`` says whether sums decode together: packed, of one
+contributor count for the whole step (a quorum's counts per lane decode row by row).
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class StepLayout:
                  partition_elements: int, device: torch.device):  # fmt: skip
         rows, source = [], 0
         self.group_starts = []
+        pieces = []  # every row's tensors' pieces; None: one scale
         for g, (total, key) in enumerate(zip(lengths, keys, strict=True)):
             self.group_starts.append(source)
             bounds = codec.partitions(key, total, partition_elements)
@@ -93,6 +99,7 @@ class StepLayout:
                 elif isinstance(codec, ErrorFeedback):
                     kind = KIND_GRADIENT
                 rows.append(Row(g, i, a, b, source + a, padded, block, kind))
+                pieces.append(inner._pieces(CodecContext(key=(key, i))))
             source += total
         self.total = source
         self.rows_of = rows
@@ -111,11 +118,23 @@ class StepLayout:
                 ctx = CodecContext(key=(keys[r.group], r.index))
                 signs.append(inner._rotation(r.length, ctx, device).signs)
         self.signs = torch.cat(signs) if signs else torch.zeros(1, device=device)
+        # tensor scales: a row's pieces, or one piece of its length where it has one scale
+        self.tensor_scales = any(p is not None for p in pieces)
+        lengths, firsts, plain = [], [], []
+        for r, p in zip(rows, pieces, strict=True):
+            firsts.append(len(lengths))
+            plain.append(sum(1 for q in plain if q >= 0) if p is None else -1)
+            lengths.extend(p if p is not None else (r.length,))
+        self.pieces, self.plain = len(lengths), sum(1 for p in pieces if p is None)
+        self.plain_rows = [i for i, p in enumerate(pieces) if p is None]
         meta = [
             [r.source, r.length, r.padded, r.block.bit_length() - 1, sign_start[r.padded],
-             r.source, r.kind, start]
-            for r, start in zip(rows, self.sum_starts, strict=True)
+             r.source, r.kind, start, first, 0 if p is None else len(p), index]
+            for r, start, first, p, index in zip(rows, self.sum_starts, firsts, pieces, plain,
+                                                 strict=True)
         ]  # fmt: skip
+        self.piece_lengths = torch.tensor(lengths, dtype=torch.int64).to(device)
+        self.sqrt_lengths = self.piece_lengths.to(torch.float64).sqrt()
         self.meta = torch.tensor(meta, dtype=torch.int64).to(device)
         self.scales = torch.tensor([1.0 / math.sqrt(r.block) for r in rows],
                                    dtype=torch.float32).to(device)  # fmt: skip
@@ -126,6 +145,16 @@ class StepLayout:
         self.constants = torch.tensor([g, 2 * clamp, 2 * clamp / g, g / 2],
                                       dtype=torch.float64).to(device)  # fmt: skip
         self.kinds = {r.kind for r in rows}
+        tile = min(triton_kernels.TILE, self.width)
+        self._spans = {select: any(r.block > tile and (select == 0 or (r.kind == KIND_ROTATED)
+                                                      == (select == 1)) for r in rows)
+                       for select in (0, 1, 2)}  # fmt: skip
+        self.zeros = torch.zeros(max(1, inner.workers * self.pieces), device=device)
+
+    def spans(self, select: int) -> bool:
+        """Whether a row that a rotation of ``select`` (``_triton._selected``) takes has a block
+        across tiles: the cross-tile kernel's launch is needed."""
+        return self._spans[select]
 
     def fits(self, inner: THC) -> bool:
         """Whether the row kernels take this layout (``triton_kernels.rows_fit``)."""
@@ -186,9 +215,6 @@ class StepRound:
         probe = torch.empty(0, device=device)
         if _reads_scalars(probe) or not triton_kernels.use_for(device):
             return None
-        if any(inner._pieces(CodecContext(key=(k, 0))) is not None
-               or inner._layouts.get(k) is not None for k in keys):  # fmt: skip
-            return None  # tensor scales: per partition
         layout = _layout(codec, inner, [f.numel() for f in flats], keys, partition_elements,
                          device)  # fmt: skip
         if not layout.fits(inner):
@@ -197,7 +223,9 @@ class StepRound:
 
     # -- before the MAX round ------------------------------------------------------------------
     def prepare(self) -> torch.Tensor:
-        """Precondition and summarize every row: the [P] summaries for the MAX round."""
+        """Precondition and summarize every row: the summaries for the MAX round, one tensor:
+        the [P] norms; with tensor scales, the norms of the rows of one scale, then a (workers
+        x pieces) matrix of every piece's norm in this worker's row (zeros elsewhere)."""
         layout, rows = self.layout, self.layout.rows_of
         flats = [f.to(torch.float32) for f in self.flats]
         src = flats[0] if len(flats) == 1 else torch.cat(flats)
@@ -209,15 +237,30 @@ class StepRound:
             bound = self.codec.bound
             if memory is not None and bound is not None:
                 norms = torch.stack(norms_of(xs + errors))
-        w, xp = triton_kernels.rows_rotate(layout, self.src, memory, norms, bound,
-                                           self.feedback)  # fmt: skip
+        # with tensor scales the rows of gradient-domain memory are rotated after the MAX round
+        # (``encode``), divided by their tensors' scales
+        select = 1 if layout.tensor_scales else 0
+        w, xp = None, None
+        if select == 0 or self.feedback or KIND_ROTATED in layout.kinds:  # else nothing to do
+            w, xp = triton_kernels.rows_rotate(layout, self.src, memory, norms, bound,
+                                               self.feedback, select=select)  # fmt: skip
         self.w, self.xp = w, xp
+        x = self.src if xp is None else xp  # every row's x + e, as the source lies
         summarized = [
-            w[i, : r.padded] if r.kind == KIND_ROTATED
-            else (xp[i, : r.length] if r.kind == KIND_GRADIENT else xs[i])
-            for i, r in enumerate(rows)
+            w[i, : rows[i].padded] if rows[i].kind == KIND_ROTATED
+            else x[rows[i].source : rows[i].source + rows[i].length]
+            for i in (layout.plain_rows if layout.tensor_scales else range(layout.rows))
         ]  # fmt: skip
-        self.summaries = torch.stack(norms_of(summarized, torch.float64)).to(torch.float32)
+        plain = (torch.stack(norms_of(summarized, torch.float64)).to(torch.float32) if summarized
+                 else torch.empty(0, device=self.src.device))  # fmt: skip
+        if not layout.tensor_scales:
+            self.summaries = plain
+            return plain
+        pieces = torch.segment_reduce(x.square(), "sum", lengths=layout.piece_lengths).sqrt_()
+        slot, q = self.contexts[0].worker % self.inner.workers, layout.pieces
+        zeros = layout.zeros
+        parts = [plain, zeros[: slot * q], pieces, zeros[: (self.inner.workers - 1 - slot) * q]]
+        self.summaries = torch.cat([part for part in parts if part.numel()])
         return self.summaries
 
     def _memory(self) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
@@ -252,13 +295,22 @@ class StepRound:
         """Every row's payload, from the MAX round's [P] norms; error feedback's new memory."""
         layout, inner = self.layout, self.inner
         shared = shared.reshape(-1)
-        if shared.numel() != layout.rows:
+        largest, prior, self.factors, divisors = shared, None, None, None
+        if layout.tensor_scales:
+            largest, self.factors, divisors, prior = triton_kernels.rows_tensor_scales(
+                layout, shared, inner.workers
+            )
+        elif shared.numel() != layout.rows:
             raise ValueError(f"{shared.numel()} MAX results for a step of {layout.rows} rows")
         a, step, step32, offset, own_offset, ok = triton_kernels.rows_scalars(
-            shared, layout.sqrt_padded, layout.constants
+            largest, layout.sqrt_padded, layout.constants, prior
         )
         self.step, self.offset = step, offset
         require(ok.all(), lambda: self._invalid(shared))
+        if layout.tensor_scales:  # the other rows' rotation, divided by their tensors' scales
+            x = self.src if self.xp is None else self.xp
+            self.w, _ = triton_kernels.rows_rotate(layout, x, None, None, None, False, divisors,
+                                                   select=2, out=self.w)  # fmt: skip
         lookups = inner._tables(self.src.device)
         seeds = torch.tensor([ctx.worker_seed() for ctx in self.contexts], dtype=torch.int64)
         seeds = seeds.to(self.src.device)
@@ -273,9 +325,9 @@ class StepRound:
         packed = triton_kernels.rows_quantize(layout, self.w, seeds, lookups, a, g / 2, g,
                                               inner.bits, error)  # fmt: skip
         if KIND_GRADIENT in layout.kinds and self.feedback:
-            triton_kernels.rows_dequantize_inverse(
-                layout, packed, inner.bits, step, offset, 1, new, lookups.value_of_index, self.xp
-            )
+            triton_kernels.rows_dequantize_inverse(layout, packed, inner.bits, step, offset, 1,
+                                                   new, lookups.value_of_index, self.xp,
+                                                   self.factors)  # fmt: skip
         payloads = []
         for i, (r, ctx) in enumerate(zip(layout.rows_of, self.contexts, strict=True)):
             payloads.append(Payload({UPSTREAM: packed[i, : r.padded * inner.bits // 8]},
@@ -313,6 +365,7 @@ class StepRound:
         if out is None:
             out = torch.empty(layout.total, dtype=torch.float32, device=packed.device)
         triton_kernels.rows_dequantize_inverse(layout, packed, self.inner.sum_bits, self.step,
-                                               self.offset, sums[0].contributors, out)  # fmt: skip
+                                               self.offset, sums[0].contributors, out,
+                                               factors=self.factors)  # fmt: skip
         ends = [*layout.group_starts[1:], layout.total]
         return [out[a:b] for a, b in zip(layout.group_starts, ends, strict=True)]

@@ -179,34 +179,41 @@ def _row_tiles(n: int) -> tuple[int, int]:
 
 
 def rows_rotate(layout, src: torch.Tensor, memory: torch.Tensor | None,
-                norms: torch.Tensor | None, bound: float | None,
-                feedback: bool) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+                norms: torch.Tensor | None, bound: float | None, feedback: bool,
+                divisors: torch.Tensor | None = None, select: int = 0,
+                out: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Every row's rotation input (``_rows_rotate_kernel``) through both kernels: the rotated
-    rows [P, N] and, under error ``feedback``, the rows x + e of gradient-domain memory (their
-    first LEN), e the rows of ``memory`` where given; ``norms``: the rows' input and memory
-    norms, for ``bound``."""
+    rows [P, N] and, under error ``feedback``, the rows x + e of gradient-domain memory (laid
+    out as ``src``), e the rows of ``memory`` where given; ``norms``: the rows' input and
+    memory norms, for ``bound``; ``divisors``: every piece's tensor scale (``layout``'s);
+    ``select``: which rows (``_triton._selected``), into ``out`` where given."""
     p, n = layout.rows, layout.width
     tile, log_tile = _row_tiles(n)
-    out = torch.empty(p, n, dtype=torch.float32, device=src.device)
-    xp = torch.empty(p, n, dtype=torch.float32, device=src.device) if feedback else None
+    if out is None:
+        out = torch.empty(p, n, dtype=torch.float32, device=src.device)
+    xp = torch.empty_like(src) if feedback else None
     dummy = out
     factor = 0.0 if bound is None else float(bound)
     options = _launch_options()
     kernels = _kernels()
     kernels._rows_rotate_kernel[(p, n // tile)](
         src, dummy if memory is None else memory, dummy if norms is None else norms,
-        dummy if xp is None else xp, out, layout.signs, layout.meta, layout.scales, factor, p, n,
-        K=layout.meta.shape[1], T=tile, LOG_T=log_tile, XP=feedback, MEMORY=memory is not None,
-        BOUND=norms is not None, **options,
+        dummy if xp is None else xp, out, layout.signs, layout.meta, layout.scales, factor,
+        dummy if divisors is None else divisors, layout.piece_lengths, p, n,
+        K=layout.meta.shape[1], T=tile,
+        LOG_T=log_tile, XP=feedback, MEMORY=memory is not None, BOUND=norms is not None,
+        PIECES=divisors is not None, SELECT=select, **options,
     )  # fmt: skip
-    if n > tile:
+    if n > tile and layout.spans(select):
         rows = n // tile
         kernels._rows_cross_kernel[(p, tile // COLUMNS)](
             out, dummy if memory is None else memory, dummy if norms is None else norms,
-            layout.signs, layout.meta, layout.scales, dummy, dummy, factor, p, n,
+            layout.signs, layout.meta, layout.scales, dummy, dummy, factor, dummy,
+            layout.piece_lengths, p, n,
             K=layout.meta.shape[1], RM=rows, LOG_RM=rows.bit_length() - 1, T=tile,
             LOG_T=log_tile, C=COLUMNS, DECODE=False, MEMORY=memory is not None,
-            BOUND=norms is not None, RESIDUAL=False, **options,
+            BOUND=norms is not None, RESIDUAL=False, PIECES=False, SELECT=select, **options,
         )  # fmt: skip
     return out, xp
 
@@ -232,10 +239,12 @@ def rows_quantize(layout, y: torch.Tensor, seeds: torch.Tensor, lookups, a: torc
 def rows_dequantize_inverse(layout, sums: torch.Tensor, width: int, step: torch.Tensor,
                             offset: torch.Tensor, contributors: int, out: torch.Tensor,
                             values: torch.Tensor | None = None,
-                            xp: torch.Tensor | None = None) -> None:  # fmt: skip
+                            xp: torch.Tensor | None = None,
+                            factors: torch.Tensor | None = None) -> None:  # fmt: skip
     """Every row's decode into ``out``: the step's flat output (each row's first LEN at OUT),
     or with ``xp`` the new gradient-domain memory x + e - decoded, [P, N]. ``values``: the
-    sums are table indices packed at a row stride of N * width / 8 (a payload's own sum)."""
+    sums are table indices packed at a row stride of N * width / 8 (a payload's own sum);
+    ``factors``: every piece's tensor scale (``layout``'s)."""
     p, n = layout.rows, layout.width
     tile, log_tile = _row_tiles(n)
     buf = torch.empty(p, n, dtype=torch.float32, device=sums.device)
@@ -245,24 +254,29 @@ def rows_dequantize_inverse(layout, sums: torch.Tensor, width: int, step: torch.
     kernels = _kernels()
     kernels._rows_dequantize_kernel[(p, n // tile)](
         sums, buf, step, offset, dummy if values is None else values, layout.signs,
-        layout.meta, layout.scales, dummy if xp is None else xp, out, contributors, n,
-        K=layout.meta.shape[1], T=tile, LOG_T=log_tile, WIDTH=width, LOOKUP=values is not None,
-        RESIDUAL=residual, **options,
+        layout.meta, layout.scales, dummy if xp is None else xp, out,
+        dummy if factors is None else factors, layout.piece_lengths, contributors, n,
+        K=layout.meta.shape[1], T=tile,
+        LOG_T=log_tile, WIDTH=width, LOOKUP=values is not None, RESIDUAL=residual,
+        PIECES=factors is not None, **options,
     )  # fmt: skip
     if n > tile:
         rows = n // tile
         kernels._rows_cross_kernel[(p, tile // COLUMNS)](
             buf, dummy, dummy, layout.signs, layout.meta, layout.scales,
-            dummy if xp is None else xp, out, 0.0, p, n, K=layout.meta.shape[1], RM=rows,
-            LOG_RM=rows.bit_length() - 1, T=tile, LOG_T=log_tile, C=COLUMNS, DECODE=True,
-            MEMORY=False, BOUND=False, RESIDUAL=residual, **options,
+            dummy if xp is None else xp, out, 0.0, dummy if factors is None else factors,
+            layout.piece_lengths, p, n,
+            K=layout.meta.shape[1], RM=rows, LOG_RM=rows.bit_length() - 1, T=tile,
+            LOG_T=log_tile, C=COLUMNS, DECODE=True, MEMORY=False, BOUND=False,
+            RESIDUAL=residual, PIECES=factors is not None, SELECT=0, **options,
         )  # fmt: skip
 
 
-def rows_scalars(shared: torch.Tensor, sqrt_padded: torch.Tensor,
-                 constants: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """Every row's grid scalars (``_rows_scalars_kernel``): a, step (float64), step, offset
-    and own offset (float32), and whether the row's max norm is valid (int8)."""
+def rows_scalars(shared: torch.Tensor, sqrt_padded: torch.Tensor, constants: torch.Tensor,
+                 prior: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """Every row's grid scalars (``_rows_scalars_kernel``) from its max norm (float32 or 64):
+    a, step (float64), step, offset and own offset (float32), and whether the row's max norm
+    is valid and ``prior`` holds (int8)."""
     p, device = shared.numel(), shared.device
     block = min(1024, 1 << max(0, p - 1).bit_length())
     f32 = lambda: torch.empty(p, dtype=torch.float32, device=device)  # noqa: E731
@@ -270,7 +284,25 @@ def rows_scalars(shared: torch.Tensor, sqrt_padded: torch.Tensor,
     step = torch.empty(p, dtype=torch.float64, device=device)
     ok = torch.empty(p, dtype=torch.int8, device=device)
     _kernels()._rows_scalars_kernel[(-(-p // block),)](
-        shared, sqrt_padded, constants, a, step, step32, offset, own, ok, p, BLOCK=block,
+        shared, sqrt_padded, constants, a, step, step32, offset, own, ok,
+        ok if prior is None else prior, p, BLOCK=block, PRIOR=prior is not None,
         **_launch_options(),
     )  # fmt: skip
     return a, step, step32, offset, own, ok
+
+
+def rows_tensor_scales(layout, shared: torch.Tensor, workers: int) -> tuple[torch.Tensor, ...]:
+    """Every row's tensor scales (``_rows_tensor_scales_kernel``): its largest normalized norm
+    (float64), every piece's decode factor and encode divisor (float32), and whether the
+    row's norms are valid (int8)."""
+    p, q, device = layout.rows, layout.pieces, shared.device
+    largest = torch.empty(p, dtype=torch.float64, device=device)
+    factors = torch.empty(q, dtype=torch.float32, device=device)
+    divisors = torch.empty(q, dtype=torch.float32, device=device)
+    ok = torch.empty(p, dtype=torch.int8, device=device)
+    _kernels()._rows_tensor_scales_kernel[(p,)](
+        shared, layout.meta, layout.sqrt_lengths, largest, factors, divisors, ok,
+        layout.plain, q, workers, K=layout.meta.shape[1],
+        WB=1 << max(0, workers - 1).bit_length(), **_launch_options(),
+    )  # fmt: skip
+    return largest, factors, divisors, ok

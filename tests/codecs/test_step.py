@@ -1,0 +1,128 @@
+"""A step's THC rounds as one batch of rows (``thc.step``) give each gradient's own round
+(``run_round``) bit for bit, run on the CPU by Triton's interpreter: the row kernels against
+the fused kernels of one partition, with tiles shrunk so the cross-tile kernels run (the
+interpreter runs a kernel's programs one by one: the sizes are small)."""
+
+import os
+import sys
+
+import pytest
+
+# as in test_triton.py: the interpreter must be chosen before triton's first import
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+import torch
+
+from gradsum.codecs import make_codec
+from gradsum.codecs.base import CodecContext, NonFiniteGradientError, hashed_uniform
+from gradsum.codecs.round import run_round, run_step_round
+from gradsum.codecs.thc.codec import THC
+
+pytestmark = pytest.mark.pins_native
+
+PARTITION = 1 << 10
+# full partitions (rotated memory), a gradient under one partition, and one whose last partition
+# is short: rows of three padded lengths, blocks across tiles (of 128) and within one
+SIZES = [3 * PARTITION, 700, 2 * PARTITION + 100]
+# tensor scales: partitions of two, one and four tensors, and of one tensor's piece
+SHAPES = [
+    [(PARTITION - 100,), (100,), (PARTITION,), (500,), (PARTITION - 500,)],
+    [(700,)],
+    [(300,), (400,), (5,), (2 * PARTITION + 100 - 705,)],
+]
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """The GPU's path on the CPU: the fused kernels, interpreted, on small tiles."""
+    from gradsum.codecs.thc import triton_kernels
+
+    monkeypatch.setenv("GRADSUM_NATIVE", "0")
+    monkeypatch.setattr(triton_kernels, "TILE", 128)
+    monkeypatch.setattr(triton_kernels, "COLUMNS", 16)
+    monkeypatch.setattr(triton_kernels, "use_for", lambda device: True)
+    return triton_kernels
+
+
+def codec_pair(feedback: bool, scales: str):
+    codecs = [make_codec("thc", workers=2, error_feedback=feedback) for _ in range(2)]
+    if scales == "tensor":
+        for codec in codecs:
+            for key, shapes in enumerate(SHAPES):
+                codec.describe(key, shapes)
+    return codecs
+
+
+def gradients(step: int) -> list[list[torch.Tensor]]:
+    """Two workers' gradients of very different scales per tensor (tensor scales act)."""
+    generator = torch.Generator().manual_seed(step)
+    return [[torch.randn(n, generator=generator) * (1 + 10 * g) for g, n in enumerate(SIZES)]
+            for _ in range(2)]  # fmt: skip
+
+
+@pytest.mark.parametrize("scales", ["partition", "tensor"])
+@pytest.mark.parametrize("feedback", [False, True], ids=["no-feedback", "feedback"])
+def test_a_batched_step_is_every_gradients_round_bit_for_bit(fused, feedback, scales):
+    """The bug it fears: a row that takes another row's scalars, seed, signs, block or memory
+    (an offset off by a row), or error feedback's memory carried differently by the batch."""
+    batched, reference = codec_pair(feedback, scales)
+    for step in range(2 if feedback else 1):  # the memory of one step is the next one's
+        inputs = gradients(step)
+        got = run_step_round(batched, inputs, step=step, partition_elements=PARTITION)
+        for key, average in enumerate(got):
+            want = run_round(reference, [worker[key] for worker in inputs], step=step, key=key,
+                             partition_elements=PARTITION).average  # fmt: skip
+            assert torch.equal(average, want), (step, key)
+    if feedback:
+        assert batched.memory.keys() == reference.memory.keys()
+        for state_key, memory in reference.memory.items():
+            assert torch.equal(batched.memory[state_key], memory), state_key
+
+
+def test_the_step_batches_where_it_says_and_falls_back_with_the_same_values(fused):
+    """The bug it fears: a codec the batch does not carry (correlated rounding's strata) run
+    through it anyway, or its step giving other values than its rounds."""
+    from gradsum.codecs.thc.step import StepRound
+
+    inputs = gradients(0)
+    plain = make_codec("thc", workers=2, error_feedback=True)
+    assert StepRound.build(plain, inputs[0], worker=0, keys=[0, 1, 2], step=0,
+                           partition_elements=PARTITION) is not None  # fmt: skip
+    correlated = [make_codec("thc", workers=2, correlated=True) for _ in range(2)]
+    assert StepRound.build(correlated[0], inputs[0], worker=0, keys=[0, 1, 2], step=0,
+                           partition_elements=PARTITION) is None  # fmt: skip
+    got = run_step_round(correlated[0], inputs, partition_elements=PARTITION)
+    for key, average in enumerate(got):
+        want = run_round(correlated[1], [w[key] for w in inputs], key=key,
+                         partition_elements=PARTITION).average  # fmt: skip
+        assert torch.equal(average, want)
+
+
+def test_a_nan_in_a_batched_step_names_its_gradient(fused):
+    """The bug it fears: the step's one check (the MAX round's norms) raising a vague error,
+    or none, for a NaN coordinate of one gradient among many."""
+    inputs = gradients(0)
+    inputs[0][2][5] = float("nan")  # worker 0's: the others' rounds see an invalid MAX
+    codec = make_codec("thc", workers=2, error_feedback=True)
+    with pytest.raises(NonFiniteGradientError, match="first at indices \\[5\\]"):
+        run_step_round(codec, inputs, partition_elements=PARTITION)
+
+
+def test_the_kernels_thresholds_are_the_hashed_draws(fused):
+    """The bug it fears: the thresholds a kernel computes from a seed drifting from the torch
+    path's (``hashed_uniform``), which the CPU's rounds and the per-partition path draw."""
+    codec = THC(workers=3)
+    g = codec.granularity
+    y = torch.randn(4096, generator=torch.Generator().manual_seed(3))
+    seed = CodecContext(seed=1, worker=2, step=3, partition=7).worker_seed()
+    assert seed >= 1 << 32  # both halves of the seed are used
+    lookups = codec._tables(y.device)
+    drawn = fused.quantize(y, hashed_uniform(seed, y.numel()), lookups, 2.5, g / 2, g, 4)
+    hashed = fused.quantize(y, seed, lookups, 2.5, g / 2, g, 4)
+    assert torch.equal(drawn, hashed)
+    draws = hashed_uniform(seed, 1 << 16)
+    assert float(draws.min()) >= 0.0 and float(draws.max()) < 1.0
+    assert abs(float(draws.mean()) - 0.5) < 0.01  # U[0, 1): 1/sqrt(12 * 2**16) = 0.0011
