@@ -134,10 +134,10 @@ def _quantize_kernel(y, draws, low_of_cell, inverse_width, interval, packed, a, 
 # length (PAD) and block (LOG, log2), where its signs start (SIGNS), where its average goes in
 # the step's flat output (OUT), the domain of its error feedback memory (KIND: 1 rotated, added
 # after the transform; 2 the gradient's, added before) and where its sums start (SUMS, bytes).
-SRC, LEN, PAD, LOG, SIGNS, OUT, KIND, SUMS = 0, 1, 2, 3, 4, 5, 6, 7
+SRC, LEN, PAD, LOG, SIGNS, OUT, KIND, SUMS = (tl.constexpr(i) for i in range(8))
 # tensor scales (``_rows_tensor_scales_kernel``): the row's first piece, its number of pieces
 # (0: one scale) and where its one scale's norm lies among the plain rows' summaries
-PIECE0, NPIECES, SUMMARY = 8, 9, 10
+PIECE0, NPIECES, SUMMARY = (tl.constexpr(i) for i in range(8, 11))
 
 
 @triton.jit
@@ -178,7 +178,7 @@ def _rows_rotate_kernel(src, memory, norms, xp, dst, signs, meta, scales, bound,
     memory is the gradient's, KIND 2) into ``xp`` (at SRC, as the source lies), which the
     summaries and residuals read. PIECES: x + e divided by its tensor's scale (``divisors``,
     one per piece, ``_piece_of``). SELECT: which rows are rotated (``_selected``)."""
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)  # r * N past 2**31 in a large step
     j = tl.program_id(1) * T + tl.arange(0, T)
     row = meta + r * K
     length, padded, log_block = tl.load(row + LEN), tl.load(row + PAD), tl.load(row + LOG)
@@ -211,8 +211,8 @@ def _piece_of(j, row, lengths):
     """The piece (of the step's, PIECE0 on) that a row's coordinates j lie in: its tensors'
     pieces end where their ``lengths`` add up to; a row of one scale has one."""
     first = tl.load(row + PIECE0)
-    piece = j * 0 + first
-    end = j * 0
+    piece = tl.zeros(j.shape, dtype=tl.int64) + first
+    end = tl.zeros(j.shape, dtype=tl.int64)
     for k in range(tl.load(row + NPIECES) - 1):
         end = end + tl.load(lengths + first + k)
         piece = piece + (j >= end).to(piece.dtype)
@@ -242,7 +242,7 @@ def _rows_dequantize_kernel(sums, dst, step, offset, values, signs, meta, scales
     their table values, a payload's own sum) times step / contributors plus the row's offset,
     through the in-tile stages; where the row's block fits in a tile, finished
     (``_finish_decode``)."""
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)  # r * N past 2**31 in a large step
     j = tl.program_id(1) * T + tl.arange(0, T)
     row = meta + r * K
     padded, log_block = tl.load(row + PAD), tl.load(row + LOG)
@@ -295,7 +295,7 @@ def _rows_cross_kernel(buf, memory, norms, signs, meta, scales, xp, out, bound, 
     """Cross-tile stages (strides T .. block / 2) of row ``program_id(0)`` for C positions of
     its tiles, where its block spans tiles, then its scale and the encode's rotated memory
     (into ``buf``) or the decode's finish (``_finish_decode``)."""
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)  # r * N past 2**31 in a large step
     row = meta + r * K
     padded, log_block = tl.load(row + PAD), tl.load(row + LOG)
     offsets = tl.arange(0, RM)[:, None] * T + tl.program_id(1) * C + tl.arange(0, C)[None, :]
@@ -324,7 +324,7 @@ def _rows_quantize_kernel(y, seeds, low_of_cell, inverse_width, interval, packed
     scale a and seed; ERROR: the rows of rotated memory (KIND 1) also store y minus what
     their indices decode to alone, T[index] * step + offset (``encode_transformed``)."""
     PER: tl.constexpr = 8 // BITS
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)  # r * N past 2**31 in a large step
     row = meta + r * K
     byte = tl.program_id(1) * (NT // PER) + tl.arange(0, NT // PER)
     padded = tl.load(row + PAD)
@@ -387,7 +387,7 @@ def _rows_tensor_scales_kernel(shared, meta, sqrt_lengths, largest, factors, div
     and the largest over the workers of the norm of the row divided piece by piece, summed
     piece after piece; a row of one scale: its own norm (SUMMARY: its place among the plain
     rows), factor and divisor 1. ``largest`` float64; ``ok``: the norms are finite and >= 0."""
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)  # r * N past 2**31 in a large step
     row = meta + r * K
     count, first = tl.load(row + NPIECES), tl.load(row + PIECE0)
     if count == 0:
