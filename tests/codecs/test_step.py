@@ -5,6 +5,7 @@ interpreter runs a kernel's programs one by one: the sizes are small)."""
 
 import os
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -18,7 +19,7 @@ import torch
 
 from gradsum.codecs import make_codec
 from gradsum.codecs.base import CodecContext, NonFiniteGradientError, hashed_uniform
-from gradsum.codecs.round import run_round, run_step_round
+from gradsum.codecs.round import CodecRound, run_round, run_step_round
 from gradsum.codecs.thc.codec import THC
 
 pytestmark = pytest.mark.pins_native
@@ -67,14 +68,15 @@ def gradients(step: int) -> list[list[torch.Tensor]]:
 @pytest.mark.parametrize("feedback", [False, True], ids=["no-feedback", "feedback"])
 def test_a_batched_step_is_every_gradients_round_bit_for_bit(fused, feedback, scales):
     """The bug it fears: a row that takes another row's scalars, seed, signs, block or memory
-    (an offset off by a row), or error feedback's memory carried differently by the batch."""
+    (an offset off by a row), signs of another run's seed, or error feedback's memory carried
+    differently by the batch."""
     batched, reference = codec_pair(feedback, scales)
     for step in range(2 if feedback else 1):  # the memory of one step is the next one's
         inputs = gradients(step)
-        got = run_step_round(batched, inputs, step=step, partition_elements=PARTITION)
+        got = run_step_round(batched, inputs, seed=7, step=step, partition_elements=PARTITION)
         for key, average in enumerate(got):
-            want = run_round(reference, [worker[key] for worker in inputs], step=step, key=key,
-                             partition_elements=PARTITION).average  # fmt: skip
+            want = run_round(reference, [worker[key] for worker in inputs], seed=7, step=step,
+                             key=key, partition_elements=PARTITION).average  # fmt: skip
             assert torch.equal(average, want), (step, key)
     if feedback:
         assert batched.memory.keys() == reference.memory.keys()
@@ -126,3 +128,40 @@ def test_the_kernels_thresholds_are_the_hashed_draws(fused):
     draws = hashed_uniform(seed, 1 << 16)
     assert float(draws.min()) >= 0.0 and float(draws.max()) < 1.0
     assert abs(float(draws.mean()) - 0.5) < 0.01  # U[0, 1): 1/sqrt(12 * 2**16) = 0.0011
+
+
+class OneWorker:
+    """A reducer of one worker (as in test_host_syncs.py); ``counted``: the sums come back
+    with a contributor count per lane, as a switch's partial aggregation delivers them."""
+
+    def __init__(self, counted: bool = False):
+        self.counted = counted
+
+    def max(self, summaries):
+        return list(summaries)
+
+    def sum(self, phase):
+        for i in reversed(range(len(phase))):  # any order
+            summed = phase.codec.aggregate([phase.encode(i)], phase.aggregator_context(i))
+            if self.counted:
+                counts = torch.ones(phase.lanes(i))
+                summed = replace(summed, contributors=1, counts=counts)
+            phase.deliver(i, summed)
+
+
+@pytest.mark.parametrize("counted", [False, True], ids=["sums", "counts-per-lane"])
+def test_a_step_through_a_reducer_is_every_gradients_run(fused, counted):
+    """The bug it fears: the production entry (``CodecRound.run_many``) placing a row's sum or
+    MAX result at another row's, or its row-by-row decode (sums with counts per lane) taking
+    other scalars than the batch's."""
+    batched, reference = (make_codec("thc", workers=1, error_feedback=True) for _ in range(2))
+    for codec in (batched, reference):
+        for key, shapes in enumerate(SHAPES):
+            codec.describe(key, shapes)
+    inputs = gradients(0)[0]
+    rounds = CodecRound(batched, seed=5, partition_elements=PARTITION)
+    got = rounds.run_many(inputs, OneWorker(counted), worker=0, keys=[0, 1, 2], step=1)
+    rounds = CodecRound(reference, seed=5, partition_elements=PARTITION)
+    for key, flat in enumerate(inputs):
+        want = rounds.run(flat, OneWorker(counted), worker=0, key=key, step=1)
+        assert torch.equal(got[key], want), key

@@ -288,6 +288,39 @@ class CodecRound:
             checks.raise_if_failed()
         return result
 
+    def run_many(self, flats: Sequence[torch.Tensor], reducer: Reducer, *, worker: int,
+                 keys: Sequence[Hashable], step: int,
+                 checks: DeviceChecks | None = None) -> list[torch.Tensor]:  # fmt: skip
+        """The averages of a step's gradients (``flats``, ``keys`` theirs), each ``run``'s bit
+        for bit. Where the codec batches a step (``thc.step.StepRound``: THC on the fused
+        kernels) and the reducer does not run waves (``pipelines``), one MAX of one summary and
+        one SUM of every partition of every gradient, in launches that do not grow with them;
+        otherwise one ``run`` per gradient. ``checks`` as for ``run``."""
+        from .thc.step import StepRound, StepSumPhase
+
+        flats = [flat.reshape(-1) for flat in flats]
+        batched = None
+        if not pipelines(reducer, self.codec):
+            batched = StepRound.build(self.codec, flats, worker=worker, keys=keys, step=step,
+                                      seed=self.seed,
+                                      partition_elements=self.partition_elements)  # fmt: skip
+        if batched is None:
+            return [self.run(flat, reducer, worker=worker, key=key, step=step, checks=checks)
+                    for flat, key in zip(flats, keys, strict=True)]  # fmt: skip
+        checks = checks or DeviceChecks.current()
+        own = checks is None
+        checks = DeviceChecks() if own else checks
+        with checks.deferring():
+            summaries = batched.prepare()
+            (shared,) = reducer.max([summaries])
+            phase = StepSumPhase(batched, shared)
+            reducer.sum(phase)
+            phase.check_complete()
+            averages = phase.averages()
+        if own:
+            checks.raise_if_failed()
+        return averages
+
     def reduce(self, prepared: Prepared, reducer: Reducer) -> torch.Tensor:
         """A prepared round's MAX, SUM and decode, stage after stage. May run again on the same
         ``prepared`` (a transport redoes a round that its aggregator lost): encoding a partition

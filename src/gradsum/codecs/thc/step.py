@@ -47,7 +47,7 @@ import torch
 from ..base import CodecContext, DeviceChecks, Payload, check_finite, norms_of, require
 from ..bits import packed_nbytes
 from ..feedback import ErrorFeedback, TransformedErrorFeedback
-from ..round import PARTITION_ELEMENTS, partition_bounds, partition_id
+from ..round import PARTITION_ELEMENTS, Piece, SumPhase, decode, partition_bounds, partition_id
 from . import triton_kernels
 from .codec import DOWNSTREAM, THC, UPSTREAM, _reads_scalars
 from .hadamard import padded_length
@@ -79,7 +79,7 @@ class StepLayout:
     for the run, so built once and kept with the codec (``_LAYOUTS``)."""
 
     def __init__(self, codec, inner: THC, lengths: Sequence[int], keys: Sequence[Hashable],
-                 partition_elements: int, device: torch.device):  # fmt: skip
+                 partition_elements: int, device: torch.device, seed: int):  # fmt: skip
         rows, source = [], 0
         self.group_starts = []
         pieces = []  # every row's tensors' pieces; None: one scale
@@ -115,7 +115,7 @@ class StepLayout:
         for r in rows:
             if r.padded not in sign_start:
                 sign_start[r.padded] = sum(s.numel() for s in signs)
-                ctx = CodecContext(key=(keys[r.group], r.index))
+                ctx = CodecContext(seed, key=(keys[r.group], r.index))  # the round's signs
                 signs.append(inner._rotation(r.length, ctx, device).signs)
         self.signs = torch.cat(signs) if signs else torch.zeros(1, device=device)
         # tensor scales: a row's pieces, or one piece of its length where it has one scale
@@ -136,6 +136,7 @@ class StepLayout:
         self.piece_lengths = torch.tensor(lengths, dtype=torch.int64).to(device)
         self.sqrt_lengths = self.piece_lengths.to(torch.float64).sqrt()
         self.meta = torch.tensor(meta, dtype=torch.int64).to(device)
+        self.meta_rows = [(m[8], m[9], m[10]) for m in meta]  # PIECE0, NPIECES, SUMMARY
         self.scales = torch.tensor([1.0 / math.sqrt(r.block) for r in rows],
                                    dtype=torch.float32).to(device)  # fmt: skip
         self.sqrt_padded = torch.tensor([math.sqrt(r.padded) for r in rows],
@@ -167,12 +168,13 @@ class StepLayout:
 _LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _layout(codec, inner: THC, lengths, keys, partition_elements, device) -> StepLayout:
+def _layout(codec, inner: THC, lengths, keys, partition_elements, device, seed) -> StepLayout:
     kept = _LAYOUTS.setdefault(codec, {})
-    key = (tuple(lengths), tuple(keys), partition_elements, device)
+    key = (tuple(lengths), tuple(keys), partition_elements, device, seed)
     layout = kept.get(key)
     if layout is None:
-        layout = kept[key] = StepLayout(codec, inner, lengths, keys, partition_elements, device)
+        layout = kept[key] = StepLayout(codec, inner, lengths, keys, partition_elements, device,
+                                        seed)  # fmt: skip
     return layout
 
 
@@ -216,7 +218,7 @@ class StepRound:
         if _reads_scalars(probe) or not triton_kernels.use_for(device):
             return None
         layout = _layout(codec, inner, [f.numel() for f in flats], keys, partition_elements,
-                         device)  # fmt: skip
+                         device, seed)  # fmt: skip
         if not layout.fits(inner):
             return None
         return cls(codec, inner, layout, flats, worker, seed, step)
@@ -347,6 +349,19 @@ class StepRound:
             check_finite(self.src[r.source : r.source + r.length])
         raise ValueError(f"{self.inner.name}: invalid max norms {shared.tolist()}")
 
+    def shared_of(self, index: int, shared: torch.Tensor) -> torch.Tensor:
+        """Row ``index``'s part of the step's MAX result, as its own round's MAX would give it
+        (one norm, or every worker's norms of its pieces): what decodes it alone."""
+        layout, row = self.layout, self.layout.meta_rows[index]
+        shared = shared.reshape(-1)
+        if not layout.tensor_scales:
+            return shared[index : index + 1]
+        first, count, plain = row
+        if count == 0:
+            return shared[plain : plain + 1]
+        matrix = shared[layout.plain :].view(self.inner.workers, layout.pieces)
+        return matrix[:, first : first + count].reshape(-1)
+
     def decodes(self, sums: Sequence[Payload]) -> bool:
         """Whether ``decode`` takes these sums (else decode them row by row)."""
         counts = {s.contributors for s in sums}
@@ -369,3 +384,60 @@ class StepRound:
                                                factors=self.factors)  # fmt: skip
         ends = [*layout.group_starts[1:], layout.total]
         return [out[a:b] for a, b in zip(layout.group_starts, ends, strict=True)]
+
+
+class StepSumPhase(SumPhase):
+    """The SUM of a batched step through a reducer (``CodecRound.run_many``): one piece per
+    row, its coordinates placed in the step's flat input and output. The first ``encode``
+    encodes every row (one launch each of the batch), ``deliver`` keeps the sums, and the last
+    one decodes them together where they decode together (``StepRound.decodes``), else row by
+    row through their own rounds' decode (a quorum's counts per lane), the same values."""
+
+    def __init__(self, batched: StepRound, shared: torch.Tensor):
+        layout = batched.layout
+        pieces = [Piece(r.source, r.source + r.length, i, 0, ctx)
+                  for i, (r, ctx) in enumerate(zip(layout.rows_of, batched.contexts,
+                                                   strict=True))]  # fmt: skip
+        out = torch.empty(layout.total, dtype=torch.float32, device=batched.src.device)
+        super().__init__(batched.codec, pieces, [], [], out)
+        self.batched, self.shared = batched, shared
+        self._sums: list[Payload | None] = [None] * len(pieces)
+        self._all: list[Payload] | None = None
+
+    def encode(self, index: int, into: torch.Tensor | None = None) -> Payload:
+        if self._all is None:
+            with self._deferring():
+                self._all = self.batched.encode(self.shared)
+        payload = self._all[index]
+        if into is not None:
+            field = payload.fields[UPSTREAM]
+            if field.numel() != into.numel():
+                raise ValueError(f"{field.numel()} payload bytes for {into.numel()}")
+            into.copy_(field)
+        return payload
+
+    def deliver(self, index: int, summed: Payload) -> None:
+        if self._delivered[index]:
+            raise RuntimeError(f"piece {index} of the round was delivered twice")
+        self._sums[index], self._delivered[index] = summed, True
+        if all(self._delivered):
+            with self._deferring():
+                self._decode()
+
+    def _decode(self) -> None:
+        sums = self._sums
+        if self.batched.decodes(sums):
+            self.batched.decode(sums, out=self.out)
+            return
+        for i, (piece, summed) in enumerate(zip(self.pieces, sums, strict=True)):
+            decode(self.codec, summed, piece.context, self.shared_of(i),
+                   self.out[piece.start : piece.stop])  # fmt: skip
+
+    def shared_of(self, index: int) -> torch.Tensor:
+        return self.batched.shared_of(index, self.shared)
+
+    def averages(self) -> list[torch.Tensor]:
+        """Every gradient's average: views of the step's output."""
+        layout = self.batched.layout
+        ends = [*layout.group_starts[1:], layout.total]
+        return [self.out[a:b] for a, b in zip(layout.group_starts, ends, strict=True)]
