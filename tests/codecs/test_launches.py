@@ -21,6 +21,8 @@ from gradsum.codecs import make_codec
 from gradsum.codecs.round import PARTITION_ELEMENTS, PhaseClock, run_round, run_step_round
 from gradsum.codecs.thc import triton_kernels
 
+from ..host_syncs import count_host_syncs
+
 # ops that only make metadata or allocate: no kernel on a GPU
 NO_KERNEL = {
     "view", "reshape", "_reshape_alias", "_unsafe_view", "slice", "select", "as_strided",
@@ -276,3 +278,18 @@ def test_a_gpt_steps_27_groups_launch_as_one_round(gpu_path, scales, feedback):
     want = GPT_STEP_LAUNCHES[(scales, feedback)]
     assert {phase: launches[phase] for phase in want} == want, launches
     assert launches["encode"] + launches["decode"] <= STEP_BOUND
+
+
+@pytest.mark.parametrize("scales", ["partition", "tensor"])
+def test_a_batched_step_makes_no_host_sync_but_its_checks_one(gpu_path, scales):
+    """The bug it fears: the batch reading a device value on the host (a row's seed copied from
+    pageable memory, a segment reduction checking its lengths, a row's scalar), which on a GPU
+    waits for every launch before it and undoes what their fewness buys."""
+    codec = make_codec("thc", workers=4, error_feedback=True)
+    if scales == "tensor":
+        codec.describe(0, [(PARTITION_ELEMENTS - 1000,), (1000,)] * 3)
+    flats = [torch.randn(3 * PARTITION_ELEMENTS, generator=torch.Generator().manual_seed(1))]
+    run_step_round(codec, [flats], step=0)
+    with count_host_syncs() as syncs:
+        run_step_round(codec, [flats], step=1)
+    assert len(syncs.calls) == 1 and "raise_if_failed" in syncs.calls[0], syncs.calls
