@@ -26,7 +26,7 @@ pytestmark = pytest.mark.pins_native
 
 PARTITION = 1 << 10
 # full partitions (rotated memory), a gradient under one partition, and one whose last partition
-# is short: rows of three padded lengths, blocks across tiles (of 128) and within one
+# is short: rows of three padded lengths, blocks across tiles (of 256) and within one
 SIZES = [3 * PARTITION, 700, 2 * PARTITION + 100]
 # tensor scales: partitions of two, one and four tensors, and of one tensor's piece
 SHAPES = [
@@ -42,8 +42,8 @@ def fused(monkeypatch):
     from gradsum.codecs.thc import triton_kernels
 
     monkeypatch.setenv("GRADSUM_NATIVE", "0")
-    monkeypatch.setattr(triton_kernels, "TILE", 128)
-    monkeypatch.setattr(triton_kernels, "COLUMNS", 16)
+    monkeypatch.setattr(triton_kernels, "TILE", 256)
+    monkeypatch.setattr(triton_kernels, "COLUMNS", 32)
     monkeypatch.setattr(triton_kernels, "use_for", lambda device: True)
     return triton_kernels
 
