@@ -165,3 +165,31 @@ def test_a_step_through_a_reducer_is_every_gradients_run(fused, counted):
     for key, flat in enumerate(inputs):
         want = rounds.run(flat, OneWorker(counted), worker=0, key=key, step=1)
         assert torch.equal(got[key], want), key
+
+
+@pytest.mark.parametrize("scales", ["tensor"])  # rows of both memories, and tensor scales
+def test_a_recorded_step_replays_the_eager_steps_bits(fused, scales):
+    """The bug it fears: a recorded step (``thc.graphs``: a CUDA graph on a GPU; here its
+    control flow run again on the same buffers) reading an input, a seed or the memory at the
+    address the recording saw instead of this step's, or updating the memory in place where a
+    kernel still reads it."""
+    from gradsum.codecs.base import aggregator_context
+    from gradsum.codecs.thc.graphs import StepGraph
+
+    recorded, eager = codec_pair(True, scales)
+    graphs = [StepGraph(recorded, gradients(0)[w], worker=w, keys=[0, 1, 2],
+                        partition_elements=PARTITION, capture=False) for w in range(2)]  # fmt: skip
+    for step in range(3):  # eager, recorded, replayed
+        inputs = gradients(step)
+        summaries = [graph.prepare(inputs[w], step) for w, graph in enumerate(graphs)]
+        shared = torch.stack(summaries).amax(dim=0)
+        payloads = [graph.encode(shared) for graph in graphs]
+        contexts = (graphs[0].round or graphs[0].eager).contexts_of(step)
+        sums = [recorded.aggregate([p[i] for p in payloads], aggregator_context(ctx))
+                for i, ctx in enumerate(contexts)]  # fmt: skip
+        got = graphs[0].decode(sums)
+        want = run_step_round(eager, inputs, step=step, partition_elements=PARTITION)
+        for key, (average, expected) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(average, expected), (step, key)
+    for state_key, memory in eager.memory.items():
+        assert torch.equal(recorded.memory[state_key], memory), state_key

@@ -192,15 +192,24 @@ class StepRound:
     of one [P, N] buffer that the next step reads without gathering it."""
 
     def __init__(self, codec, inner: THC, layout: StepLayout, flats: Sequence[torch.Tensor],
-                 worker: int, seed: int, step: int):  # fmt: skip
+                 worker: int, seed: int, step: int,
+                 static: StaticBuffers | None = None):  # fmt: skip
         self.codec, self.inner, self.layout = codec, inner, layout
         self.feedback = isinstance(codec, ErrorFeedback)
-        self.contexts = [
-            CodecContext(seed, worker, step, pid, key=(layout.keys[r.group], r.index))
-            for r, pid in zip(layout.rows_of, layout.partition_ids, strict=True)
-        ]
+        self.worker, self.seed = worker, seed
+        self.contexts = self.contexts_of(step)
         self.flats = [f.reshape(-1) for f in flats]
         self.checks = DeviceChecks.current()
+        # a recorded step's (``thc.graphs``): its input, seeds and memory at fixed addresses
+        self.static = static
+
+    def contexts_of(self, step: int) -> list[CodecContext]:
+        """Every row's context at ``step`` (its partition's, as its own round has it)."""
+        layout = self.layout
+        return [
+            CodecContext(self.seed, self.worker, step, pid, key=(layout.keys[r.group], r.index))
+            for r, pid in zip(layout.rows_of, layout.partition_ids, strict=True)
+        ]
 
     @classmethod
     def build(cls, codec, flats: Sequence[torch.Tensor], *, worker: int,
@@ -229,9 +238,12 @@ class StepRound:
         the [P] norms; with tensor scales, the norms of the rows of one scale, then a (workers
         x pieces) matrix of every piece's norm in this worker's row (zeros elsewhere)."""
         layout, rows = self.layout, self.layout.rows_of
-        flats = [f.to(torch.float32) for f in self.flats]
-        src = flats[0] if len(flats) == 1 else torch.cat(flats)
-        self.src = src.contiguous()
+        if self.static is not None:  # filled by the caller (``graphs.StepGraph.prepare``)
+            self.src = self.static.src
+        else:
+            flats = [f.to(torch.float32) for f in self.flats]
+            src = flats[0] if len(flats) == 1 else torch.cat(flats)
+            self.src = src.contiguous()
         xs = [self.src[r.source : r.source + r.length] for r in rows]
         memory, norms, bound = None, None, None
         if self.feedback:
@@ -272,6 +284,8 @@ class StepRound:
         still its view; else gathered, zero where a row has none), and each row's own."""
         layout, memory = self.layout, self.codec.memory
         kept = [memory.get(ctx.state_key) for ctx in self.contexts]
+        if self.static is not None:  # every row's memory is its view (``graphs.StepGraph``)
+            return self.static.memory, kept
         if all(e is None for e in kept):
             return None, []
         for i, (e, r) in enumerate(zip(kept, layout.rows_of, strict=True)):
@@ -316,14 +330,21 @@ class StepRound:
             self.w, _ = triton_kernels.rows_rotate(layout, x, None, None, None, False, divisors,
                                                    select=2, out=self.w)  # fmt: skip
         lookups = inner._tables(self.src.device)
-        seeds = torch.tensor([ctx.worker_seed() for ctx in self.contexts], dtype=torch.int64)
-        if self.src.device.type == "cuda":  # from pageable memory a copy waits for the stream
-            seeds = seeds.pin_memory().to(self.src.device, non_blocking=True)
-        elif self.src.device.type != "cpu":
-            seeds = seeds.to(self.src.device)
+        if self.static is not None:  # the host wrote this step's seeds (``graphs``)
+            seeds = self.static.seeds.copy_(self.static.host_seeds, non_blocking=True)
+        else:
+            seeds = torch.tensor([ctx.worker_seed() for ctx in self.contexts],
+                                 dtype=torch.int64)  # fmt: skip
+            if self.src.device.type == "cuda":  # from pageable memory a copy waits the stream
+                seeds = seeds.pin_memory().to(self.src.device, non_blocking=True)
+            elif self.src.device.type != "cpu":
+                seeds = seeds.to(self.src.device)
         g = inner.granularity
         new = None
-        if self.feedback:
+        if self.feedback and self.static is not None:
+            # in place: the rotation read the memory before, and no kernel after reads it
+            new = self.static.memory
+        elif self.feedback:
             new = torch.empty(layout.rows, layout.width, dtype=torch.float32,
                               device=self.src.device)  # fmt: skip
         error = None
@@ -379,16 +400,33 @@ class StepRound:
         self, sums: Sequence[Payload], out: torch.Tensor | None = None
     ) -> list[torch.Tensor]:
         """Every gradient's average from every row's summed payload (``decodes``)."""
-        layout = self.layout
         fields = [s.fields[DOWNSTREAM].reshape(-1) for s in sums]
         packed = fields[0] if len(fields) == 1 else torch.cat(fields)
+        return self.decode_packed(packed, sums[0].contributors, out)
+
+    def decode_packed(self, packed: torch.Tensor, contributors: int,
+                      out: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
+        """``decode`` of every row's packed sums, end to end in ``packed``."""
+        layout = self.layout
         if out is None:
             out = torch.empty(layout.total, dtype=torch.float32, device=packed.device)
         triton_kernels.rows_dequantize_inverse(layout, packed, self.inner.sum_bits, self.step,
-                                               self.offset, sums[0].contributors, out,
+                                               self.offset, contributors, out,
                                                factors=self.factors)  # fmt: skip
         ends = [*layout.group_starts[1:], layout.total]
         return [out[a:b] for a, b in zip(layout.group_starts, ends, strict=True)]
+
+
+@dataclass
+class StaticBuffers:
+    """A recorded step's inputs and state at fixed addresses (``graphs.StepGraph``): the flat
+    input, the seeds (written on the host, copied by the recorded encode) and the memory,
+    which the encode updates in place."""
+
+    src: torch.Tensor
+    host_seeds: torch.Tensor
+    seeds: torch.Tensor
+    memory: torch.Tensor | None
 
 
 class StepSumPhase(SumPhase):
