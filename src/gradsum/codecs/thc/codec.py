@@ -308,8 +308,8 @@ class GridCodec(Codec):
               out: torch.Tensor) -> None:  # fmt: skip
         """The rounding thresholds of the torch path and the fused kernels: stratified across
         the workers (correlated rounding), or independent: ``hashed_uniform`` of the worker's
-        seed, which the fused kernels compute in place (``_hashed``), one partition or a step's
-        rows in one launch, each with its own seed (``thc.step``)."""
+        seed, which the fused kernels compute in place (``_triton._hashed_uniform``), one
+        partition or a step's rows in one launch, each with its own seed (``thc.step``)."""
         if self.correlated:
             ctx.stratified_uniform(count, self.workers, device, out=out)
         else:
