@@ -50,7 +50,6 @@ class Recorded:
             with checks.deferring(), torch.cuda.graph(graph):
                 result = self.fn()
         except RuntimeError:  # capture refused: eager on every call
-            torch.cuda.synchronize(device)
             return
         self.graph, self.result, self._checks = graph, result, checks
 
@@ -93,6 +92,9 @@ class StepGraph:
         self._shared: torch.Tensor | None = None
         self._sums: torch.Tensor | None = None
         self._contributors: int | None = None
+        # the recorded encode's copy of the seeds from pinned memory, which the host may not
+        # overwrite before the device has read them (the device runs behind)
+        self._seeds_read: torch.cuda.Event | None = None
 
     def batches(self, flats: Sequence[torch.Tensor], step: int) -> bool:
         return StepRound.build(self.codec, flats, worker=self.worker, keys=self.keys, step=step,
@@ -113,6 +115,8 @@ class StepGraph:
         static = self.round.static
         torch.cat([f.to(torch.float32) for f in flats], out=static.src)
         seeds = [ctx.worker_seed() for ctx in self.round.contexts_of(step)]
+        if self._seeds_read is not None:  # long done: the last step's payloads were sent
+            self._seeds_read.synchronize()
         static.host_seeds.copy_(torch.tensor(seeds, dtype=torch.int64))
         return self._run("prepare", self.round.prepare)
 
@@ -144,7 +148,11 @@ class StepGraph:
         if self._shared is None:
             self._shared = torch.empty_like(shared)
         self._shared.copy_(shared)
-        return self._run("encode", lambda: self.round.encode(self._shared))
+        payloads = self._run("encode", lambda: self.round.encode(self._shared))
+        if self.device.type == "cuda":
+            self._seeds_read = torch.cuda.Event()
+            self._seeds_read.record()
+        return payloads
 
     def decode(self, sums: Sequence[Payload]) -> list[torch.Tensor]:
         batched = self.eager if self.round is None else self.round
