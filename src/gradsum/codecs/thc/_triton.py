@@ -104,7 +104,7 @@ def _round_lane(u, draw, low_of_cell, inverse_width, interval, g: tl.constexpr):
     return tl.load(interval + cell).to(tl.int32) + (draw < up).to(tl.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])  # a seed's value compiles nothing new
 def _quantize_kernel(y, draws, low_of_cell, inverse_width, interval, packed, a, c, seed_lo,
                      seed_hi, g: tl.constexpr, BITS: tl.constexpr, N: tl.constexpr,
                      HASHED: tl.constexpr):  # fmt: skip
