@@ -193,3 +193,34 @@ def test_a_recorded_step_replays_the_eager_steps_bits(fused, scales):
             assert torch.equal(average, expected), (step, key)
     for state_key, memory in eager.memory.items():
         assert torch.equal(recorded.memory[state_key], memory), state_key
+
+
+def test_gradients_the_batch_cannot_take_run_rounds_of_their_own(fused):
+    """The bug it fears: a gradient with a partition shorter than a packed byte (a scalar
+    parameter's) sending the whole step back to a round per gradient, or taken as a row that
+    packs nothing; and a streaming reducer's waves, which the batch does not run, batched."""
+    from gradsum.codecs.thc.step import StepRound
+
+    generator = torch.Generator().manual_seed(9)
+    sizes = [2 * PARTITION, 1, PARTITION + 1]  # the last one's last partition: 1 coordinate
+    inputs = [[torch.randn(n, generator=generator) for n in sizes] for _ in range(2)]
+    batched, reference = (make_codec("thc", workers=2, error_feedback=True) for _ in range(2))
+    assert StepRound.batched_groups(batched, inputs[0], [0, 1, 2], PARTITION) == [0]
+    got = run_step_round(batched, inputs, partition_elements=PARTITION)
+    for key, average in enumerate(got):
+        want = run_round(reference, [w[key] for w in inputs], key=key,
+                         partition_elements=PARTITION).average  # fmt: skip
+        assert torch.equal(average, want), key
+
+    class Streaming(OneWorker):
+        streams = True
+
+    batched, reference = (make_codec("thc", workers=1, error_feedback=True) for _ in range(2))
+    flats = [inputs[0][0], inputs[0][2]]
+    got = CodecRound(batched, partition_elements=PARTITION).run_many(
+        flats, Streaming(), worker=0, keys=[0, 1], step=0
+    )
+    rounds = CodecRound(reference, partition_elements=PARTITION)
+    for key, flat in enumerate(flats):
+        want = rounds.run(flat, Streaming(), worker=0, key=key, step=0)
+        assert torch.equal(got[key], want), key

@@ -294,19 +294,25 @@ class CodecRound:
         """The averages of a step's gradients (``flats``, ``keys`` theirs), each ``run``'s bit
         for bit. Where the codec batches a step (``thc.step.StepRound``: THC on the fused
         kernels) and the reducer does not run waves (``pipelines``), one MAX of one summary and
-        one SUM of every partition of every gradient, in launches that do not grow with them;
-        otherwise one ``run`` per gradient. ``checks`` as for ``run``."""
+        one SUM of every partition of every gradient the batch takes
+        (``StepRound.batched_groups``), in launches that do not grow with them, and a ``run``
+        of its own for each of the others (every worker runs the same); otherwise one ``run``
+        per gradient. ``checks`` as for ``run``."""
         from .thc.step import StepRound, StepSumPhase
 
-        flats = [flat.reshape(-1) for flat in flats]
-        batched = None
-        if not pipelines(reducer, self.codec):
-            batched = StepRound.build(self.codec, flats, worker=worker, keys=keys, step=step,
-                                      seed=self.seed,
-                                      partition_elements=self.partition_elements)  # fmt: skip
-        if batched is None:
-            return [self.run(flat, reducer, worker=worker, key=key, step=step, checks=checks)
-                    for flat, key in zip(flats, keys, strict=True)]  # fmt: skip
+        flats, keys = [flat.reshape(-1) for flat in flats], list(keys)
+        chosen = [] if pipelines(reducer, self.codec) else StepRound.batched_groups(
+            self.codec, flats, keys, self.partition_elements)  # fmt: skip
+        averages: list[torch.Tensor | None] = [None] * len(flats)
+        for g, (flat, key) in enumerate(zip(flats, keys, strict=True)):
+            if g not in chosen:  # a round of its own (every worker runs the same ones)
+                averages[g] = self.run(flat, reducer, worker=worker, key=key, step=step,
+                                       checks=checks)  # fmt: skip
+        if not chosen:
+            return averages
+        batched = StepRound.build(self.codec, [flats[g] for g in chosen], worker=worker,
+                                  keys=[keys[g] for g in chosen], step=step, seed=self.seed,
+                                  partition_elements=self.partition_elements)  # fmt: skip
         checks = checks or DeviceChecks.current()
         own = checks is None
         checks = DeviceChecks() if own else checks
@@ -316,7 +322,8 @@ class CodecRound:
             phase = StepSumPhase(batched, shared)
             reducer.sum(phase)
             phase.check_complete()
-            averages = phase.averages()
+            for g, average in zip(chosen, phase.averages(), strict=True):
+                averages[g] = average
         if own:
             checks.raise_if_failed()
         return averages
@@ -668,23 +675,32 @@ def run_step_round(
     """The reference of a step: every worker's round over all of its gradients at once,
     ``inputs`` one list of gradients per worker (a model's groups, ``keys`` theirs; default
     0, 1, ...), the average of each. Where the codec batches a step (``thc.step.StepRound``:
-    THC on the fused kernels) every partition of every gradient is one row of one round, in
-    a fixed number of launches; otherwise, and always in values, it is ``run_round`` of each
-    gradient."""
+    THC on the fused kernels) every partition of every gradient it takes
+    (``StepRound.batched_groups``) is one row of one round, in a fixed number of launches;
+    otherwise, and always in values, it is ``run_round`` of each gradient."""
+    from .thc.step import StepRound
+
     groups = len(inputs[0])
     keys = list(range(groups)) if keys is None else list(keys)
     clock = clock or PhaseClock()
-    checks = DeviceChecks()
-    with checks.deferring():
-        result = _run_step_round(codec, inputs, keys, seed, step, partition_elements, clock)
-    checks.raise_if_failed()
-    if result is not None:
-        return result
-    return [
-        run_round(codec, [worker[g] for worker in inputs], seed=seed, step=step, key=keys[g],
-                  partition_elements=partition_elements, clock=clock).average
-        for g in range(groups)
-    ]  # fmt: skip
+    flats = [x.reshape(-1) for x in inputs[0]]
+    chosen = StepRound.batched_groups(codec, flats, keys, partition_elements)
+    averages: list[torch.Tensor | None] = [None] * groups
+    for g in range(groups):
+        if g not in chosen:  # a round of its own
+            averages[g] = run_round(codec, [worker[g] for worker in inputs], seed=seed, step=step,
+                                    key=keys[g], partition_elements=partition_elements,
+                                    clock=clock).average  # fmt: skip
+    if chosen:
+        checks = DeviceChecks()
+        with checks.deferring():
+            batched = _run_step_round(codec, [[worker[g] for g in chosen] for worker in inputs],
+                                      [keys[g] for g in chosen], seed, step, partition_elements,
+                                      clock)  # fmt: skip
+        checks.raise_if_failed()
+        for g, average in zip(chosen, batched, strict=True):
+            averages[g] = average
+    return averages
 
 
 def _run_step_round(codec, inputs, keys, seed, step, partition_elements, clock):
@@ -696,8 +712,6 @@ def _run_step_round(codec, inputs, keys, seed, step, partition_elements, clock):
             flats = [x.reshape(-1).to(torch.float32) for x in flats]
             batched = StepRound.build(codec, flats, worker=w, keys=keys, step=step, seed=seed,
                                       partition_elements=partition_elements)  # fmt: skip
-            if batched is None:
-                return None
             batched.prepare()
         rounds.append(batched)
     with clock.phase("aggregate"):

@@ -232,6 +232,32 @@ class StepRound:
             return None
         return cls(codec, inner, layout, flats, worker, seed, step)
 
+    @staticmethod
+    def batched_groups(codec, flats: Sequence[torch.Tensor], keys: Sequence[Hashable],
+                       partition_elements: int = PARTITION_ELEMENTS) -> list[int]:  # fmt: skip
+        """Which of a step's gradients its batch takes (``build`` of them is not None): all
+        where the codec and device batch, but those with a partition too short for a packed
+        byte (fewer coordinates than lanes to a byte: a scalar parameter's gradient), which
+        run a round of their own; none elsewhere."""
+        inner = _inner(codec)
+        if inner is None or inner.correlated or inner.spread_clamp or codec.stages != 1:
+            return []
+        if not flats or len({f.device for f in flats}) != 1:
+            return []
+        device = flats[0].device
+        if _reads_scalars(torch.empty(0, device=device)) or not triton_kernels.use_for(device):
+            return []
+        per = 8 // inner.bits if inner.bits in (1, 2, 4, 8) else 0
+        chosen = []
+        for g, (flat, key) in enumerate(zip(flats, keys, strict=True)):
+            bounds = codec.partitions(key, flat.numel(), partition_elements)
+            if bounds is None:
+                bounds = partition_bounds(flat.numel(), partition_elements)
+            if per and all(padded_length(b - a, inner.rotation_block) % per == 0
+                           for a, b in bounds):  # fmt: skip
+                chosen.append(g)
+        return chosen
+
     # -- before the MAX round ------------------------------------------------------------------
     def prepare(self) -> torch.Tensor:
         """Precondition and summarize every row: the summaries for the MAX round, one tensor:
