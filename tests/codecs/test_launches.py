@@ -193,7 +193,7 @@ def test_a_thc_round_of_tensor_scales_launches_a_fixed_number_per_partition(
 # (1), the rows are rotated after the MAX round divided by them (2; before it, with feedback, 1
 # kernel stores x + e) and their memory stays in the gradient's domain: its residual's decode
 # (2). One partition saves the sums' concatenation. Before this, every partition cost its own
-# round, 68 launches each with feedback (58 + 10; 93 with tensor scales): 4,354 for 64.
+# round, 68 launches each with feedback (58 + 10; 93 with tensor scales): 4,415 for 64 (6,015).
 STEP_LAUNCHES = {
     ("partition", False): {"encode": 8, "decode": 3},
     ("partition", True): {"encode": 10, "decode": 3},
@@ -252,7 +252,8 @@ def gpt_groups(layers: int = 6, width: int = 192, vocab: int = 50257,
 # the gradient's domain (the residual's decode, 2). Tensor scales add the pieces' norms (3), their
 # placement (1) and the scales' kernel (1); with feedback the rotation is split in two (2): the
 # embedding's rows of one tensor keep rotated memory and are rotated before the MAX round, the
-# others after it, divided by their tensors' scales. Per partition, its 36 rows took 36 rounds.
+# others after it, divided by their tensors' scales. Before, its 36 partitions took a round each:
+# 2,319 launches with feedback (3,069 with tensor scales).
 GPT_STEP_LAUNCHES = {
     ("partition", False): {"encode": 9, "decode": 3},
     ("partition", True): {"encode": 13, "decode": 3},
