@@ -11,14 +11,17 @@ adds launches to the hot path fails here before it reaches a GPU.
 
 import collections
 import contextlib
+import math
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradsum.codecs import make_codec
-from gradsum.codecs.round import PARTITION_ELEMENTS, PhaseClock, run_round
+from gradsum.codecs.round import PARTITION_ELEMENTS, PhaseClock, run_round, run_step_round
 from gradsum.codecs.thc import triton_kernels
+
+from ..host_syncs import count_host_syncs
 
 # ops that only make metadata or allocate: no kernel on a GPU
 NO_KERNEL = {
@@ -53,16 +56,20 @@ class LaunchCounter(TorchDispatchMode):
             self.launches[self.phase] += 1
         return func(*args, **(kwargs or {}))
 
-    def kernel(self, output: int):
+    def kernel(self, outputs: int | dict[int, float]):
         """A fused kernel that counts its launches and zeroes its output (positional argument
-        ``output``), so the values a round carries on, its error feedback's, stay finite."""
+        ``outputs``; or fills each of several with its value), so the values a round carries
+        on, its error feedback's, stay finite and its checks pass."""
         counter = self
+        if isinstance(outputs, int):
+            outputs = {outputs: 0}
 
         class Launch:
             def __getitem__(self, grid):
                 def launch(*args, **kwargs):
-                    counter.muted = True  # the zeroing stands in for the kernel: not counted
-                    args[output].zero_()
+                    counter.muted = True  # the filling stands in for the kernel: not counted
+                    for index, value in outputs.items():
+                        args[index].fill_(value)
                     counter.muted = False
                     if counter.active:
                         counter.launches[counter.phase] += 1
@@ -91,7 +98,15 @@ def gpu_path(monkeypatch):
     """The GPU's control flow on the CPU, with counted (not run) fused kernels."""
     counter = LaunchCounter()
     kernels = type("Kernels", (), {})()
-    outputs = {"_tile_kernel": 1, "_cross_kernel": 0, "_quantize_kernel": 5}  # dst, buf, packed
+    outputs = {
+        "_tile_kernel": 1, "_cross_kernel": 0, "_quantize_kernel": 5,  # dst, buf, packed
+        # a step's rows (thc.step): dst and xp; dst and out; buf and out; packed and error;
+        # the scalars and their rows' flag of valid norms (true)
+        "_rows_rotate_kernel": {3: 0, 4: 0}, "_rows_dequantize_kernel": {1: 0, 9: 0},
+        "_rows_cross_kernel": {0: 0, 7: 0}, "_rows_quantize_kernel": {5: 0, 12: 0},
+        "_rows_scalars_kernel": {3: 0, 4: 0, 5: 0, 6: 0, 7: 0, 8: 1},
+        "_rows_tensor_scales_kernel": {3: 0, 4: 1, 5: 1, 6: 1},  # largest, factors, divisors, ok
+    }  # fmt: skip
     for name, output in outputs.items():
         setattr(kernels, name, counter.kernel(output))
     monkeypatch.setenv("GRADSUM_NATIVE", "0")
@@ -108,15 +123,17 @@ def count_round(counter: LaunchCounter, codec, length: int) -> dict[str, int]:
     return dict(counter.launches)
 
 
-# The counts per 2**20 partition. Without error feedback: encode 31 (the norm and its checks, the
-# grid's scalars, the draws, 3 fused kernels), decode 13 (the step, 2 fused kernels: the sums are
-# unpacked as the first one loads them; the round's scalars are computed once, where first used,
-# and not again in the decode: 19 when it recomputed them). Error feedback, as training runs THC,
-# adds the memory's bound and its update: encode 58 (with the fused rotation of x + e and the
-# worker's own values looked up, not summed, packed and unpacked; 153 before), decode 10 (its
-# step computed in the encode). Per round, 2 (the partitions' checks combined). A bound met with
-# room would hide a regression, so these are the counts themselves.
-PER_PARTITION = {False: {"encode": 31, "decode": 13}, True: {"encode": 58, "decode": 10}}
+# The counts per 2**20 partition. Without error feedback: encode 27 (the norm and its checks, the
+# grid's scalars, 3 fused kernels drawing their thresholds themselves: 31 with a launch for the
+# draws and a float32 norm retaken in float64 where it overflowed), decode 13 (the step, 2 fused
+# kernels: the sums are unpacked as the first one loads them; the round's scalars are computed
+# once, where first used, and not again in the decode: 19 when it recomputed them). Error
+# feedback, as training runs THC, adds the memory's bound and its update: encode 53 (with the
+# fused rotation of x + e and the worker's own values looked up, not summed, packed and
+# unpacked; 153, then 58 before), decode 10 (its step computed in the encode). Per round, 2 (the
+# partitions' checks combined). A bound met with room would hide a regression, so these are the
+# counts themselves.
+PER_PARTITION = {False: {"encode": 27, "decode": 13}, True: {"encode": 53, "decode": 10}}
 PER_ROUND = {"encode": 2, "decode": 0}
 
 
@@ -151,7 +168,7 @@ def test_the_decode_reads_packed_sums_without_unpacking_them(gpu_path, monkeypat
 # own table values as an unpacked sum (128 encode launches when it packed and unpacked them and
 # recomputed the scales).
 PER_PARTITION_TENSOR_SCALES = {False: {"encode": 55, "decode": 16},
-                               True: {"encode": 83, "decode": 10}}  # fmt: skip
+                               True: {"encode": 82, "decode": 10}}  # fmt: skip
 
 
 @pytest.mark.parametrize("feedback", [False, True], ids=["no-feedback", "feedback"])
@@ -164,3 +181,116 @@ def test_a_thc_round_of_tensor_scales_launches_a_fixed_number_per_partition(
     launches = count_round(gpu_path, codec, partitions * PARTITION_ELEMENTS)
     for phase, count in PER_PARTITION_TENSOR_SCALES[feedback].items():
         assert launches[phase] <= count * partitions + PER_ROUND[phase], (phase, launches)
+
+
+# A step's rounds as one batch (thc.step): every partition of every gradient of the step is a row
+# of one launch per operation, so the count is the step's, whatever its partitions. With error
+# feedback, one scale per partition: encode 10 (the inputs' and memories' norms for the bound, 2;
+# the rotation with the memory added, 2; the summaries' norms, 3; the grid scalars, 1, and their
+# check, 1; the quantization with the new rotated memory, 1), decode 3 (the sums in one buffer,
+# 2 kernels); without, the bound's 2 fewer. With tensor scales (two tensors in a partition) the
+# pieces' norms (3) and the summary's placement (1) replace the norms, the scales take a kernel
+# (1), the rows are rotated after the MAX round divided by them (2; before it, with feedback, 1
+# kernel stores x + e) and their memory stays in the gradient's domain: its residual's decode
+# (2). One partition saves the sums' concatenation. Before this, every partition cost its own
+# round, 68 launches each with feedback (58 + 10; 93 with tensor scales): 4,415 for 64 (6,015).
+STEP_LAUNCHES = {
+    ("partition", False): {"encode": 8, "decode": 3},
+    ("partition", True): {"encode": 10, "decode": 3},
+    ("tensor", False): {"encode": 10, "decode": 3},
+    ("tensor", True): {"encode": 15, "decode": 3},
+}
+STEP_BOUND = 24  # issue 37: a step's THC encode + decode with error feedback
+
+
+def count_step(counter: LaunchCounter, codec, sizes: list[int]) -> dict[str, int]:
+    generator = torch.Generator().manual_seed(0)
+    flats = [torch.randn(n, generator=generator) for n in sizes]
+    run_step_round(codec, [flats], step=0)  # tables, rotations, the layout, the memory
+    with counter:
+        run_step_round(codec, [flats], step=1, clock=counter.clock())
+    return dict(counter.launches)
+
+
+@pytest.mark.parametrize("feedback", [False, True], ids=["no-feedback", "feedback"])
+@pytest.mark.parametrize("scales", ["partition", "tensor"])
+@pytest.mark.parametrize("partitions", [1, 4, 16, 64])
+def test_a_steps_thc_rounds_launch_a_fixed_number_whatever_their_partitions(
+    gpu_path, partitions, scales, feedback
+):
+    """The bug it fears: a batched step that still launches per partition somewhere (a loop
+    over rows of small ops, a draw per row), which 64 partitions show as 64x."""
+    codec = make_codec("thc", workers=4, error_feedback=feedback)
+    if scales == "tensor":  # two tensors in every partition
+        codec.describe(0, [(PARTITION_ELEMENTS - 1000,), (1000,)] * partitions)
+    launches = count_step(gpu_path, codec, [partitions * PARTITION_ELEMENTS])
+    want = dict(STEP_LAUNCHES[(scales, feedback)])
+    if partitions == 1:
+        want["decode"] -= 1  # one row's sums: nothing to concatenate
+    assert {phase: launches[phase] for phase in want} == want, launches
+    assert launches["encode"] + launches["decode"] <= STEP_BOUND
+    assert "outside" not in launches, launches
+
+
+def gpt_groups(layers: int = 6, width: int = 192, vocab: int = 50257,
+               context: int = 1024) -> list[list[tuple[int, ...]]]:  # fmt: skip
+    """The tensors of a small GPT's 27 WFBP groups (6 layers of width 192, as the docs' runs
+    train): the token embedding (9.6M coordinates, 10 partitions), the positions, 4 groups per
+    layer, the final LayerNorm; all but the first under one partition, none a power of two."""
+    groups = [[(vocab, width)], [(context, width)]]
+    for _ in range(layers):
+        groups += [
+            [(width, 3 * width), (3 * width,)],  # attention's qkv
+            [(width, width), (width,), (width,), (width,)],  # its projection, LayerNorm
+            [(width, 4 * width), (4 * width,)],  # the MLP's first layer
+            [(4 * width, width), (width,), (width,), (width,)],  # its second, LayerNorm
+        ]
+    return [*groups, [(width,), (width,)]]
+
+
+# The GPT's step: its 27 gradients are concatenated (1) and its padded rows keep their memory in
+# the gradient's domain (the residual's decode, 2). Tensor scales add the pieces' norms (3), their
+# placement (1) and the scales' kernel (1); with feedback the rotation is split in two (2): the
+# embedding's rows of one tensor keep rotated memory and are rotated before the MAX round, the
+# others after it, divided by their tensors' scales. Before, its 36 partitions took a round each:
+# 2,319 launches with feedback (3,069 with tensor scales).
+GPT_STEP_LAUNCHES = {
+    ("partition", False): {"encode": 9, "decode": 3},
+    ("partition", True): {"encode": 13, "decode": 3},
+    ("tensor", False): {"encode": 14, "decode": 3},
+    ("tensor", True): {"encode": 20, "decode": 3},
+}
+
+
+@pytest.mark.parametrize("feedback", [False, True], ids=["no-feedback", "feedback"])
+@pytest.mark.parametrize("scales", ["partition", "tensor"])
+def test_a_gpt_steps_27_groups_launch_as_one_round(gpu_path, scales, feedback):
+    """The bug it fears: gradients of different sizes (padded rows of their own blocks, rows
+    of one scale beside rows of several) split into launches of their own."""
+    groups = gpt_groups()
+    assert len(groups) == 27
+    codec = make_codec("thc", workers=4, error_feedback=feedback)
+    if scales == "tensor":
+        for key, shapes in enumerate(groups):
+            codec.describe(key, shapes)
+    sizes = [sum(math.prod(shape) for shape in shapes) for shapes in groups]
+    assert min(sizes) < PARTITION_ELEMENTS < max(sizes)
+    launches = count_step(gpu_path, codec, sizes)
+    want = GPT_STEP_LAUNCHES[(scales, feedback)]
+    assert {phase: launches[phase] for phase in want} == want, launches
+    assert launches["encode"] + launches["decode"] <= STEP_BOUND
+
+
+@pytest.mark.parametrize("scales", ["partition", "tensor"])
+def test_a_batched_step_makes_no_host_sync_but_its_checks_one(gpu_path, scales):
+    """The bug it fears: the batch reading a device value on the host (a row's seed copied from
+    pageable memory, a segment reduction checking its lengths, a row's scalar), which on a GPU
+    waits for every launch before it and undoes what their fewness buys."""
+    codec = make_codec("thc", workers=4, error_feedback=True)
+    if scales == "tensor":
+        codec.describe(0, [(PARTITION_ELEMENTS - 1000,), (1000,)] * 3)
+    flats = [torch.randn(3 * PARTITION_ELEMENTS, generator=torch.Generator().manual_seed(1))]
+    run_step_round(codec, [flats], step=0)
+    with count_host_syncs() as syncs:
+        run_step_round(codec, [flats], step=1)
+    assert len(syncs.calls) == 1 and "raise_if_failed" in syncs.calls[0], syncs.calls

@@ -64,6 +64,71 @@ def test_the_fused_kernels_give_the_torch_paths_rounds(monkeypatch):
         assert torch.equal(fused, plain)
 
 
+def _gpt_like_groups() -> list[int]:
+    """Gradients of a small GPT's group sizes: one of ten partitions, the others under one."""
+    return [9_649_344, 196_608, 111_168, 37_440, 148_224, 148_032, 384]
+
+
+def test_a_batched_step_on_the_gpu_is_every_gradients_round():
+    """thc.step on the compiled kernels (tests/codecs/test_step.py runs them interpreted): a
+    step of ragged gradients gives each gradient's round, bit for bit, memory carried."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the kernels would run interpreted: run tests/gpu in a process of its own")
+    from gradsum.codecs.round import run_step_round
+    from gradsum.codecs.thc.step import StepRound
+
+    sizes = _gpt_like_groups()
+    batched, reference = (make_codec("thc", workers=2, error_feedback=True) for _ in range(2))
+    for step in range(2):
+        generator = torch.Generator(device=CUDA).manual_seed(step)
+        grads = [[torch.randn(n, generator=generator, device=CUDA) for n in sizes]
+                 for _ in range(2)]  # fmt: skip
+        assert StepRound.build(batched, grads[0], worker=0, keys=range(len(sizes)),
+                               step=step) is not None  # fmt: skip
+        got = run_step_round(batched, grads, step=step)
+        for key, average in enumerate(got):
+            want = run_round(reference, [w[key] for w in grads], step=step, key=key).average
+            assert torch.equal(average, want), (step, key)
+
+
+def test_a_captured_step_replays_the_eager_steps_bits():
+    """thc.graphs: the step's halves captured as CUDA graphs (not refused) and replayed give
+    the eager step's averages and memory, bit for bit."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the kernels would run interpreted: run tests/gpu in a process of its own")
+    from gradsum.codecs.base import aggregator_context
+    from gradsum.codecs.round import run_step_round
+    from gradsum.codecs.thc.graphs import StepGraph
+
+    sizes, keys = _gpt_like_groups(), list(range(7))
+    recorded, eager = (make_codec("thc", workers=2, error_feedback=True) for _ in range(2))
+    graphs = None
+    for step in range(4):  # eager, recorded, replayed twice
+        generator = torch.Generator(device=CUDA).manual_seed(step)
+        grads = [[torch.randn(n, generator=generator, device=CUDA) for n in sizes]
+                 for _ in range(2)]  # fmt: skip
+        if graphs is None:
+            graphs = [StepGraph(recorded, grads[w], worker=w, keys=keys) for w in range(2)]
+        summaries = [graph.prepare(grads[w], step) for w, graph in enumerate(graphs)]
+        shared = torch.stack(summaries).amax(dim=0)
+        payloads = [graph.encode(shared) for graph in graphs]
+        contexts = (graphs[0].round or graphs[0].eager).contexts_of(step)
+        sums = [recorded.aggregate([p[i] for p in payloads], aggregator_context(ctx))
+                for i, ctx in enumerate(contexts)]  # fmt: skip
+        checks = DeviceChecks()
+        with checks.deferring():
+            got = [g.clone() for g in graphs[0].decode(sums)]
+        checks.raise_if_failed()
+        want = run_step_round(eager, grads, step=step)
+        for key, (average, expected) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(average, expected), (step, key)
+    assert all(r.graph is not None for r in graphs[0]._recorded.values())  # none refused
+    for state_key, memory in eager.memory.items():
+        assert torch.equal(recorded.memory[state_key], memory), state_key
+
+
 def _forward_backward(model, make_input):
     loss = model(make_input()).square().mean()
     for _ in range(20):  # keep the stream busy: a thread that did not wait would read early

@@ -148,6 +148,40 @@ def draw_uniform(
     return out
 
 
+_HASH_MASK = 0xFFFFFFFF
+HASH_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
+"""lowbias32's multipliers (Chris Wellons' integer hash), the rounds of ``hashed_uniform``."""
+
+
+def _lowbias32(x: torch.Tensor) -> torch.Tensor:
+    """One round of the 32-bit hash, on int64 tensors holding uint32 values (a product wraps
+    past 2**63, and its low 32 bits are the uint32 product's)."""
+    x = x ^ (x >> 16)
+    x = (x * HASH_MULTIPLIERS[0]) & _HASH_MASK
+    x = x ^ (x >> 15)
+    x = (x * HASH_MULTIPLIERS[1]) & _HASH_MASK
+    return x ^ (x >> 16)
+
+
+def hashed_uniform(
+    seed: int, count: int, device: torch.device | str = "cpu", out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """U[0, 1) float32 draws that are a function of (seed, coordinate) alone: draw i is
+    lowbias32(lowbias32(i ^ lo) ^ hi) >> 8, times 2**-24 (exact; never 1.0), with lo and hi the
+    seed's 32-bit halves. A kernel computes draw i where it needs it, with no stream to launch
+    or store and no order to follow, so a launch over many partitions (rows) draws each row's
+    own values (``thc.triton_kernels``, ``_triton._hashed_uniform``, bit for bit)."""
+    device = torch.device(device)
+    if out is None:
+        out = torch.empty(count, dtype=torch.float32, device=device)
+    if device.type == "meta":
+        return out
+    i = torch.arange(count, dtype=torch.int64, device=device)
+    x = _lowbias32(i ^ (seed & _HASH_MASK))
+    x = _lowbias32(x ^ (seed >> 32))
+    return torch.mul((x >> 8).to(torch.float32), 2.0**-24, out=out)
+
+
 @dataclass(frozen=True)
 class Payload:
     """What crosses the wire for one partition: named, packed tensors.
@@ -449,6 +483,17 @@ def finite(x: torch.Tensor) -> torch.Tensor:
     x - x is exactly 0 for every finite x and NaN for NaN and ±inf. On a GPU a round's scalar
     checks are bound by their launches, not their arithmetic (tests/codecs/test_launches.py)."""
     return (x - x).eq(0)
+
+
+def norms_of(
+    tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """Every tensor's L2 norm (0-d; accumulated in ``dtype``) from one multi-tensor reduction:
+    one launch or two for all on a GPU, where a step's rounds take their partitions' norms
+    together (``thc.step``). A tensor's norm does not depend on the others in the list, so a
+    round of one partition takes its norm here too and gets the same value; on the CPU it is
+    ``torch.linalg.vector_norm``'s."""
+    return list(torch._foreach_norm(list(tensors), 2, dtype=dtype))
 
 
 def require_finite(x: torch.Tensor, what: str = "gradient") -> None:

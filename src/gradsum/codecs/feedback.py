@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .base import Codec, CodecContext, IntegerOp, Payload
+from .base import Codec, CodecContext, IntegerOp, Payload, norms_of
 from .native_common import enabled
 
 
@@ -61,8 +61,8 @@ class ErrorFeedback(Codec):
         replaced at the encode; a redone round scales it by 1), on the device: no host sync."""
         if self.bound is None:
             return error
-        limit = self.bound * torch.linalg.vector_norm(x)
-        norm = torch.linalg.vector_norm(error)
+        x_norm, norm = norms_of([x, error])  # as a step's rows take them (``thc.step``)
+        limit = self.bound * x_norm
         if error.device.type == "cpu" and enabled() and not bool(norm > limit):
             # on the CPU's native path a value is read without waiting (as the codecs read
             # their scalars there): in steady state the bound does not act, and a pass of

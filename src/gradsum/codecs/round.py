@@ -288,6 +288,46 @@ class CodecRound:
             checks.raise_if_failed()
         return result
 
+    def run_many(self, flats: Sequence[torch.Tensor], reducer: Reducer, *, worker: int,
+                 keys: Sequence[Hashable], step: int,
+                 checks: DeviceChecks | None = None) -> list[torch.Tensor]:  # fmt: skip
+        """The averages of a step's gradients (``flats``, ``keys`` theirs), each ``run``'s bit
+        for bit. Where the codec batches a step (``thc.step.StepRound``: THC on the fused
+        kernels) and the reducer does not run waves (``pipelines``), one MAX of one summary and
+        one SUM of every partition of every gradient the batch takes
+        (``StepRound.batched_groups``), in launches that do not grow with them, and a ``run``
+        of its own for each of the others (every worker runs the same); otherwise one ``run``
+        per gradient. ``checks`` as for ``run``."""
+        from .thc.step import StepRound, StepSumPhase
+
+        flats, keys = [flat.reshape(-1) for flat in flats], list(keys)
+        chosen = [] if pipelines(reducer, self.codec) else StepRound.batched_groups(
+            self.codec, flats, keys, self.partition_elements)  # fmt: skip
+        averages: list[torch.Tensor | None] = [None] * len(flats)
+        for g, (flat, key) in enumerate(zip(flats, keys, strict=True)):
+            if g not in chosen:  # a round of its own (every worker runs the same ones)
+                averages[g] = self.run(flat, reducer, worker=worker, key=key, step=step,
+                                       checks=checks)  # fmt: skip
+        if not chosen:
+            return averages
+        batched = StepRound.build(self.codec, [flats[g] for g in chosen], worker=worker,
+                                  keys=[keys[g] for g in chosen], step=step, seed=self.seed,
+                                  partition_elements=self.partition_elements)  # fmt: skip
+        checks = checks or DeviceChecks.current()
+        own = checks is None
+        checks = DeviceChecks() if own else checks
+        with checks.deferring():
+            summaries = batched.prepare()
+            (shared,) = reducer.max([summaries])
+            phase = StepSumPhase(batched, shared)
+            reducer.sum(phase)
+            phase.check_complete()
+            for g, average in zip(chosen, phase.averages(), strict=True):
+                averages[g] = average
+        if own:
+            checks.raise_if_failed()
+        return averages
+
     def reduce(self, prepared: Prepared, reducer: Reducer) -> torch.Tensor:
         """A prepared round's MAX, SUM and decode, stage after stage. May run again on the same
         ``prepared`` (a transport redoes a round that its aggregator lost): encoding a partition
@@ -620,6 +660,74 @@ def _run_round(codec, inputs, seed, step, key, contributors, partition_elements,
     for w in deciders[1:]:  # each worker's own finish (its error feedback)
         last[w].result(phases[w])
     return RoundResult(average, pieces)
+
+
+def run_step_round(
+    codec: Codec,
+    inputs: Sequence[Sequence[torch.Tensor]],
+    *,
+    keys: Sequence[Hashable] | None = None,
+    seed: int = 0,
+    step: int = 0,
+    partition_elements: int = PARTITION_ELEMENTS,
+    clock: PhaseClock | None = None,
+) -> list[torch.Tensor]:
+    """The reference of a step: every worker's round over all of its gradients at once,
+    ``inputs`` one list of gradients per worker (a model's groups, ``keys`` theirs; default
+    0, 1, ...), the average of each. Where the codec batches a step (``thc.step.StepRound``:
+    THC on the fused kernels) every partition of every gradient it takes
+    (``StepRound.batched_groups``) is one row of one round, in a fixed number of launches;
+    otherwise, and always in values, it is ``run_round`` of each gradient."""
+    from .thc.step import StepRound
+
+    groups = len(inputs[0])
+    keys = list(range(groups)) if keys is None else list(keys)
+    clock = clock or PhaseClock()
+    flats = [x.reshape(-1) for x in inputs[0]]
+    chosen = StepRound.batched_groups(codec, flats, keys, partition_elements)
+    averages: list[torch.Tensor | None] = [None] * groups
+    for g in range(groups):
+        if g not in chosen:  # a round of its own
+            averages[g] = run_round(codec, [worker[g] for worker in inputs], seed=seed, step=step,
+                                    key=keys[g], partition_elements=partition_elements,
+                                    clock=clock).average  # fmt: skip
+    if chosen:
+        checks = DeviceChecks()
+        with checks.deferring():
+            batched = _run_step_round(codec, [[worker[g] for g in chosen] for worker in inputs],
+                                      [keys[g] for g in chosen], seed, step, partition_elements,
+                                      clock)  # fmt: skip
+        checks.raise_if_failed()
+        for g, average in zip(chosen, batched, strict=True):
+            averages[g] = average
+    return averages
+
+
+def _run_step_round(codec, inputs, keys, seed, step, partition_elements, clock):
+    from .thc.step import StepRound
+
+    rounds = []
+    for w, flats in enumerate(inputs):
+        with clock.phase("encode"):
+            flats = [x.reshape(-1).to(torch.float32) for x in flats]
+            batched = StepRound.build(codec, flats, worker=w, keys=keys, step=step, seed=seed,
+                                      partition_elements=partition_elements)  # fmt: skip
+            batched.prepare()
+        rounds.append(batched)
+    with clock.phase("aggregate"):
+        shared = torch.stack([r.summaries for r in rounds]).amax(dim=0)
+    payloads = []
+    for batched in rounds:
+        with clock.phase("encode"):
+            payloads.append(batched.encode(shared))
+    first = rounds[0]
+    with clock.phase("aggregate"):
+        sums = [codec.aggregate([p[i] for p in payloads], aggregator_context(ctx))
+                for i, ctx in enumerate(first.contexts)]  # fmt: skip
+    if not first.decodes(sums):
+        raise RuntimeError("the step's sums are not the packed sums of one contributor count")
+    with clock.phase("decode"):
+        return first.decode(sums)
 
 
 def run_quorum_round(

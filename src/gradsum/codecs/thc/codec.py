@@ -31,6 +31,8 @@ from ..base import (
     check_finite,
     check_same_length,
     finite,
+    hashed_uniform,
+    norms_of,
     require,
     require_finite,
 )
@@ -208,8 +210,11 @@ class GridCodec(Codec):
                     if rotation is None
                     else triton_kernels.rotate(x, rotation.signs, rotation.padded, rotation.block)
                 )
-                draws = self._workspace(y.numel(), y.device)[3]
-                self._draw(ctx, y.numel(), y.device, draws)
+                if self.correlated:
+                    draws = self._workspace(y.numel(), y.device)[3]
+                    self._draw(ctx, y.numel(), y.device, draws)
+                else:  # drawn in the kernel (``_draw``)
+                    draws = ctx.worker_seed()
                 packed = triton_kernels.quantize(y, draws, lookups, a, c, g, self.bits)
                 return Payload({UPSTREAM: packed}, x.numel() if length is None else length)
             y = x.mul(a) if rotation is None else self._rotated(x, rotation).mul_(a)
@@ -301,12 +306,14 @@ class GridCodec(Codec):
 
     def _draw(self, ctx: CodecContext, count: int, device: torch.device,
               out: torch.Tensor) -> None:  # fmt: skip
-        """The rounding thresholds of the torch path and the fused kernels: independent, or
-        stratified across the workers (correlated rounding)."""
+        """The rounding thresholds of the torch path and the fused kernels: stratified across
+        the workers (correlated rounding), or independent: ``hashed_uniform`` of the worker's
+        seed, which the fused kernels compute in place (``_triton._hashed_uniform``), one
+        partition or a step's rows in one launch, each with its own seed (``thc.step``)."""
         if self.correlated:
             ctx.stratified_uniform(count, self.workers, device, out=out)
         else:
-            ctx.uniform(count, device, out=out)
+            hashed_uniform(ctx.worker_seed(), count, device, out=out)
 
     def _workspace(self, count: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """Reused rounding buffers of this thread: a codec may encode on several shard
@@ -510,7 +517,8 @@ class THC(GridCodec):
         lengths = self._lengths(pieces, flat.device)
         squares = native.piece_squares(flat, pieces, lengths)
         if squares is None:
-            squares = torch.segment_reduce(flat.square(), "sum", lengths=lengths)
+            # unsafe: the pieces add up to the partition, and checking it reads on the host
+            squares = torch.segment_reduce(flat.square(), "sum", lengths=lengths, unsafe=True)
         norms = squares.sqrt_()
         require(finite(norms).all(), lambda: self._norm_overflow(flat))
         placed = norms.new_zeros(self.workers, len(pieces))
@@ -593,13 +601,13 @@ class THC(GridCodec):
         pieces = self._pieces(ctx)
         if pieces is not None:
             return self._piece_norms(flat, pieces, ctx)
-        norm = torch.linalg.vector_norm(flat)
         if not _reads_scalars(flat):  # checked on the device, read after the round
-            # Finite coordinates whose squares overflow float32 take the float64 norm.
-            wide = torch.linalg.vector_norm(flat, dtype=torch.float64).to(torch.float32)
-            norm = torch.where(finite(norm), norm, wide)
+            # accumulated in float64 (finite coordinates whose squares overflow float32 have a
+            # norm), as a step's rows take theirs (``thc.step``): one reduction, no fallback
+            norm = norms_of([flat], torch.float64)[0].to(torch.float32)
             require(finite(norm), lambda: self._norm_overflow(flat))
             return self._placed(norm.reshape(1), ctx)
+        norm = torch.linalg.vector_norm(flat)
         if not bool(torch.isfinite(norm)):
             check_finite(flat)  # a NaN/Inf coordinate: the error names it
             # Finite coordinates whose squares overflow float32: accumulate in float64.

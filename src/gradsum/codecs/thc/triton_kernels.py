@@ -123,17 +123,21 @@ def rotate(x: torch.Tensor, signs: torch.Tensor, padded: int, block: int) -> tor
                       length=x.numel())  # fmt: skip
 
 
-def quantize(y: torch.Tensor, draws: torch.Tensor, lookups, a, c, granularity: int,
+def quantize(y: torch.Tensor, draws: torch.Tensor | int, lookups, a, c, granularity: int,
              bits: int) -> torch.Tensor:  # fmt: skip
     """Packed table indices of clamp(y * a + c, 0, g), rounded with ``draws`` (float32 a and c,
-    Python floats or 0-d tensors; one value each)."""
+    Python floats or 0-d tensors; one value each); ``draws`` an int: the seed of
+    ``base.hashed_uniform``'s thresholds, computed in the kernel."""
     if not quantizes(y.numel(), bits):
         raise ValueError(f"quantize takes {bits}-bit lanes of a power-of-two length")
     per, n = 8 // bits, min(TILE, y.numel())
     packed = torch.empty(y.numel() // per, dtype=torch.uint8, device=y.device)
+    hashed = isinstance(draws, int)
+    seed = draws if hashed else 0
     _kernels()._quantize_kernel[(y.numel() // n,)](
-        y, draws, lookups.low_of_cell, lookups.inverse_width_of_cell, lookups.interval_of_cell,
-        packed, _scalar(a, y.device), _scalar(c, y.device), g=granularity, BITS=bits, N=n,
+        y, y if hashed else draws, lookups.low_of_cell, lookups.inverse_width_of_cell,
+        lookups.interval_of_cell, packed, _scalar(a, y.device), _scalar(c, y.device),
+        seed & 0xFFFFFFFF, seed >> 32, g=granularity, BITS=bits, N=n, HASHED=hashed,
         **_launch_options(),
     )  # fmt: skip
     return packed
@@ -158,3 +162,147 @@ def dequantize_inverse(sums: torch.Tensor, signs: torch.Tensor, block: int, a, c
     return _transform(out, block, 1.0 / math.sqrt(block), 2, signs=signs, sums=sums.contiguous(),
                       length=sums.numel() if width else 0, a=_scalar(a, sums.device),
                       c=_scalar(c, sums.device), width=width)  # fmt: skip
+
+
+# -- a step's rows (``thc.step``) ----------------------------------------------------------------
+def rows_fit(padded: int, bits: int) -> bool:
+    """Whether the row kernels take a step whose rows are at most ``padded`` long (a power of
+    two) in lanes of ``bits`` bits; every row's padded length must also be a whole number of
+    packed bytes (``StepLayout``)."""
+    tile = min(TILE, padded)
+    return bits in (1, 2, 4, 8) and tile % (8 // bits) == 0 and padded // tile <= 1024
+
+
+def _row_tiles(n: int) -> tuple[int, int]:
+    tile = min(TILE, n)
+    return tile, tile.bit_length() - 1
+
+
+def rows_rotate(layout, src: torch.Tensor, memory: torch.Tensor | None,
+                norms: torch.Tensor | None, bound: float | None, feedback: bool,
+                divisors: torch.Tensor | None = None, select: int = 0,
+                out: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """Every row's rotation input (``_rows_rotate_kernel``) through both kernels: the rotated
+    rows [P, N] and, under error ``feedback``, the rows x + e of gradient-domain memory (laid
+    out as ``src``), e the rows of ``memory`` where given; ``norms``: the rows' input and
+    memory norms, for ``bound``; ``divisors``: every piece's tensor scale (``layout``'s);
+    ``select``: which rows (``_triton._selected``), into ``out`` where given."""
+    p, n = layout.rows, layout.width
+    tile, log_tile = _row_tiles(n)
+    if out is None:
+        out = torch.empty(p, n, dtype=torch.float32, device=src.device)
+    xp = torch.empty_like(src) if feedback else None
+    dummy = out
+    factor = 0.0 if bound is None else float(bound)
+    options = _launch_options()
+    kernels = _kernels()
+    kernels._rows_rotate_kernel[(p, n // tile)](
+        src, dummy if memory is None else memory, dummy if norms is None else norms,
+        dummy if xp is None else xp, out, layout.signs, layout.meta, layout.scales, factor,
+        dummy if divisors is None else divisors, layout.piece_lengths, p, n,
+        K=layout.meta.shape[1], T=tile,
+        LOG_T=log_tile, XP=feedback, MEMORY=memory is not None, BOUND=norms is not None,
+        PIECES=divisors is not None, SELECT=select, **options,
+    )  # fmt: skip
+    if n > tile and layout.spans(select):
+        rows = n // tile
+        kernels._rows_cross_kernel[(p, tile // COLUMNS)](
+            out, dummy if memory is None else memory, dummy if norms is None else norms,
+            layout.signs, layout.meta, layout.scales, dummy, dummy, factor, dummy,
+            layout.piece_lengths, p, n,
+            K=layout.meta.shape[1], RM=rows, LOG_RM=rows.bit_length() - 1, T=tile,
+            LOG_T=log_tile, C=COLUMNS, DECODE=False, MEMORY=memory is not None,
+            BOUND=norms is not None, RESIDUAL=False, PIECES=False, SELECT=select, **options,
+        )  # fmt: skip
+    return out, xp
+
+
+def rows_quantize(layout, y: torch.Tensor, seeds: torch.Tensor, lookups, a: torch.Tensor,
+                  c: float, granularity: int, bits: int,
+                  error: tuple | None = None) -> torch.Tensor:  # fmt: skip
+    """Every row's packed indices [P, N * bits / 8] (``_rows_quantize_kernel``); ``error``:
+    (values, step, offset, out), the rows of rotated memory's new memory into ``out``."""
+    p, n = layout.rows, layout.width
+    tile = min(TILE, n)
+    packed = torch.empty(p, n * bits // 8, dtype=torch.uint8, device=y.device)
+    dummy = y
+    values, step, offset, out = (dummy,) * 4 if error is None else error
+    _kernels()._rows_quantize_kernel[(p, n // tile)](
+        y, seeds, lookups.low_of_cell, lookups.inverse_width_of_cell, lookups.interval_of_cell,
+        packed, a, c, layout.meta, values, step, offset, out, n, K=layout.meta.shape[1],
+        g=granularity, BITS=bits, NT=tile, ERROR=error is not None, **_launch_options(),
+    )  # fmt: skip
+    return packed
+
+
+def rows_dequantize_inverse(layout, sums: torch.Tensor, width: int, step: torch.Tensor,
+                            offset: torch.Tensor, contributors: int, out: torch.Tensor,
+                            values: torch.Tensor | None = None,
+                            xp: torch.Tensor | None = None,
+                            factors: torch.Tensor | None = None) -> None:  # fmt: skip
+    """Every row's decode into ``out``: the step's flat output (each row's first LEN at OUT),
+    or with ``xp`` the new gradient-domain memory x + e - decoded, [P, N]. ``values``: the
+    sums are table indices packed at a row stride of N * width / 8 (a payload's own sum);
+    ``factors``: every piece's tensor scale (``layout``'s)."""
+    p, n = layout.rows, layout.width
+    tile, log_tile = _row_tiles(n)
+    buf = torch.empty(p, n, dtype=torch.float32, device=sums.device)
+    dummy = buf
+    residual = xp is not None
+    options = _launch_options()
+    kernels = _kernels()
+    kernels._rows_dequantize_kernel[(p, n // tile)](
+        sums, buf, step, offset, dummy if values is None else values, layout.signs,
+        layout.meta, layout.scales, dummy if xp is None else xp, out,
+        dummy if factors is None else factors, layout.piece_lengths, contributors, n,
+        K=layout.meta.shape[1], T=tile,
+        LOG_T=log_tile, WIDTH=width, LOOKUP=values is not None, RESIDUAL=residual,
+        PIECES=factors is not None, **options,
+    )  # fmt: skip
+    if n > tile:
+        rows = n // tile
+        kernels._rows_cross_kernel[(p, tile // COLUMNS)](
+            buf, dummy, dummy, layout.signs, layout.meta, layout.scales,
+            dummy if xp is None else xp, out, 0.0, dummy if factors is None else factors,
+            layout.piece_lengths, p, n,
+            K=layout.meta.shape[1], RM=rows, LOG_RM=rows.bit_length() - 1, T=tile,
+            LOG_T=log_tile, C=COLUMNS, DECODE=True, MEMORY=False, BOUND=False,
+            RESIDUAL=residual, PIECES=factors is not None, SELECT=0, **options,
+        )  # fmt: skip
+
+
+def rows_scalars(shared: torch.Tensor, sqrt_padded: torch.Tensor, constants: torch.Tensor,
+                 prior: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """Every row's grid scalars (``_rows_scalars_kernel``) from its max norm (float32 or 64):
+    a, step (float64), step, offset and own offset (float32), and whether the row's max norm
+    is valid and ``prior`` holds (int8)."""
+    p, device = shared.numel(), shared.device
+    block = min(1024, 1 << max(0, p - 1).bit_length())
+    f32 = lambda: torch.empty(p, dtype=torch.float32, device=device)  # noqa: E731
+    a, step32, offset, own = f32(), f32(), f32(), f32()
+    step = torch.empty(p, dtype=torch.float64, device=device)
+    ok = torch.empty(p, dtype=torch.int8, device=device)
+    _kernels()._rows_scalars_kernel[(-(-p // block),)](
+        shared, sqrt_padded, constants, a, step, step32, offset, own, ok,
+        ok if prior is None else prior, p, BLOCK=block, PRIOR=prior is not None,
+        **_launch_options(),
+    )  # fmt: skip
+    return a, step, step32, offset, own, ok
+
+
+def rows_tensor_scales(layout, shared: torch.Tensor, workers: int) -> tuple[torch.Tensor, ...]:
+    """Every row's tensor scales (``_rows_tensor_scales_kernel``): its largest normalized norm
+    (float64), every piece's decode factor and encode divisor (float32), and whether the
+    row's norms are valid (int8)."""
+    p, q, device = layout.rows, layout.pieces, shared.device
+    largest = torch.empty(p, dtype=torch.float64, device=device)
+    factors = torch.empty(q, dtype=torch.float32, device=device)
+    divisors = torch.empty(q, dtype=torch.float32, device=device)
+    ok = torch.empty(p, dtype=torch.int8, device=device)
+    _kernels()._rows_tensor_scales_kernel[(p,)](
+        shared, layout.meta, layout.sqrt_lengths, largest, factors, divisors, ok,
+        layout.plain, q, workers, K=layout.meta.shape[1],
+        WB=1 << max(0, workers - 1).bit_length(), **_launch_options(),
+    )  # fmt: skip
+    return largest, factors, divisors, ok

@@ -1,0 +1,226 @@
+"""A step's THC rounds as one batch of rows (``thc.step``) give each gradient's own round
+(``run_round``) bit for bit, run on the CPU by Triton's interpreter: the row kernels against
+the fused kernels of one partition, with tiles shrunk so the cross-tile kernels run (the
+interpreter runs a kernel's programs one by one: the sizes are small)."""
+
+import os
+import sys
+from dataclasses import replace
+
+import pytest
+
+# as in test_triton.py: the interpreter must be chosen before triton's first import
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+import torch
+
+from gradsum.codecs import make_codec
+from gradsum.codecs.base import CodecContext, NonFiniteGradientError, hashed_uniform
+from gradsum.codecs.round import CodecRound, run_round, run_step_round
+from gradsum.codecs.thc.codec import THC
+
+pytestmark = pytest.mark.pins_native
+
+PARTITION = 1 << 10
+# full partitions (rotated memory), a gradient under one partition, and one whose last partition
+# is short: rows of three padded lengths, blocks across tiles (of 256) and within one
+SIZES = [3 * PARTITION, 700, 2 * PARTITION + 100]
+# tensor scales: partitions of two, one and four tensors, and of one tensor's piece
+SHAPES = [
+    [(PARTITION - 100,), (100,), (PARTITION,), (500,), (PARTITION - 500,)],
+    [(700,)],
+    [(300,), (400,), (5,), (2 * PARTITION + 100 - 705,)],
+]
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """The GPU's path on the CPU: the fused kernels, interpreted, on small tiles."""
+    from gradsum.codecs.thc import triton_kernels
+
+    monkeypatch.setenv("GRADSUM_NATIVE", "0")
+    monkeypatch.setattr(triton_kernels, "TILE", 256)
+    monkeypatch.setattr(triton_kernels, "COLUMNS", 32)
+    monkeypatch.setattr(triton_kernels, "use_for", lambda device: True)
+    return triton_kernels
+
+
+def codec_pair(feedback: bool, scales: str):
+    codecs = [make_codec("thc", workers=2, error_feedback=feedback) for _ in range(2)]
+    if scales == "tensor":
+        for codec in codecs:
+            for key, shapes in enumerate(SHAPES):
+                codec.describe(key, shapes)
+    return codecs
+
+
+def gradients(step: int) -> list[list[torch.Tensor]]:
+    """Two workers' gradients of very different scales per tensor (tensor scales act)."""
+    generator = torch.Generator().manual_seed(step)
+    return [[torch.randn(n, generator=generator) * (1 + 10 * g) for g, n in enumerate(SIZES)]
+            for _ in range(2)]  # fmt: skip
+
+
+@pytest.mark.parametrize("scales", ["partition", "tensor"])
+@pytest.mark.parametrize("feedback", [False, True], ids=["no-feedback", "feedback"])
+def test_a_batched_step_is_every_gradients_round_bit_for_bit(fused, feedback, scales):
+    """The bug it fears: a row that takes another row's scalars, seed, signs, block or memory
+    (an offset off by a row), signs of another run's seed, or error feedback's memory carried
+    differently by the batch."""
+    batched, reference = codec_pair(feedback, scales)
+    for step in range(2 if feedback else 1):  # the memory of one step is the next one's
+        inputs = gradients(step)
+        got = run_step_round(batched, inputs, seed=7, step=step, partition_elements=PARTITION)
+        for key, average in enumerate(got):
+            want = run_round(reference, [worker[key] for worker in inputs], seed=7, step=step,
+                             key=key, partition_elements=PARTITION).average  # fmt: skip
+            assert torch.equal(average, want), (step, key)
+    if feedback:
+        assert batched.memory.keys() == reference.memory.keys()
+        for state_key, memory in reference.memory.items():
+            assert torch.equal(batched.memory[state_key], memory), state_key
+
+
+def test_the_step_batches_where_it_says_and_falls_back_with_the_same_values(fused):
+    """The bug it fears: a codec the batch does not carry (correlated rounding's strata) run
+    through it anyway, or its step giving other values than its rounds."""
+    from gradsum.codecs.thc.step import StepRound
+
+    inputs = gradients(0)
+    plain = make_codec("thc", workers=2, error_feedback=True)
+    assert StepRound.build(plain, inputs[0], worker=0, keys=[0, 1, 2], step=0,
+                           partition_elements=PARTITION) is not None  # fmt: skip
+    correlated = [make_codec("thc", workers=2, correlated=True) for _ in range(2)]
+    assert StepRound.build(correlated[0], inputs[0], worker=0, keys=[0, 1, 2], step=0,
+                           partition_elements=PARTITION) is None  # fmt: skip
+    got = run_step_round(correlated[0], inputs, partition_elements=PARTITION)
+    for key, average in enumerate(got):
+        want = run_round(correlated[1], [w[key] for w in inputs], key=key,
+                         partition_elements=PARTITION).average  # fmt: skip
+        assert torch.equal(average, want)
+
+
+def test_a_nan_in_a_batched_step_names_its_gradient(fused):
+    """The bug it fears: the step's one check (the MAX round's norms) raising a vague error,
+    or none, for a NaN coordinate of one gradient among many."""
+    inputs = gradients(0)
+    inputs[0][2][5] = float("nan")  # worker 0's: the others' rounds see an invalid MAX
+    codec = make_codec("thc", workers=2, error_feedback=True)
+    with pytest.raises(NonFiniteGradientError, match="first at indices \\[5\\]"):
+        run_step_round(codec, inputs, partition_elements=PARTITION)
+
+
+def test_the_kernels_thresholds_are_the_hashed_draws(fused):
+    """The bug it fears: the thresholds a kernel computes from a seed drifting from the torch
+    path's (``hashed_uniform``), which the CPU's rounds and the per-partition path draw."""
+    codec = THC(workers=3)
+    g = codec.granularity
+    y = torch.randn(4096, generator=torch.Generator().manual_seed(3))
+    seed = CodecContext(seed=1, worker=2, step=3, partition=7).worker_seed()
+    assert seed >= 1 << 32  # both halves of the seed are used
+    lookups = codec._tables(y.device)
+    drawn = fused.quantize(y, hashed_uniform(seed, y.numel()), lookups, 2.5, g / 2, g, 4)
+    hashed = fused.quantize(y, seed, lookups, 2.5, g / 2, g, 4)
+    assert torch.equal(drawn, hashed)
+    draws = hashed_uniform(seed, 1 << 16)
+    assert float(draws.min()) >= 0.0 and float(draws.max()) < 1.0
+    assert abs(float(draws.mean()) - 0.5) < 0.01  # U[0, 1): 1/sqrt(12 * 2**16) = 0.0011
+
+
+class OneWorker:
+    """A reducer of one worker (as in test_host_syncs.py); ``counted``: the sums come back
+    with a contributor count per lane, as a switch's partial aggregation delivers them."""
+
+    def __init__(self, counted: bool = False):
+        self.counted = counted
+
+    def max(self, summaries):
+        return list(summaries)
+
+    def sum(self, phase):
+        for i in reversed(range(len(phase))):  # any order
+            summed = phase.codec.aggregate([phase.encode(i)], phase.aggregator_context(i))
+            if self.counted:
+                counts = torch.ones(phase.lanes(i))
+                summed = replace(summed, contributors=1, counts=counts)
+            phase.deliver(i, summed)
+
+
+@pytest.mark.parametrize("counted", [False, True], ids=["sums", "counts-per-lane"])
+def test_a_step_through_a_reducer_is_every_gradients_run(fused, counted):
+    """The bug it fears: the production entry (``CodecRound.run_many``) placing a row's sum or
+    MAX result at another row's, or its row-by-row decode (sums with counts per lane) taking
+    other scalars than the batch's."""
+    batched, reference = (make_codec("thc", workers=1, error_feedback=True) for _ in range(2))
+    for codec in (batched, reference):
+        for key, shapes in enumerate(SHAPES):
+            codec.describe(key, shapes)
+    inputs = gradients(0)[0]
+    rounds = CodecRound(batched, seed=5, partition_elements=PARTITION)
+    got = rounds.run_many(inputs, OneWorker(counted), worker=0, keys=[0, 1, 2], step=1)
+    rounds = CodecRound(reference, seed=5, partition_elements=PARTITION)
+    for key, flat in enumerate(inputs):
+        want = rounds.run(flat, OneWorker(counted), worker=0, key=key, step=1)
+        assert torch.equal(got[key], want), key
+
+
+@pytest.mark.parametrize("scales", ["tensor"])  # rows of both memories, and tensor scales
+def test_a_recorded_step_replays_the_eager_steps_bits(fused, scales):
+    """The bug it fears: a recorded step (``thc.graphs``: a CUDA graph on a GPU; here its
+    control flow run again on the same buffers) reading an input, a seed or the memory at the
+    address the recording saw instead of this step's, or updating the memory in place where a
+    kernel still reads it."""
+    from gradsum.codecs.base import aggregator_context
+    from gradsum.codecs.thc.graphs import StepGraph
+
+    recorded, eager = codec_pair(True, scales)
+    graphs = [StepGraph(recorded, gradients(0)[w], worker=w, keys=[0, 1, 2],
+                        partition_elements=PARTITION, capture=False) for w in range(2)]  # fmt: skip
+    for step in range(3):  # eager, recorded, replayed
+        inputs = gradients(step)
+        summaries = [graph.prepare(inputs[w], step) for w, graph in enumerate(graphs)]
+        shared = torch.stack(summaries).amax(dim=0)
+        payloads = [graph.encode(shared) for graph in graphs]
+        contexts = (graphs[0].round or graphs[0].eager).contexts_of(step)
+        sums = [recorded.aggregate([p[i] for p in payloads], aggregator_context(ctx))
+                for i, ctx in enumerate(contexts)]  # fmt: skip
+        got = graphs[0].decode(sums)
+        want = run_step_round(eager, inputs, step=step, partition_elements=PARTITION)
+        for key, (average, expected) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(average, expected), (step, key)
+    for state_key, memory in eager.memory.items():
+        assert torch.equal(recorded.memory[state_key], memory), state_key
+
+
+def test_gradients_the_batch_cannot_take_run_rounds_of_their_own(fused):
+    """The bug it fears: a gradient with a partition shorter than a packed byte (a scalar
+    parameter's) sending the whole step back to a round per gradient, or taken as a row that
+    packs nothing; and a streaming reducer's waves, which the batch does not run, batched."""
+    from gradsum.codecs.thc.step import StepRound
+
+    generator = torch.Generator().manual_seed(9)
+    sizes = [2 * PARTITION, 1, PARTITION + 1]  # the last one's last partition: 1 coordinate
+    inputs = [[torch.randn(n, generator=generator) for n in sizes] for _ in range(2)]
+    batched, reference = (make_codec("thc", workers=2, error_feedback=True) for _ in range(2))
+    assert StepRound.batched_groups(batched, inputs[0], [0, 1, 2], PARTITION) == [0]
+    got = run_step_round(batched, inputs, partition_elements=PARTITION)
+    for key, average in enumerate(got):
+        want = run_round(reference, [w[key] for w in inputs], key=key,
+                         partition_elements=PARTITION).average  # fmt: skip
+        assert torch.equal(average, want), key
+
+    class Streaming(OneWorker):
+        streams = True
+
+    batched, reference = (make_codec("thc", workers=1, error_feedback=True) for _ in range(2))
+    flats = [inputs[0][0], inputs[0][2]]
+    got = CodecRound(batched, partition_elements=PARTITION).run_many(
+        flats, Streaming(), worker=0, keys=[0, 1], step=0
+    )
+    rounds = CodecRound(reference, partition_elements=PARTITION)
+    for key, flat in enumerate(flats):
+        want = rounds.run(flat, Streaming(), worker=0, key=key, step=0)
+        assert torch.equal(got[key], want), key
