@@ -43,6 +43,7 @@ SPREAD = {
     "tests/train/test_training.py",
     "tests/train/test_lm.py",
     "tests/sync/test_plans_through_shards.py",
+    "tests/codecs/test_step.py",  # interpreted kernels: a minute on one worker, whole
 }
 
 

@@ -64,6 +64,7 @@ def gradients(step: int) -> list[list[torch.Tensor]]:
             for _ in range(2)]  # fmt: skip
 
 
+@pytest.mark.slow  # interpreted kernels: scheduled first
 @pytest.mark.parametrize("scales", ["partition", "tensor"])
 @pytest.mark.parametrize("feedback", [False, True], ids=["no-feedback", "feedback"])
 def test_a_batched_step_is_every_gradients_round_bit_for_bit(fused, feedback, scales):
@@ -167,6 +168,7 @@ def test_a_step_through_a_reducer_is_every_gradients_run(fused, counted):
         assert torch.equal(got[key], want), key
 
 
+@pytest.mark.slow  # ~30 s of interpreted kernels: scheduled first
 @pytest.mark.parametrize("scales", ["tensor"])  # rows of both memories, and tensor scales
 def test_a_recorded_step_replays_the_eager_steps_bits(fused, scales):
     """The bug it fears: a recorded step (``thc.graphs``: a CUDA graph on a GPU; here its
