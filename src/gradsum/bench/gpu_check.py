@@ -113,9 +113,7 @@ def benchmark(log_sizes: range, repeats: int, out: Path | None) -> None:
             ratio = (row["encode_ms"] + row["decode_ms"]) / copy_ms
             print(f"{label:<24}{'2^' + str(log):>6}{copy_ms:>10.3f}{row['encode_ms']:>11.3f}"
                   f"{row['decode_ms']:>11.3f}{ratio:>16.1f}", flush=True)  # fmt: skip
-            if out is not None:
-                with out.open("a") as handle:
-                    handle.write(json.dumps(row) + "\n")
+            _append(out, row)
         del x, buffer
         torch.cuda.empty_cache()
     os.environ.pop("GRADSUM_TRITON", None)
@@ -229,17 +227,22 @@ def training(steps: int, out: Path | None, device: str = "cuda", run=_gradsum) -
 
 
 def testbed_possible() -> bool:
-    """The testbed's namespaces need root and iproute2."""
-    import shutil
+    """Whether the testbed can be built here (``testbed.shell.preflight``: root, ip, tc)."""
+    from ..testbed.shell import TestbedError, preflight
 
-    return os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+    try:
+        preflight()
+    except TestbedError:
+        return False
+    return True
 
 
 def time_to_loss(budget: float, out: Path | None, device: str = "cuda", run=_gradsum) -> int:
     """Part 4: `bench tta` as the GPU user would run it; its rows print as they come."""
     link_rate = "1gbit" if testbed_possible() else None
     if link_rate is None:
-        print("not root, or no ip/tc: part 4 runs on loopback, without --link-rate", flush=True)
+        print("no testbed here (root, ip, tc): part 4 runs on loopback, without --link-rate",
+              flush=True)  # fmt: skip
     target = (out.with_suffix(".tta.json") if out is not None
               else Path(tempfile.mkdtemp()) / "tta.json")  # fmt: skip
     done = run(tta_command(device, budget, link_rate, target), 600)

@@ -670,15 +670,24 @@ static void rng8_seed(struct rng8 *r, uint64_t seed) {
     }
 }
 
+/* One xoshiro128+ step of every lane of state `r` (vectors of lanes, eight or sixteen wide):
+   `result` gets s0 + s3 of the state before it. Written once so both widths draw alike. */
+#define XOSHIRO128P_STEP(r, result)                                                           \
+    do {                                                                                      \
+        __typeof__((r)->s1) t_ = (r)->s1 << 9;                                                \
+        (result) = (r)->s0 + (r)->s3;                                                         \
+        (r)->s2 ^= (r)->s0;                                                                   \
+        (r)->s3 ^= (r)->s1;                                                                   \
+        (r)->s1 ^= (r)->s2;                                                                   \
+        (r)->s0 ^= (r)->s3;                                                                   \
+        (r)->s2 ^= t_;                                                                        \
+        (r)->s3 = ((r)->s3 << 11) | ((r)->s3 >> 21);                                          \
+    } while (0)
+
 /* Eight uniforms in [0, 1), multiples of 2**-24 (xoshiro128+'s low bits are its weak ones). */
 INLINE f32x8 rng8_uniform(struct rng8 *r) {
-    u32x8 result = r->s0 + r->s3, t = r->s1 << 9;
-    r->s2 ^= r->s0;
-    r->s3 ^= r->s1;
-    r->s1 ^= r->s2;
-    r->s0 ^= r->s3;
-    r->s2 ^= t;
-    r->s3 = (r->s3 << 11) | (r->s3 >> 21);
+    u32x8 result;
+    XOSHIRO128P_STEP(r, result);
     return __builtin_convertvector((i32x8)(result >> 8), f32x8) * 0x1p-24f;
 }
 
@@ -894,13 +903,8 @@ WIDE_INLINE void rng_narrow(struct rng16 *r, const struct rng16w *w) {
 }
 
 WIDE_INLINE f32x16 rng16w_uniform(struct rng16w *r) {
-    u32x16 result = r->s0 + r->s3, t = r->s1 << 9;
-    r->s2 ^= r->s0;
-    r->s3 ^= r->s1;
-    r->s1 ^= r->s2;
-    r->s0 ^= r->s3;
-    r->s2 ^= t;
-    r->s3 = (r->s3 << 11) | (r->s3 >> 21);
+    u32x16 result;
+    XOSHIRO128P_STEP(r, result);
     return __builtin_convertvector((i32x16)(result >> 8), f32x16) * 0x1p-24f;
 }
 
