@@ -175,21 +175,14 @@ def test_a_recorded_step_replays_the_eager_steps_bits(fused, scales):
     control flow run again on the same buffers) reading an input, a seed or the memory at the
     address the recording saw instead of this step's, or updating the memory in place where a
     kernel still reads it."""
-    from gradsum.codecs.base import aggregator_context
-    from gradsum.codecs.thc.graphs import StepGraph
+    from gradsum.codecs.thc.graphs import StepGraph, run_recorded_step
 
     recorded, eager = codec_pair(True, scales)
     graphs = [StepGraph(recorded, gradients(0)[w], worker=w, keys=[0, 1, 2],
                         partition_elements=PARTITION, capture=False) for w in range(2)]  # fmt: skip
     for step in range(3):  # eager, recorded, replayed
         inputs = gradients(step)
-        summaries = [graph.prepare(inputs[w], step) for w, graph in enumerate(graphs)]
-        shared = torch.stack(summaries).amax(dim=0)
-        payloads = [graph.encode(shared) for graph in graphs]
-        contexts = (graphs[0].round or graphs[0].eager).contexts_of(step)
-        sums = [recorded.aggregate([p[i] for p in payloads], aggregator_context(ctx))
-                for i, ctx in enumerate(contexts)]  # fmt: skip
-        got = graphs[0].decode(sums)
+        got = run_recorded_step(graphs, inputs, step)
         want = run_step_round(eager, inputs, step=step, partition_elements=PARTITION)
         for key, (average, expected) in enumerate(zip(got, want, strict=True)):
             assert torch.equal(average, expected), (step, key)

@@ -98,9 +98,8 @@ def test_a_captured_step_replays_the_eager_steps_bits():
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the kernels would run interpreted: run tests/gpu in a process of its own")
-    from gradsum.codecs.base import aggregator_context
     from gradsum.codecs.round import run_step_round
-    from gradsum.codecs.thc.graphs import StepGraph
+    from gradsum.codecs.thc.graphs import StepGraph, run_recorded_step
 
     sizes, keys = _gpt_like_groups(), list(range(7))
     recorded, eager = (make_codec("thc", workers=2, error_feedback=True) for _ in range(2))
@@ -111,15 +110,9 @@ def test_a_captured_step_replays_the_eager_steps_bits():
                  for _ in range(2)]  # fmt: skip
         if graphs is None:
             graphs = [StepGraph(recorded, grads[w], worker=w, keys=keys) for w in range(2)]
-        summaries = [graph.prepare(grads[w], step) for w, graph in enumerate(graphs)]
-        shared = torch.stack(summaries).amax(dim=0)
-        payloads = [graph.encode(shared) for graph in graphs]
-        contexts = (graphs[0].round or graphs[0].eager).contexts_of(step)
-        sums = [recorded.aggregate([p[i] for p in payloads], aggregator_context(ctx))
-                for i, ctx in enumerate(contexts)]  # fmt: skip
         checks = DeviceChecks()
         with checks.deferring():
-            got = [g.clone() for g in graphs[0].decode(sums)]
+            got = [g.clone() for g in run_recorded_step(graphs, grads, step)]
         checks.raise_if_failed()
         want = run_step_round(eager, grads, step=step)
         for key, (average, expected) in enumerate(zip(got, want, strict=True)):

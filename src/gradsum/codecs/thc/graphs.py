@@ -180,3 +180,21 @@ class StepGraph:
         # recording's: its first replay computes them. Every half may run twice on one step:
         # none reads what it writes (the encode writes the memory that only the prepare reads)
         return recorded()
+
+
+def run_recorded_step(graphs: Sequence[StepGraph], inputs: Sequence[Sequence[torch.Tensor]],
+                      step: int) -> list[torch.Tensor]:  # fmt: skip
+    """Every worker's recorded step in one process, the MAX round's and the SUM's values
+    computed between its halves as ``round.run_step_round`` computes them (``inputs``: one
+    list of gradients per worker, ``graphs`` one per worker): worker 0's averages, views of its
+    static buffers (the next step overwrites them)."""
+    from ..base import aggregator_context
+
+    summaries = [graph.prepare(inputs[w], step) for w, graph in enumerate(graphs)]
+    shared = torch.stack(summaries).amax(dim=0)
+    payloads = [graph.encode(shared) for graph in graphs]
+    first = graphs[0]
+    contexts = (first.round or first.eager).contexts_of(step)
+    sums = [first.codec.aggregate([p[i] for p in payloads], aggregator_context(ctx))
+            for i, ctx in enumerate(contexts)]  # fmt: skip
+    return first.decode(sums)
