@@ -311,9 +311,10 @@ def _in_both_widths(make):
     return narrow, wide
 
 
-# blocks of 8 (the eight-wide kernels' alone), 16, one leaf, several chunks; padded lengths
+# blocks of 8 (the eight-wide kernels' alone), 16, one leaf, several chunks; padded lengths; a
+# default partition of 2**20, whose block does not fit L2 (the transform parks it in memory)
 WIDTH_ROTATIONS = [(1000, 8), (4096 + 40, 16), (5000, None), (40_000, 16_384),
-                   ((1 << 18) + 77, None), (3 << 17, None)]  # fmt: skip
+                   ((1 << 18) + 77, None), (3 << 17, None), (1 << 20, None)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("length", "block"), WIDTH_ROTATIONS)
