@@ -219,3 +219,33 @@ def test_gradients_the_batch_cannot_take_run_rounds_of_their_own(fused):
     for key, flat in enumerate(flats):
         want = rounds.run(flat, Streaming(), worker=0, key=key, step=0)
         assert torch.equal(got[key], want), key
+
+
+def test_a_sessions_channel_runs_a_gradients_partitions_as_one_batch(fused, monkeypatch):
+    """The bug it fears: training (every aggregator's ``Channel``, under the DDP hook and
+    ``GradientSync`` alike) still running a round per partition, 77 launches each on a GPU,
+    where the batched step takes them all in a fixed number; or the batch's average not the
+    per-gradient round's."""
+    from gradsum.codecs.thc.step import StepRound
+    from gradsum.sync.aggregator import Channel
+
+    built = []
+    build = StepRound.build
+
+    def counted(*args, **kwargs):
+        built.append(len(args[1]))
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(StepRound, "build", staticmethod(counted))
+    batched, reference = (make_codec("thc", workers=1, error_feedback=True) for _ in range(2))
+    for codec in (batched, reference):
+        codec.describe(2, SHAPES[2])
+    flat = gradients(0)[0][2]  # three partitions, the last one short, four tensors
+    channel = Channel([OneWorker()])
+    for step in range(2):  # error feedback's memory carried from the first into the second
+        got = channel.run(CodecRound(batched, seed=5, partition_elements=PARTITION), flat,
+                          worker=0, key=2, step=step)  # fmt: skip
+        want = CodecRound(reference, seed=5, partition_elements=PARTITION).run(
+            flat, OneWorker(), worker=0, key=2, step=step)
+        assert torch.equal(got, want), step
+    assert built == [1, 1]  # one batch a round, not a round per partition

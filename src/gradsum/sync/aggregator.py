@@ -47,8 +47,12 @@ class Channel:
     def run(self, round_: CodecRound, flat: torch.Tensor, *, worker: int, key: Hashable,
             step: int, shard: int | None = None) -> torch.Tensor:  # fmt: skip
         """This worker's ``round_`` of ``flat`` through the whole aggregator, or through
-        ``shard`` alone."""
-        return round_.run(flat, self.reducer(shard), worker=worker, key=key, step=step)
+        ``shard`` alone. Where the codec batches a step (THC on the fused kernels, a reducer
+        that does not stream), every partition of ``flat`` is a row of one batched round,
+        in launches that do not grow with the partitions (``CodecRound.run_many``; the same
+        bits as ``run``); elsewhere it is ``run``."""
+        return round_.run_many([flat], self.reducer(shard), worker=worker, keys=[key],
+                               step=step)[0]  # fmt: skip
 
 
 class Aggregator:
