@@ -246,6 +246,7 @@ def test_a_sessions_channel_runs_a_gradients_partitions_as_one_batch(fused, monk
         got = channel.run(CodecRound(batched, seed=5, partition_elements=PARTITION), flat,
                           worker=0, key=2, step=step)  # fmt: skip
         want = CodecRound(reference, seed=5, partition_elements=PARTITION).run(
-            flat, OneWorker(), worker=0, key=2, step=step)
+            flat, OneWorker(), worker=0, key=2, step=step
+        )
         assert torch.equal(got, want), step
     assert built == [1, 1]  # one batch a round, not a round per partition
