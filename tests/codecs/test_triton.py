@@ -105,10 +105,12 @@ def test_packed_sums_of_an_impossible_width_or_size_are_refused(kernels):
         kernels.dequantize_inverse(torch.zeros(8, dtype=torch.uint8), signs, 8, 1.0, 0.0, 8, 9)
 
 
-@pytest.mark.slow  # ~10 s each in the interpreter
+@pytest.mark.slow  # a few seconds each in the interpreter
 @pytest.mark.parametrize(
     ("name", "length", "partition"),
-    [("thc", 5000, 3000), ("thc-uniform", 5000, 3000), ("thc-uniform-unrotated", 6144, 4096)],
+    # two partitions, each padded (300 -> 512, 200 -> 256) and across tiles of 64 (8 and 4 in a
+    # block: several cross-tile stages); unrotated, two partitions of whole tiles (4 and 2)
+    [("thc", 500, 300), ("thc-uniform", 500, 300), ("thc-uniform-unrotated", 384, 256)],
 )
 def test_thc_rounds_through_the_fused_kernels_are_the_torch_paths(
     kernels, monkeypatch, name, length, partition
