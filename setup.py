@@ -1,10 +1,12 @@
 """Builds the optional C kernels of THC and of bfp, the switch's native slot pools, the worker's
-datagram pump and the simulator's max-min solver; all package metadata lives in pyproject.toml.
+datagram pump, the simulator's max-min solver and the planners' play of a PS plan; all package
+metadata lives in pyproject.toml.
 
 The extensions are optional: without a working C compiler the build skips them and gradsum runs
 its torch code instead (see src/gradsum/codecs/thc/native.py and src/gradsum/codecs/bfp_native.py),
-its Python data plane and transport (src/gradsum/dataplane/native_pool.py, net/pump.py) and the
-numpy max-min solver (src/gradsum/sim/fluid.py).
+its Python data plane and transport (src/gradsum/dataplane/native_pool.py, net/pump.py), the
+numpy max-min solver (src/gradsum/sim/fluid.py) and the planners' Python play
+(src/gradsum/schedule/costs.py).
 """
 
 from setuptools import Extension, setup
@@ -40,6 +42,13 @@ setup(
             sources=["src/gradsum/net/_pump.c"],
             depends=["src/gradsum/dataplane/header.h", "src/gradsum/net/udp_offload.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+            optional=True,
+        ),
+        Extension(
+            "gradsum.schedule._play",
+            sources=["src/gradsum/schedule/_play.c"],
+            # no fused multiply-adds: the play must end where the Python loop does, bit for bit
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-ffp-contract=off"],
             optional=True,
         ),
         Extension(

@@ -12,6 +12,7 @@ adds launches to the hot path fails here before it reaches a GPU.
 import collections
 import contextlib
 import math
+import os
 
 import pytest
 import torch
@@ -115,8 +116,30 @@ def gpu_path(monkeypatch):
     return counter
 
 
+def aggregated_natively(codec) -> None:
+    """The codec's sums computed as a server computes them, by its C kernels where built
+    (``thc.native.lookup_sum``; the same packed sums as the torch path's): the aggregate phase
+    is no launch of a worker's and is not counted, and the torch path's packing of 2**20
+    lanes, op by op through the dispatch mode, took most of a 64-partition step's time."""
+    aggregate = codec.aggregate
+
+    def native(payloads, ctx):
+        pinned = os.environ.get("GRADSUM_NATIVE")
+        os.environ["GRADSUM_NATIVE"] = "1"
+        try:
+            return aggregate(payloads, ctx)
+        finally:
+            if pinned is None:
+                del os.environ["GRADSUM_NATIVE"]
+            else:
+                os.environ["GRADSUM_NATIVE"] = pinned
+
+    codec.aggregate = native
+
+
 def count_round(counter: LaunchCounter, codec, length: int) -> dict[str, int]:
     x = torch.randn(length, generator=torch.Generator().manual_seed(0))
+    aggregated_natively(codec)
     run_round(codec, [x], step=0)  # tables, rotations
     with counter:
         run_round(codec, [x], step=1, clock=counter.clock())
@@ -206,6 +229,7 @@ STEP_BOUND = 24  # issue 37: a step's THC encode + decode with error feedback
 def count_step(counter: LaunchCounter, codec, sizes: list[int]) -> dict[str, int]:
     generator = torch.Generator().manual_seed(0)
     flats = [torch.randn(n, generator=generator) for n in sizes]
+    aggregated_natively(codec)
     run_step_round(codec, [flats], step=0)  # tables, rotations, the layout, the memory
     with counter:
         run_step_round(codec, [flats], step=1, clock=counter.clock())

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.pins_native
 
 PARTITION = 1 << 10
 # full partitions (rotated memory), a gradient under one partition, and one whose last partition
-# is short: rows of three padded lengths, blocks across tiles (of 256) and within one
+# is short: rows of two padded lengths, blocks across tiles (of 512) and within one
 SIZES = [3 * PARTITION, 700, 2 * PARTITION + 100]
 # tensor scales: partitions of two, one and four tensors, and of one tensor's piece
 SHAPES = [
@@ -42,25 +42,25 @@ def fused(monkeypatch):
     from gradsum.codecs.thc import triton_kernels
 
     monkeypatch.setenv("GRADSUM_NATIVE", "0")
-    monkeypatch.setattr(triton_kernels, "TILE", 256)
-    monkeypatch.setattr(triton_kernels, "COLUMNS", 32)
+    monkeypatch.setattr(triton_kernels, "TILE", 512)  # a partition's row: 2 tiles, and the
+    monkeypatch.setattr(triton_kernels, "COLUMNS", 256)  # cross-tile stages 2 programs a row
     monkeypatch.setattr(triton_kernels, "use_for", lambda device: True)
     return triton_kernels
 
 
-def codec_pair(feedback: bool, scales: str):
+def codec_pair(feedback: bool, scales: str, shapes=SHAPES):
     codecs = [make_codec("thc", workers=2, error_feedback=feedback) for _ in range(2)]
     if scales == "tensor":
         for codec in codecs:
-            for key, shapes in enumerate(SHAPES):
-                codec.describe(key, shapes)
+            for key, tensors in enumerate(shapes):
+                codec.describe(key, tensors)
     return codecs
 
 
-def gradients(step: int) -> list[list[torch.Tensor]]:
+def gradients(step: int, sizes=SIZES) -> list[list[torch.Tensor]]:
     """Two workers' gradients of very different scales per tensor (tensor scales act)."""
     generator = torch.Generator().manual_seed(step)
-    return [[torch.randn(n, generator=generator) * (1 + 10 * g) for g, n in enumerate(SIZES)]
+    return [[torch.randn(n, generator=generator) * (1 + 10 * g) for g, n in enumerate(sizes)]
             for _ in range(2)]  # fmt: skip
 
 
@@ -168,26 +168,44 @@ def test_a_step_through_a_reducer_is_every_gradients_run(fused, counted):
         assert torch.equal(got[key], want), key
 
 
-@pytest.mark.slow  # ~30 s of interpreted kernels: scheduled first
+# The recorded step's rows, fewer and shorter than the others' (its point is the control flow
+# over three steps, not the kernels' sizes): a row of several tensors' pieces (tensor scales,
+# memory in the gradient's domain), one of a partition of one tensor (rotated memory) and the
+# same gradient's ragged last partition (gradient's domain), blocks across tiles of 128 and
+# within one.
+SMALL_PARTITION = 256
+SMALL_SIZES = [SMALL_PARTITION, SMALL_PARTITION + 44]
+SMALL_SHAPES = [[(200,), (56,)], [(SMALL_PARTITION + 44,)]]
+
+
+@pytest.mark.slow  # interpreted kernels: scheduled first
 @pytest.mark.parametrize("scales", ["tensor"])  # rows of both memories, and tensor scales
-def test_a_recorded_step_replays_the_eager_steps_bits(fused, scales):
+def test_a_recorded_step_replays_the_eager_steps_bits(fused, monkeypatch, scales):
     """The bug it fears: a recorded step (``thc.graphs``: a CUDA graph on a GPU; here its
     control flow run again on the same buffers) reading an input, a seed or the memory at the
     address the recording saw instead of this step's, or updating the memory in place where a
     kernel still reads it."""
     from gradsum.codecs.thc.graphs import StepGraph, run_recorded_step
+    from gradsum.codecs.thc.step import KIND_GRADIENT, KIND_ROTATED
 
-    recorded, eager = codec_pair(True, scales)
-    graphs = [StepGraph(recorded, gradients(0)[w], worker=w, keys=[0, 1, 2],
-                        partition_elements=PARTITION, capture=False) for w in range(2)]  # fmt: skip
+    monkeypatch.setattr(fused, "TILE", 128)
+    monkeypatch.setattr(fused, "COLUMNS", 64)
+    recorded, eager = codec_pair(True, scales, SMALL_SHAPES)
+    graphs = [StepGraph(recorded, gradients(0, SMALL_SIZES)[w], worker=w, keys=[0, 1],
+                        partition_elements=SMALL_PARTITION, capture=False)
+              for w in range(2)]  # fmt: skip
     for step in range(3):  # eager, recorded, replayed
-        inputs = gradients(step)
+        inputs = gradients(step, SMALL_SIZES)
         got = run_recorded_step(graphs, inputs, step)
-        want = run_step_round(eager, inputs, step=step, partition_elements=PARTITION)
+        want = run_step_round(eager, inputs, step=step, partition_elements=SMALL_PARTITION)
         for key, (average, expected) in enumerate(zip(got, want, strict=True)):
             assert torch.equal(average, expected), (step, key)
     for state_key, memory in eager.memory.items():
         assert torch.equal(recorded.memory[state_key], memory), state_key
+    layout = graphs[0].round.layout  # what the sizes are for: both memories, tensor scales,
+    assert {KIND_ROTATED, KIND_GRADIENT} <= layout.kinds  # blocks across tiles, a ragged row
+    assert layout.tensor_scales and layout.spans(0)
+    assert [r.padded for r in layout.rows_of] == [256, 256, 64]
 
 
 def test_gradients_the_batch_cannot_take_run_rounds_of_their_own(fused):

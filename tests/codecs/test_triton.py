@@ -105,10 +105,12 @@ def test_packed_sums_of_an_impossible_width_or_size_are_refused(kernels):
         kernels.dequantize_inverse(torch.zeros(8, dtype=torch.uint8), signs, 8, 1.0, 0.0, 8, 9)
 
 
-@pytest.mark.slow  # ~10 s each in the interpreter
+@pytest.mark.slow  # a few seconds each in the interpreter
 @pytest.mark.parametrize(
     ("name", "length", "partition"),
-    [("thc", 5000, 3000), ("thc-uniform", 5000, 3000), ("thc-uniform-unrotated", 6144, 4096)],
+    # two partitions, each padded (300 -> 512, 200 -> 256) and across tiles of 64 (8 and 4 in a
+    # block: several cross-tile stages); unrotated, two partitions of whole tiles (4 and 2)
+    [("thc", 500, 300), ("thc-uniform", 500, 300), ("thc-uniform-unrotated", 384, 256)],
 )
 def test_thc_rounds_through_the_fused_kernels_are_the_torch_paths(
     kernels, monkeypatch, name, length, partition
@@ -157,13 +159,13 @@ def test_error_feedbacks_own_values_decode_the_payload_alone_as_its_packed_sum(
     monkeypatch.setenv("GRADSUM_NATIVE", "0")
     monkeypatch.setattr(kernels, "use_for", lambda device: True)
     codec = THC(workers=3)
-    length = 3000
+    length = 300  # padded to 512: 8 tiles of 64, both kernels of each transform
     if described:
-        codec.describe("k", [(2000,), (1000,)])
+        codec.describe("k", [(200,), (100,)])
         codec.partitions("k", length, 1 << 20)
     ctx = CodecContext(seed=1, worker=1, step=2, partition=0, key=("k", 0))
     x = torch.randn(length, generator=torch.Generator().manual_seed(5))
-    x[2000:] *= 1e-3
+    x[200:] *= 1e-3
     shared = codec.summarize(x, ctx) * 1.5  # another worker's larger norms
     payload = codec.encode(x, ctx, shared)
     want = codec.reconstruct(payload, ctx, shared)

@@ -9,6 +9,7 @@ instead of computing it again.
 
 import fcntl
 import hashlib
+import os
 import pickle
 import sys
 import time
@@ -24,6 +25,13 @@ from gradsum.sim.scaling import default_processes, sweep
 SEED_MODELS = ("resnet18", "vgg16", "alexnet", "resnet50")
 SEED_POLICIES = ("default", "wfbp", "fusion", "mgwfbp", "priority", "merge", "imerge")
 CACHE_WAIT_S = 900.0  # another process computing the table: at most this long
+
+
+def table_processes() -> int:
+    """Processes to compute a table in: one per core, except under pytest-xdist, whose other
+    workers keep the cores busy; there a pool only adds its processes' start (an interpreter,
+    torch and the profiles each: ~13 s of CPU for the two tables, on a stage bound by CPU)."""
+    return 1 if os.environ.get("PYTEST_XDIST_WORKER") else default_processes()
 
 
 def _inputs_digest(*arguments) -> str:
@@ -71,7 +79,7 @@ def seed_table(request):
 
     def compute():
         rows = sweep(get_preset("imerge-seed"), SEED_MODELS, [32], SEED_POLICIES,
-                     processes=default_processes())  # fmt: skip
+                     processes=table_processes())  # fmt: skip
         return {(r["model"], r["policy"]): r for r in rows}
 
     return cached_table(request, "seed-table", compute, SEED_MODELS, SEED_POLICIES, 32)
@@ -85,5 +93,5 @@ def fit_table(request):
     return cached_table(
         request,
         "fit-table",
-        lambda: scored_rows(get_preset("imerge-seed-fit"), processes=default_processes()),
+        lambda: scored_rows(get_preset("imerge-seed-fit"), processes=table_processes()),
     )

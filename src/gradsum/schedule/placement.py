@@ -20,6 +20,7 @@ priority slices are placed (see :func:`place_groups`, :func:`place_slices`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -83,12 +84,20 @@ def place_spread(
     next_shard = 0
     for (start, stop), span in zip(ranges, spans, strict=True):
         span = max(1, min(span, num_shards, stop - start))
-        cuts = even_cuts(start, stop, span)
-        parts.append(
-            tuple(Part((next_shard + k) % num_shards, cuts[k], cuts[k + 1]) for k in range(span))
-        )
+        exact = type(start) is type(stop) is type(span) is type(num_shards) is int
+        spread = _spread if exact else _spread.__wrapped__
+        parts.append(spread(start, stop, span, next_shard, num_shards))
         next_shard = (next_shard + span) % num_shards
     return parts
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _spread(start: int, stop: int, span: int, first: int, num_shards: int) -> tuple[Part, ...]:
+    """[start, stop) in ``span`` parts on consecutive shards from ``first``. The planners'
+    searches place the same groups in thousands of candidates: the parts (frozen) are shared,
+    where the arguments are Python ints (a numpy int equal to one would find its parts)."""
+    cuts = even_cuts(start, stop, span)
+    return tuple(Part((first + k) % num_shards, cuts[k], cuts[k + 1]) for k in range(span))
 
 
 def even_cuts(start: int, stop: int, pieces: int) -> list[int]:

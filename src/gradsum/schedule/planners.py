@@ -300,6 +300,8 @@ def plan_imerge(
         """The candidate's plan and its play: sent in order first, so rotation is kept only
         where the play shows a gain."""
         ways = (False, True) if interleave is None else (interleave,)
+        if interleave is None and not _rotation_plays_apart(candidate, cluster):
+            ways = (False,)  # rotated, the play is the same: in order is kept either way
         best = None
         for way in ways:
             plan = build_as(candidate, way)
@@ -331,6 +333,16 @@ def plan_imerge(
     if cluster.resolution > 0:
         best = _fewest_messages_within(best, starts, chosen, cluster.resolution)
     return build(best)
+
+
+def _rotation_plays_apart(candidate, cluster: ClusterSpec) -> bool:
+    """Whether ``ps_group_ends`` can end a candidate's rotated plan otherwise than its plan sent
+    in order. The representative worker is worker 0, whose rotation starts at part 0: its send
+    order is the same either way, and rotation only moves when a part is complete at its shard
+    (``costs._rotated_gate``), which it cannot for a group of one part, nor with one worker
+    (every part is gated by its own send). Where it cannot, the rotated play is not run: it
+    would end exactly as in order, and in order is kept on ties."""
+    return cluster.workers > 1 and any(span > 1 for _, _, span in candidate)
 
 
 def _fewest_messages_within(best, alternatives, chosen, resolution: float):
