@@ -9,7 +9,8 @@ the right dtype and size. They release the GIL, so worker threads overlap.
   lookup_sum  the aggregator: table lookup of packed indices, integer sum, packing of the sums
   decode      unpacking of sums, y = a*S + c, [rotate back:] FWHT, signs
   scale_pieces  each tensor's piece of a partition divided or multiplied by its own scale
-  piece_squares  each piece's sum of squares (the tensor scales' norms)
+  piece_squares  each piece's sum of squares (the tensor scales' norms), in a defined order
+  accumulate  error feedback's x + e, with the sums of squares of x, e and each piece of x + e
   residual_pieces  error feedback's x - own * scale, piece by piece
 
 Packed layout is bits.py's: element j at bits [j*w, (j+1)*w) of a little-endian bit stream.
@@ -1368,20 +1369,99 @@ MULTIVERSION static void residual_pieces(const float *x, const float *own, float
     }
 }
 
-/* Every piece's sum of squares, one float32 addition after another in coordinate order: the
-   sums torch's segment_reduce gives, which the summaries on the wire are made of. Not cloned
-   for AVX2, so that no multiply-add fuses a square into its sum. */
+/* ---------------------------------------------------------------------------------------------
+ * Sums of squares in one defined order, so that a kernel that already reads a vector gives its
+ * norm on the way (the summary, error feedback's bound) and every caller, whatever the CPU or
+ * vector width, gets the same bits: coordinate k of a range goes to lane k % 16, each square
+ * rounded to float32 and added in float32 over a span of SQUARES_SPAN coordinates (256 per
+ * lane), each span's lane sums then added in float64; the 16 lanes fold pairwise (lane l + 8,
+ * then + 4, + 2, + 1) and the total rounds to float32 once. Short float32 chains and a float64
+ * total keep it closer to the exact sum than one float32 chain.
+ */
+enum { SQUARES_SPAN = 4096 };
+
+struct squares {
+    double lane[16];
+};
+
+/* Adds the squares of p[0, count) as the coordinates `done`.. of the range (done a multiple of
+   SQUARES_SPAN, count at most one span: callers split at spans). The product is rounded on its
+   own ((v * v) * one, the one opaque: a multiply-add of it rounds as the addition alone). */
+MULTIVERSION static void squares_add(struct squares *s, const float *p, size_t count) {
+    f32x8 one = (f32x8){0} + opaque_one, low = {0}, high = {0};
+    size_t i = 0;
+    for (; i + 16 <= count; i += 16) {
+        f32x8 a = load(p + i), b = load(p + i + 8);
+        low = (a * a) * one + low;
+        high = (b * b) * one + high;
+    }
+    if (i < count) {
+        float tail[16] = {0};
+        memcpy(tail, p + i, (count - i) * sizeof(float));
+        f32x8 a = load(tail), b = load(tail + 8);
+        low = (a * a) * one + low;
+        high = (b * b) * one + high;
+    }
+    for (int lane = 0; lane < 8; lane++) {
+        s->lane[lane] += (double)low[lane];
+        s->lane[lane + 8] += (double)high[lane];
+    }
+}
+
+/* The squares of a whole range p[0, count), spans split as squares_add wants them. */
+static void squares_range(struct squares *s, const float *p, size_t count) {
+    for (size_t at = 0; at < count; at += SQUARES_SPAN)
+        squares_add(s, p + at, MIN((size_t)SQUARES_SPAN, count - at));
+}
+
+static float squares_total(const struct squares *s) {
+    double t[16];
+    memcpy(t, s->lane, sizeof t);
+    for (int width = 8; width >= 1; width /= 2)
+        for (int lane = 0; lane < width; lane++) t[lane] += t[lane + width];
+    return (float)t[0];
+}
+
+/* Every piece's sum of squares (the tensor scales' norms), each piece a range of its own. */
 static void piece_squares(const float *src, const int64_t *lengths, size_t pieces, float *sums) {
     size_t at = 0;
     for (size_t p = 0; p < pieces; p++) {
-        float sum = 0;
-        for (size_t i = at; i < at + (size_t)lengths[p]; i++) {
-            float square = src[i] * src[i];
-            sum += square;
-        }
-        sums[p] = sum;
+        struct squares s = {{0}};
+        squares_range(&s, src + at, (size_t)lengths[p]);
+        sums[p] = squares_total(&s);
         at += (size_t)lengths[p];
     }
+}
+
+/* Error feedback's x' = x + e outside the rotated domain, in one pass that also gives the sums
+   of squares of x and of e (the bound's norms) and of every piece of x' (the summary; `ends`:
+   the pieces' ends, the last n; none: one piece), each in squares_add's order: x' is written a
+   span at a time and the pieces' spans that are complete are summed behind it, still in cache. */
+MULTIVERSION static void accumulate(const float *x, const float *e, float *out, size_t n,
+                                    const int64_t *ends, size_t pieces, float *sums,
+                                    float *x_squares, float *e_squares) {
+    struct squares sx = {{0}}, se = {{0}}, sp = {{0}};
+    size_t count = pieces ? pieces : 1, p = 0, at = 0; /* piece p's next span starts at `at` */
+    for (size_t g = 0; g < n; g += SQUARES_SPAN) {
+        size_t m = MIN((size_t)SQUARES_SPAN, n - g);
+        for (size_t k = g; k < g + m; k++) out[k] = x[k] + e[k];
+        squares_add(&sx, x + g, m);
+        squares_add(&se, e + g, m);
+        while (p < count) {
+            size_t end = pieces ? (size_t)ends[p] : n;
+            size_t stop = MIN(at + SQUARES_SPAN, end);
+            if (stop > g + m) break; /* not written yet */
+            squares_add(&sp, out + at, stop - at);
+            at = stop;
+            if (at == end) {
+                sums[p++] = squares_total(&sp);
+                memset(&sp, 0, sizeof sp);
+            }
+        }
+    }
+    for (; p < count; p++) sums[p] = 0; /* empty pieces at the end (n == 0) */
+    *x_squares = squares_total(&sx);
+    *e_squares = squares_total(&se);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1503,16 +1583,38 @@ MULTIVERSION static void add_leaf(void *state, float *leaf, size_t offset, size_
     for (size_t i = 0; i < count; i++) leaf[i] += addend[i];
 }
 
+/* The rotation's leaves, measured: the sums of squares of each finished leaf (R x), of the
+   addend and of their sum (the summary of error feedback's rotated input), in squares_add's
+   order over the whole vector (leaves are spans of it, visited in order at either width). */
+struct measured_leaves {
+    const float *addend; /* NULL: none */
+    struct squares rotated, added, total;
+};
+
+static void measure_leaf(void *state, float *leaf, size_t offset, size_t count) {
+    struct measured_leaves *m = state;
+    squares_add(&m->rotated, leaf, count);
+    if (m->addend) {
+        squares_add(&m->added, m->addend + offset, count);
+        add_leaf((void *)m->addend, leaf, offset, count);
+        squares_add(&m->total, leaf, count);
+    }
+}
+
 PyDoc_STRVAR(rotate_doc,
-             "rotate(src, length, out, n, block, signs[, addend])\n"
+             "rotate(src, length, out, n, block, signs[, addend, measure])\n"
              "out[0:n] = orthonormal FWHT (in blocks) of src[0:length] * signs, zero-padded to n,\n"
-             "plus addend[0:n] if given. Returns False where src holds an Inf or NaN (out is then\n"
-             "undefined).");
+             "plus addend[0:n] if given (0: none). Returns False where src holds an Inf or NaN\n"
+             "(out is then undefined). With measure: (finite, |R src|^2, |addend|^2, |out|^2),\n"
+             "the sums of squares of the rotated source, the addend and out, each in the\n"
+             "kernels' order (piece_squares').");
 
 static PyObject *py_rotate(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long src, out, signs, addend = 0;
     Py_ssize_t length, n, block;
-    if (!PyArg_ParseTuple(args, "KnKnnK|K", &src, &length, &out, &n, &block, &signs, &addend) ||
+    int measure = 0;
+    if (!PyArg_ParseTuple(args, "KnKnnK|Kp", &src, &length, &out, &n, &block, &signs, &addend,
+                          &measure) ||
         !check_block(n, block))
         return NULL;
     if (length > n) {
@@ -1521,12 +1623,44 @@ static PyObject *py_rotate(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     struct source in = {ADDRESS(const float *, src), (size_t)length, 1.0f / sqrtf((float)block),
                         ADDRESS(const uint8_t *, signs), NULL, NULL, 0};
+    struct measured_leaves m = {ADDRESS(const float *, addend), {{0}}, {{0}}, {{0}}};
     int finite;
     Py_BEGIN_ALLOW_THREADS
-    finite = fwht_forward(ADDRESS(float *, out), (size_t)n, (size_t)block, &in,
-                          addend ? add_leaf : no_visit, ADDRESS(void *, addend));
+    if (measure)
+        finite = fwht_forward(ADDRESS(float *, out), (size_t)n, (size_t)block, &in, measure_leaf,
+                              &m);
+    else
+        finite = fwht_forward(ADDRESS(float *, out), (size_t)n, (size_t)block, &in,
+                              addend ? add_leaf : no_visit, ADDRESS(void *, addend));
     Py_END_ALLOW_THREADS
-    return PyBool_FromLong(finite);
+    if (!measure) return PyBool_FromLong(finite);
+    float rotated = squares_total(&m.rotated);
+    float added = squares_total(&m.added), total = addend ? squares_total(&m.total) : rotated;
+    return Py_BuildValue("Nddd", PyBool_FromLong(finite), (double)rotated, (double)added,
+                         (double)total);
+}
+
+PyDoc_STRVAR(accumulate_doc,
+             "accumulate(x, e, out, n, ends, pieces, sums) -> (|x|^2, |e|^2)\n"
+             "out[0:n] = x + e (float32, rounded as torch's add), and in the same pass sums[p] =\n"
+             "the sum of squares of each piece p of out (int64 ends, the last n; pieces 0: one\n"
+             "piece, sums[0]), as piece_squares adds them; returns those of x and of e.");
+
+static PyObject *py_accumulate(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long x, e, out, ends, sums;
+    Py_ssize_t n, pieces;
+    if (!PyArg_ParseTuple(args, "KKKnKnK", &x, &e, &out, &n, &ends, &pieces, &sums)) return NULL;
+    if (n < 0 || pieces < 0 || (pieces && !ends)) {
+        PyErr_SetString(PyExc_ValueError, "invalid length or pieces");
+        return NULL;
+    }
+    float xs, es;
+    Py_BEGIN_ALLOW_THREADS
+    accumulate(ADDRESS(const float *, x), ADDRESS(const float *, e), ADDRESS(float *, out),
+               (size_t)n, ADDRESS(const int64_t *, ends), (size_t)pieces, ADDRESS(float *, sums),
+               &xs, &es);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("dd", (double)xs, (double)es);
 }
 
 /* The sink of optional arguments dst, length, minuend, ends, factors, pieces (dst 0: none) */
@@ -1747,7 +1881,8 @@ static PyObject *py_residual_pieces(PyObject *Py_UNUSED(self), PyObject *args) {
 PyDoc_STRVAR(piece_squares_doc,
              "piece_squares(src, lengths, pieces, sums)\n"
              "sums[p] (float32) = the sum of squares of piece p of src (int64 lengths), added in\n"
-             "coordinate order in float32.");
+             "the kernels' order: 16 lanes of float32 sums over spans of 4096 coordinates, their\n"
+             "span sums added in float64, the lanes folded pairwise.");
 
 static PyObject *py_piece_squares(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long src, lengths, sums;
@@ -1793,6 +1928,7 @@ static PyMethodDef methods[] = {
     {"scale_pieces", py_scale_pieces, METH_VARARGS, scale_pieces_doc},
     {"piece_squares", py_piece_squares, METH_VARARGS, piece_squares_doc},
     {"residual_pieces", py_residual_pieces, METH_VARARGS, residual_pieces_doc},
+    {"accumulate", py_accumulate, METH_VARARGS, accumulate_doc},
     {NULL, NULL, 0, NULL},
 };
 
