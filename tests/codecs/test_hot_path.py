@@ -1,10 +1,14 @@
 """THC's hot path on the CPU: the native kernels that replace torch operations give their bits.
 
 What these pin: the sums of squares behind the norms (a summary on the wire, error feedback's
-bound) are the kernels' one order to the last bit, whichever kernel measures them; the tensor scales divide and multiply as torch's elementwise operations do; error
-feedback's reconstruction made inside the encode is the decode of the payload alone, bit for
-bit; and a round computes its tensor scales once per partition, not in every encode and decode.
+bound) are the kernels' one order to the last bit, whichever kernel measures them; the tensor
+scales multiply as torch's elementwise operations do (the encode by one factor a piece);
+error feedback's reconstruction made inside the encode is the decode of the payload alone,
+bit for bit; and a round computes its tensor scales once per partition, not in every encode
+and decode.
 """
+
+import math
 
 import pytest
 import torch
@@ -270,24 +274,34 @@ def test_the_residual_inside_the_encode_is_w_minus_the_decode_of_its_payload(opt
 
 
 @pytest.mark.parametrize("block", [None, 1024, 8], ids=["whole", "blocks", "8"])
-def test_the_encode_divides_by_the_tensor_scales_as_scale_pieces_does(block):
-    """The native encode divides each piece by its scale as the rotation reads it, instead of
-    a divided copy first: the same payload and the same own reconstruction, bit for bit, for
-    pieces that straddle vectors (lengths 17, 1, 5), a padded rotation and blocks of one
-    vector. The bug feared: a coordinate divided by its neighbouring piece's scale."""
+def test_the_encode_scales_each_piece_by_its_own_factor(block):
+    """The native encode scales each piece by its tensor scale as the rotation reads it,
+    instead of a divided copy first: x times a / divisor, that factor rounded to float32 once
+    (a multiplication, not the division ``scale_pieces`` makes: a vector divide cost more
+    than the rest of the rotation's first pass). The same payload and own reconstruction, bit
+    for bit, as the encode of x multiplied by those factors first, for pieces that straddle
+    vectors (lengths 17, 1, 5), a padded rotation and blocks of one vector. The bug feared: a
+    coordinate scaled by its neighbouring piece's factor."""
     codec = THC(workers=2, rotation_block=block)
     x = _random(sum(PIECES), seed=30)
     lengths = torch.tensor(PIECES)
     divisors = torch.rand(len(PIECES), generator=torch.Generator().manual_seed(31)) * 10 + 0.01
     ends = torch.cumsum(lengths, 0)
     rotation = codec._rotation(x.numel(), CodecContext(), x.device)
-    divided = torch.empty_like(x)
-    assert native.scale_pieces(x, PIECES, lengths, divisors, True, divided)
     a, g = 0.37, codec.granularity
-    args = (a, g / 2, g, codec._tables(x.device).cell_entries, 99, codec.bits)
+    root = math.sqrt(rotation.block)
+    # the kernel's scale (a over the unnormalised transform's sqrt(block), as float32), over
+    # each piece's divisor in float64, rounded once
+    scale = torch.tensor(a / root, dtype=torch.float32).double()
+    factors = (scale / divisors.double()).float()
+    scaled = torch.empty_like(x)
+    assert native.scale_pieces(x, PIECES, lengths, factors, False, scaled)
+    rest = (g / 2, g, codec._tables(x.device).cell_entries, 99, codec.bits)
     own = (0.25, -3.0)
-    expected = native.encode(divided, rotation, *args, own=own)
+    expected = native.encode(scaled, rotation, root, *rest, own=own)  # a scale of 1
     expected_own = rotation.scratch.clone()
-    fused = native.encode(x, rotation, *args, own=own, pieces=(ends, divisors))
+    fused = native.encode(x, rotation, a, *rest, own=own, pieces=(ends, divisors))
     assert torch.equal(fused, expected)
     assert torch.equal(rotation.scratch, expected_own)
+    # the division's values differ in the last bits: the comparison above can tell
+    assert not torch.equal(scaled, (x / torch.repeat_interleave(divisors, lengths)) * a / root)

@@ -101,20 +101,22 @@ INLINE f32x8 apply_signs(f32x8 v, uint8_t bits) {
 }
 
 /* What a transform's first pass reads instead of x: scale * src * signs, zero from `length` on
-   (the rotation's padding); with pieces, scale * (src / divisors[p]) over each piece p of src
-   (the tensor scales, divided as the load reads them: no divided copy of the gradient). */
+   (the rotation's padding); with pieces, (src * factors[p]) * scale over each piece p of src
+   (the tensor scales as the load reads them: no divided copy of the gradient; the encode's
+   factors are its scale over each piece's divisor, a multiplication where a division would
+   take a vector divide, several times the pass's other work, and scale 1). */
 struct source {
     const float *src;
     size_t length;
     float scale;
     const uint8_t *signs;
     const int64_t *ends; /* the pieces' ends, increasing, the last `length` */
-    const float *divisors;
-    size_t pieces; /* 0: no division */
+    const float *factors;
+    size_t pieces; /* 0: no factors */
 };
 
-/* The divisors of coordinates i..i+7 (those past the last piece divide 0 by 1). */
-INLINE f32x8 piece_divisors(const struct source *in, size_t i) {
+/* The factors of coordinates i..i+7 (those past the last piece: 1). */
+INLINE f32x8 piece_factors(const struct source *in, size_t i) {
     size_t low = 0, high = in->pieces; /* the first piece that ends after i */
     while (low < high) {
         size_t mid = (low + high) / 2;
@@ -122,11 +124,11 @@ INLINE f32x8 piece_divisors(const struct source *in, size_t i) {
         else low = mid + 1;
     }
     if (low < in->pieces && (size_t)in->ends[low] >= i + LANES)
-        return (f32x8){0} + in->divisors[low];
+        return (f32x8){0} + in->factors[low];
     f32x8 d;
     for (int lane = 0; lane < LANES; lane++) {
         while (low < in->pieces && (size_t)in->ends[low] <= i + lane) low++;
-        d[lane] = low < in->pieces ? in->divisors[low] : 1.0f;
+        d[lane] = low < in->pieces ? in->factors[low] : 1.0f;
     }
     return d;
 }
@@ -141,7 +143,7 @@ INLINE f32x8 source_load(const struct source *in, size_t i, f32x8 *finite) {
         if (i < in->length) memcpy(tail, in->src + i, (in->length - i) * sizeof(float));
         v = load(tail);
     }
-    if (in->pieces) v /= piece_divisors(in, i);
+    if (in->pieces) v *= piece_factors(in, i);
     *finite += v - v;
     return apply_signs(v * in->scale, in->signs[i / LANES]);
 }
@@ -218,7 +220,7 @@ MULTIVERSION static void pass(float *x, size_t from, size_t n, size_t h, int k, 
    (the tensor scales' multiplication of a decode) or minuend[p] - v * factor (error feedback's
    residual), each rounded as torch's elementwise operations round it, for p < length (the
    padding beyond is dropped); the factor is that of p's piece (ends and factors, in a source's
-   ends, divisors and pieces), or none without pieces. dst may be x. */
+   ends, factors and pieces), or none without pieces. dst may be x. */
 struct sink {
     float *dst;
     size_t length;
@@ -238,7 +240,7 @@ static void sink_apply(const struct sink *sink, const float *x) {
         if (!sink->pieces.pieces) {
             for (size_t i = at; i < end; i++) sink->dst[i] = minuend ? minuend[i] - x[i] : x[i];
         } else {
-            float f = sink->pieces.divisors[p];
+            float f = sink->pieces.factors[p];
             for (size_t i = at; i < end; i++) {
                 float scaled = x[i] * f;
                 sink->dst[i] = minuend ? minuend[i] - scaled * one : scaled;
@@ -291,19 +293,19 @@ WIDE_INLINE f32x16 apply_signs16(f32x16 v, const uint8_t *signs_at) {
                                          _mm512_set1_epi32(INT32_MIN));
 }
 
-/* The divisors of coordinates i..i+15 (those past the last piece divide by 1). `cursor`: a
+/* The factors of coordinates i..i+15 (those past the last piece: 1). `cursor`: a
    piece at or before i's; a pass reads each column's coordinates in increasing order, so it
    keeps one per column and finds the piece in a compare or two, not a search. */
-WIDE_INLINE f32x16 piece_divisors16(const struct source *in, size_t i, size_t *cursor) {
+WIDE_INLINE f32x16 piece_factors16(const struct source *in, size_t i, size_t *cursor) {
     size_t c = *cursor;
     while (c < in->pieces && (size_t)in->ends[c] <= i) c++;
     *cursor = c;
     if (c < in->pieces && (size_t)in->ends[c] >= i + WLANES)
-        return (f32x16){0} + in->divisors[c];
+        return (f32x16){0} + in->factors[c];
     f32x16 d;
     for (int lane = 0; lane < WLANES; lane++) {
         while (c < in->pieces && (size_t)in->ends[c] <= i + lane) c++;
-        d[lane] = c < in->pieces ? in->divisors[c] : 1.0f;
+        d[lane] = c < in->pieces ? in->factors[c] : 1.0f;
     }
     return d;
 }
@@ -318,7 +320,7 @@ WIDE_INLINE f32x16 source_load16(const struct source *in, size_t i, f32x16 *fini
         if (i < in->length) memcpy(tail, in->src + i, (in->length - i) * sizeof(float));
         v = load16(tail);
     }
-    if (in->pieces) v /= piece_divisors16(in, i, cursor);
+    if (in->pieces) v *= piece_factors16(in, i, cursor);
     *finite += v - v;
     return apply_signs16(v * in->scale, in->signs + i / 8);
 }
@@ -353,7 +355,7 @@ WIDE_INLINE void sink_store16(const struct sink *sink, size_t p, f32x16 v, size_
     size_t count = MIN((size_t)WLANES, sink->length - p);
     __mmask16 keep = count == WLANES ? 0xFFFF : (__mmask16)((1u << count) - 1);
     f32x16 r = v;
-    if (sink->pieces.pieces) r = v * piece_divisors16(&sink->pieces, p, cursor);
+    if (sink->pieces.pieces) r = v * piece_factors16(&sink->pieces, p, cursor);
     if (sink->minuend) {
         f32x16 m = (f32x16)_mm512_maskz_loadu_ps(keep, sink->minuend + p);
         f32x16 one = (f32x16){0} + opaque_one;
@@ -366,7 +368,7 @@ WIDE_INLINE void radix_pass16(float *x, size_t from, size_t n, size_t h, int k, 
                               const struct source *in, f32x8 *finite,
                               const uint8_t *out_signs, const struct sink *sink) {
     f32x16 clean = {0};
-    size_t cursor[1 << WRADIX_LOG] = {0}; /* each column's piece (see piece_divisors16) */
+    size_t cursor[1 << WRADIX_LOG] = {0}; /* each column's piece (see piece_factors16) */
     for (size_t base = from; base < from + n; base += h << k)
         for (size_t j = base; j < base + h; j += WLANES) {
             f32x16 v[1 << WRADIX_LOG];
@@ -1511,8 +1513,9 @@ PyDoc_STRVAR(encode_doc,
              "each operation rounded to float32 (torch's mul_, add_ and sub of the decode).\n"
              "With own (a block): buffer[i] = T[index] * own_a + own_c, the rotated values the\n"
              "payload alone decodes to (``inverse`` rotates them back).\n"
-             "With pieces (a block): src is divided by divisors[p] over each piece p (int64\n"
-             "ends, the last being length) as the transform reads it.\n"
+             "With pieces (a block): src is multiplied by a / divisors[p] (rounded to float32\n"
+             "once) over each piece p (int64 ends, the last being length) as the transform\n"
+             "reads it, instead of by a.\n"
              "Returns False, and no indices, where src (rotated or not) holds an Inf or NaN.");
 
 static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
@@ -1555,6 +1558,9 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
     q.end = q.out + out_size;
     q.error = ADDRESS(float *, error);
     rng16_seed(&q.rng, seed);
+    float *factors = NULL;
+    if (pieces && !(factors = PyMem_RawMalloc((size_t)pieces * sizeof *factors)))
+        return PyErr_NoMemory();
     int finite = 1;
     Py_BEGIN_ALLOW_THREADS
     if (block) {
@@ -1562,7 +1568,12 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
            whose norm is near the float32 limit would overflow, its scaled values never do */
         struct source in = {ADDRESS(const float *, src), (size_t)length, q.grid.a,
                             ADDRESS(const uint8_t *, signs), ADDRESS(const int64_t *, ends),
-                            ADDRESS(const float *, divisors), (size_t)pieces};
+                            factors, (size_t)pieces};
+        if (pieces) {
+            for (Py_ssize_t p = 0; p < pieces; p++)
+                factors[p] = (float)((double)q.grid.a / ADDRESS(const float *, divisors)[p]);
+            in.scale = 1;
+        }
         q.grid.a = 1;
         finite = fwht_forward(ADDRESS(float *, buffer), (size_t)n, (size_t)block, &in,
                               use_wide ? quantize_leaf16 : quantize_leaf, &q);
@@ -1570,6 +1581,7 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
         finite = quantize(&q, ADDRESS(float *, src), (size_t)n);
     }
     Py_END_ALLOW_THREADS
+    PyMem_RawFree(factors);
     return PyBool_FromLong(finite);
 }
 

@@ -139,8 +139,10 @@ def encode(
     the decode's, of the unnormalised transform), for ``inverse`` to finish.
 
     ``pieces`` = (ends, divisors) (only with a rotation; int64 and float32, one per piece, the
-    last end ``x.numel()``): x divided by each piece's divisor as the rotation reads it, the
-    values of ``scale_pieces`` (THC's tensor scales) without a divided copy of x.
+    last end ``x.numel()``): x scaled by each piece's divisor as the rotation reads it (THC's
+    tensor scales) without a divided copy of x: multiplied by a / divisor, one float32 factor
+    a piece, instead of divided by the divisor and then multiplied by a (a vector divide costs
+    several times the rest of that pass); the same values to a rounding.
     """
     if (own is not None or pieces is not None) and rotation is None:
         return None
