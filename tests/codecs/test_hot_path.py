@@ -39,16 +39,16 @@ def _random(count: int, seed: int) -> torch.Tensor:
 
 def _kernel_squares(x: torch.Tensor) -> torch.Tensor:
     """The sum of squares of x in the kernels' order (``native.piece_squares``), written out:
-    coordinate k to lane k % 16, float32 sums over spans of 4096 coordinates, the spans' lane
-    sums in float64, the lanes folded pairwise (l + 8, + 4, + 2, + 1), rounded to float32."""
-    rows = torch.cat([x, x.new_zeros(-x.numel() % 16)]).view(-1, 16).square()
-    lanes = torch.zeros(16, dtype=torch.float64)
-    for start in range(0, rows.shape[0], 256):
-        span = torch.zeros(16)
-        for row in rows[start : start + 256]:  # one float32 addition after another per lane
+    coordinate k to lane k % 64, float32 sums over spans of 4096 coordinates, the spans' lane
+    sums in float64, the lanes folded pairwise (l + 32, + 16, ..., + 1), rounded to float32."""
+    rows = torch.cat([x, x.new_zeros(-x.numel() % 64)]).view(-1, 64).square()
+    lanes = torch.zeros(64, dtype=torch.float64)
+    for start in range(0, rows.shape[0], 64):
+        span = torch.zeros(64)
+        for row in rows[start : start + 64]:  # one float32 addition after another per lane
             span = span + row
         lanes += span.double()
-    for width in (8, 4, 2, 1):
+    for width in (32, 16, 8, 4, 2, 1):
         lanes[:width] = lanes[:width] + lanes[width : 2 * width]
     return lanes[0].float()
 

@@ -1374,40 +1374,41 @@ MULTIVERSION static void residual_pieces(const float *x, const float *own, float
 /* ---------------------------------------------------------------------------------------------
  * Sums of squares in one defined order, so that a kernel that already reads a vector gives its
  * norm on the way (the summary, error feedback's bound) and every caller, whatever the CPU or
- * vector width, gets the same bits: coordinate k of a range goes to lane k % 16, each square
- * rounded to float32 and added in float32 over a span of SQUARES_SPAN coordinates (256 per
- * lane), each span's lane sums then added in float64; the 16 lanes fold pairwise (lane l + 8,
- * then + 4, + 2, + 1) and the total rounds to float32 once. Short float32 chains and a float64
- * total keep it closer to the exact sum than one float32 chain.
+ * vector width, gets the same bits: coordinate k of a range goes to lane k % 64, each square
+ * rounded to float32 and added in float32 over a span of SQUARES_SPAN coordinates (64 per
+ * lane), each span's lane sums then added in float64; the 64 lanes fold pairwise (lane l + 32,
+ * then + 16, ..., + 1) and the total rounds to float32 once. Short float32 chains and a float64
+ * total keep it closer to the exact sum than one float32 chain, and 64 lanes are eight
+ * independent vector chains: the additions' latency stays under the loads'.
  */
-enum { SQUARES_SPAN = 4096 };
+enum { SQUARES_SPAN = 4096, SQUARES_LANES = 64 };
 
 struct squares {
-    double lane[16];
+    double lane[SQUARES_LANES];
 };
 
 /* Adds the squares of p[0, count) as the coordinates `done`.. of the range (done a multiple of
    SQUARES_SPAN, count at most one span: callers split at spans). The product is rounded on its
    own ((v * v) * one, the one opaque: a multiply-add of it rounds as the addition alone). */
 MULTIVERSION static void squares_add(struct squares *s, const float *p, size_t count) {
-    f32x8 one = (f32x8){0} + opaque_one, low = {0}, high = {0};
+    enum { VECTORS = SQUARES_LANES / LANES };
+    f32x8 one = (f32x8){0} + opaque_one, sum[VECTORS] = {{0}};
     size_t i = 0;
-    for (; i + 16 <= count; i += 16) {
-        f32x8 a = load(p + i), b = load(p + i + 8);
-        low = (a * a) * one + low;
-        high = (b * b) * one + high;
-    }
+    for (; i + SQUARES_LANES <= count; i += SQUARES_LANES)
+        for (int v = 0; v < VECTORS; v++) {
+            f32x8 a = load(p + i + v * LANES);
+            sum[v] = (a * a) * one + sum[v];
+        }
     if (i < count) {
-        float tail[16] = {0};
+        float tail[SQUARES_LANES] = {0};
         memcpy(tail, p + i, (count - i) * sizeof(float));
-        f32x8 a = load(tail), b = load(tail + 8);
-        low = (a * a) * one + low;
-        high = (b * b) * one + high;
+        for (int v = 0; v < VECTORS; v++) {
+            f32x8 a = load(tail + v * LANES);
+            sum[v] = (a * a) * one + sum[v];
+        }
     }
-    for (int lane = 0; lane < 8; lane++) {
-        s->lane[lane] += (double)low[lane];
-        s->lane[lane + 8] += (double)high[lane];
-    }
+    for (int v = 0; v < VECTORS; v++)
+        for (int lane = 0; lane < LANES; lane++) s->lane[v * LANES + lane] += (double)sum[v][lane];
 }
 
 /* The squares of a whole range p[0, count), spans split as squares_add wants them. */
@@ -1417,9 +1418,9 @@ static void squares_range(struct squares *s, const float *p, size_t count) {
 }
 
 static float squares_total(const struct squares *s) {
-    double t[16];
+    double t[SQUARES_LANES];
     memcpy(t, s->lane, sizeof t);
-    for (int width = 8; width >= 1; width /= 2)
+    for (int width = SQUARES_LANES / 2; width >= 1; width /= 2)
         for (int lane = 0; lane < width; lane++) t[lane] += t[lane + width];
     return (float)t[0];
 }
@@ -1893,7 +1894,7 @@ static PyObject *py_residual_pieces(PyObject *Py_UNUSED(self), PyObject *args) {
 PyDoc_STRVAR(piece_squares_doc,
              "piece_squares(src, lengths, pieces, sums)\n"
              "sums[p] (float32) = the sum of squares of piece p of src (int64 lengths), added in\n"
-             "the kernels' order: 16 lanes of float32 sums over spans of 4096 coordinates, their\n"
+             "the kernels' order: 64 lanes of float32 sums over spans of 4096 coordinates, their\n"
              "span sums added in float64, the lanes folded pairwise.");
 
 static PyObject *py_piece_squares(PyObject *Py_UNUSED(self), PyObject *args) {

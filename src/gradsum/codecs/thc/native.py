@@ -341,8 +341,8 @@ def piece_squares(x: torch.Tensor, pieces: tuple[int, ...],
                   lengths: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
     """Every piece's sum of squares (float32) in the kernels' one order, the one every kernel
     that measures a vector on the way uses (``rotate``, ``accumulate``): coordinate k of a
-    piece adds its float32 square to lane k % 16 in float32 over spans of 4096 coordinates,
-    each span's lane sums are added in float64, the 16 lanes fold pairwise (l + 8, + 4, + 2,
+    piece adds its float32 square to lane k % 64 in float32 over spans of 4096 coordinates,
+    each span's lane sums are added in float64, the 64 lanes fold pairwise (l + 32, + 16, ...,
     + 1) and the total rounds to float32. Not torch's order (``segment_reduce`` adds one
     square after another, a chain four times slower): a worker's summary is its own, and the
     MAX round hands every worker the same values whichever way each measured them."""
