@@ -351,6 +351,16 @@ WIDE_INLINE void butterflies16(f32x16 *v, int log_count) {
 
 /* The sink's values of coordinates p.. (v: their final values) */
 WIDE_INLINE void sink_store16(const struct sink *sink, size_t p, f32x16 v, size_t *cursor) {
+    if (p + WLANES <= sink->length) { /* whole vectors, no masked loads and stores */
+        f32x16 r = v;
+        if (sink->pieces.pieces) r = v * piece_factors16(&sink->pieces, p, cursor);
+        if (sink->minuend) {
+            f32x16 m = load16(sink->minuend + p), one = (f32x16){0} + opaque_one;
+            r = sink->pieces.pieces ? m - r * one : m - v;
+        }
+        store16(sink->dst + p, r);
+        return;
+    }
     if (p >= sink->length) return;
     size_t count = MIN((size_t)WLANES, sink->length - p);
     __mmask16 keep = count == WLANES ? 0xFFFF : (__mmask16)((1u << count) - 1);
