@@ -49,6 +49,13 @@ the eight-wide code's bits (``wide(False)`` switches them off, for tests to comp
 #define INLINE static inline __attribute__((always_inline))
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
 
+/* Orders a kernel's streaming stores before whatever reads their values next. */
+INLINE void store_fence(void) {
+#if defined(__x86_64__)
+    _mm_sfence();
+#endif
+}
+
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
@@ -226,6 +233,10 @@ struct sink {
     size_t length;
     const float *minuend;
     struct source pieces;
+    /* whole vectors stored past the caches (wide passes, dst 64-byte aligned): error
+       feedback's memory, read again a round later, so no line of it is read before it is
+       written (a plain store's miss reads the line first) */
+    int stream;
 };
 
 /* The sink's values from a finished transform x, in a pass of their own (where the last pass
@@ -358,7 +369,10 @@ WIDE_INLINE void sink_store16(const struct sink *sink, size_t p, f32x16 v, size_
             f32x16 m = load16(sink->minuend + p), one = (f32x16){0} + opaque_one;
             r = sink->pieces.pieces ? m - r * one : m - v;
         }
-        store16(sink->dst + p, r);
+        if (sink->stream)
+            _mm512_stream_ps(sink->dst + p, (__m512)r);
+        else
+            store16(sink->dst + p, r);
         return;
     }
     if (p >= sink->length) return;
@@ -967,6 +981,10 @@ WIDE_INLINE void round_all16(const struct grid *grid, struct rng16w *rng, float 
                              int own, float own_a, float own_c, f32x16 *clean) {
     f32x16 step_v = (f32x16){0} + step, offset_v = (f32x16){0} + offset;
     f32x16 one = (f32x16){0} + opaque_one;
+    /* error feedback's memory is read again a round later, after the other partitions' work
+       has gone through the caches: stored past them, its lines are not read first (a write
+       miss reads the line it fills) */
+    int stream_error = error && (uintptr_t)error % 64 == 0;
     __m512i low_cells = _mm512_loadu_si512(&grid->table[0]);
     __m512i high_cells = _mm512_loadu_si512(&grid->table[2]);
     for (size_t i = 0; i < count; i += WLANES) {
@@ -984,7 +1002,13 @@ WIDE_INLINE void round_all16(const struct grid *grid, struct rng16w *rng, float 
         } else {
             _mm_storeu_si128((__m128i *)(indices + i), _mm512_cvtepi32_epi8((__m512i)index));
         }
-        if (error) store16(error + i, v - ((value * step_v) * one + offset_v));
+        if (error) {
+            f32x16 e = v - ((value * step_v) * one + offset_v);
+            if (stream_error)
+                _mm512_stream_ps(error + i, (__m512)e);
+            else
+                store16(error + i, e);
+        }
         if (own) store16(y + i, value * own_a + own_c);
     }
 }
@@ -1590,6 +1614,7 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
                               use_wide ? quantize_leaf16 : quantize_leaf, &q);
     } else {
         finite = quantize(&q, ADDRESS(float *, src), (size_t)n);
+        store_fence(); /* the error's streaming stores, before the caller reads it */
     }
     Py_END_ALLOW_THREADS
     PyMem_RawFree(factors);
@@ -1697,7 +1722,9 @@ static int sink_of(struct sink *sink, unsigned long long dst, Py_ssize_t length,
     }
     *sink = (struct sink){ADDRESS(float *, dst), (size_t)length, ADDRESS(const float *, minuend),
                           {NULL, 0, 1.0f, NULL, ADDRESS(const int64_t *, ends),
-                           ADDRESS(const float *, factors), (size_t)pieces}};
+                           ADDRESS(const float *, factors), (size_t)pieces},
+                          /* error feedback's memory, read again a round later */
+                          minuend && dst % 64 == 0};
     return 1;
 }
 
@@ -1726,6 +1753,7 @@ static PyObject *py_inverse(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     fwht_reverse(ADDRESS(float *, x), (size_t)n, (size_t)block, no_visit, NULL,
                  ADDRESS(const uint8_t *, signs), sunk ? &sink : NULL);
+    store_fence(); /* the sink's streaming stores, before the caller reads them */
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
