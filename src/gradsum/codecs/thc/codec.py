@@ -446,8 +446,9 @@ class THC(GridCodec):
         # per MAX-round result: its version and the tensor scales computed from it
         self._scales_of_shared: WeakIdKeyDictionary = WeakIdKeyDictionary()
         # error feedback's inputs made by a kernel that measured them on the way (native
-        # ``transform_measured``, ``accumulate_measured``): per input, (its round's key and
-        # worker, its summary), taken by ``summarize`` instead of another pass over it
+        # ``transform_measured``, ``accumulate_measured``): per input, (its round's context,
+        # its summary), taken by ``summarize`` instead of another pass over it. The context
+        # (step included) tells a recycled buffer's stale entry from its own
         self._measured: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     @staticmethod
@@ -544,7 +545,7 @@ class THC(GridCodec):
             summary = self._placed_pieces(squares, x, pieces, ctx)
         else:
             summary = self._placed(squares.sqrt_(), ctx)
-        self._measured[x] = ((ctx.key, ctx.worker), summary)
+        self._measured[x] = (ctx, summary)
 
     def transform_measured(
         self, x: torch.Tensor, ctx: CodecContext, add: torch.Tensor | None
@@ -651,8 +652,8 @@ class THC(GridCodec):
 
     def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         kept = self._measured.pop(x, None)
-        if kept is not None and kept[0] == (ctx.key, ctx.worker):
-            return kept[1]  # measured by the kernel that made x
+        if kept is not None and kept[0] == ctx:
+            return kept[1]  # measured by the kernel that made x, in this round
         flat = x.reshape(-1).to(torch.float32)
         pieces = self._pieces(ctx)
         if pieces is not None:
