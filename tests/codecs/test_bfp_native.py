@@ -322,11 +322,28 @@ def test_small_buffers_and_the_budget(recycler):
     address = small.data_ptr()
     del small
     assert not any(t.data_ptr() == address for t in recycler._kept)
-    held = [recycler.empty(65536, torch.int32) for _ in range(8)]  # 2 MiB, over the 1 MiB budget
-    assert sum(t.numel() * t.element_size() for t in recycler._kept) <= recycler.budget
-    big = [recycler.empty(1 << 20, torch.int32) for _ in range(3)]  # 4 MiB each: 2 are kept
-    assert [t.data_ptr() for t in recycler._kept] == [t.data_ptr() for t in big[1:]]
-    del held, big
+    # the budget bounds the idle buffers: held ones cost the recycler nothing and all stay
+    # listed (2 MiB, over the 1 MiB budget), to be handed out again once let go (the bug
+    # feared: error feedback's memory, held from round to round, counted against the budget,
+    # so that every round's other buffers were dropped and made afresh)
+    held = [recycler.empty(65536, torch.int32) for _ in range(8)]
+    addresses = [t.data_ptr() for t in held]
+    assert [t.data_ptr() for t in recycler._kept] == addresses
+    del held  # idle now: the next fresh buffer drops the oldest beyond the budget
+    other = recycler.empty(4096, torch.int32)
+    assert [t.data_ptr() for t in recycler._kept] == addresses[4:] + [other.data_ptr()]
+    big = [recycler.empty(1 << 20, torch.int32) for _ in range(3)]  # 4 MiB each
+    big_addresses = [t.data_ptr() for t in big]
+    del big  # idle: a fresh 4 MiB buffer keeps 8 MiB of them (per_request 2), newest first
+    last = recycler.empty((1 << 20) + 16, torch.int32)
+    assert [t.data_ptr() for t in recycler._kept] == [other.data_ptr(), *big_addresses[1:],
+                                                       last.data_ptr()]  # fmt: skip
+
+
+def test_the_recycler_lists_a_bounded_number_of_buffers(recycler):
+    held = [recycler.empty(1024, torch.int32) for _ in range(buffers.MAX_LISTED + 5)]
+    assert len(recycler._kept) == buffers.MAX_LISTED
+    assert [t.data_ptr() for t in recycler._kept] == [t.data_ptr() for t in held[5:]]
 
 
 def test_held_payloads_and_averages_keep_their_values():

@@ -1,10 +1,14 @@
 """THC's hot path on the CPU: the native kernels that replace torch operations give their bits.
 
-What these pin: the per-tensor norms (a summary on the wire) are torch's float32 sums to the
-last bit; the tensor scales divide and multiply as torch's elementwise operations do; error
-feedback's reconstruction made inside the encode is the decode of the payload alone, bit for
-bit; and a round computes its tensor scales once per partition, not in every encode and decode.
+What these pin: the sums of squares behind the norms (a summary on the wire, error feedback's
+bound) are the kernels' one order to the last bit, whichever kernel measures them; the tensor
+scales multiply as torch's elementwise operations do (the encode by one factor a piece);
+error feedback's reconstruction made inside the encode is the decode of the payload alone,
+bit for bit; and a round computes its tensor scales once per partition, not in every encode
+and decode.
 """
+
+import math
 
 import pytest
 import torch
@@ -33,13 +37,103 @@ def _random(count: int, seed: int) -> torch.Tensor:
     return torch.randn(count, generator=generator) * scales
 
 
-def test_piece_squares_are_torchs_float32_sums_bit_for_bit():
+def _kernel_squares(x: torch.Tensor) -> torch.Tensor:
+    """The sum of squares of x in the kernels' order (``native.piece_squares``), written out:
+    coordinate k to lane k % 64, float32 sums over spans of 4096 coordinates, the spans' lane
+    sums in float64, the lanes folded pairwise (l + 32, + 16, ..., + 1), rounded to float32."""
+    rows = torch.cat([x, x.new_zeros(-x.numel() % 64)]).view(-1, 64).square()
+    lanes = torch.zeros(64, dtype=torch.float64)
+    for start in range(0, rows.shape[0], 64):
+        span = torch.zeros(64)
+        for row in rows[start : start + 64]:  # one float32 addition after another per lane
+            span = span + row
+        lanes += span.double()
+    for width in (32, 16, 8, 4, 2, 1):
+        lanes[:width] = lanes[:width] + lanes[width : 2 * width]
+    return lanes[0].float()
+
+
+def test_piece_squares_are_the_kernels_order_bit_for_bit():
+    """The summary's sums of squares are the kernels' order, not torch's (``segment_reduce``
+    adds one square after another, a dependent chain four times slower than the pass over
+    memory): each worker's summary is its own, and the MAX round hands every worker the same
+    values, so workers agree whichever order each measured in. Pinned here so that every
+    kernel that measures on the way (``rotate``, ``accumulate``) gives the same bits."""
     x = _random(sum(PIECES), seed=1)
     lengths = torch.tensor(PIECES)
-    expected = torch.segment_reduce(x.square(), "sum", lengths=lengths)
-    assert torch.equal(native.piece_squares(x, PIECES, lengths), expected)
-    # a float64 or pairwise sum differs in the last bits: the comparison above can tell
-    assert not torch.equal(x.double().square().split(PIECES)[3].sum().float(), expected[3])
+    got = native.piece_squares(x, PIECES, lengths)
+    expected = torch.stack([_kernel_squares(piece) for piece in x.split(PIECES)])
+    assert torch.equal(got, expected)
+    exact = torch.stack([piece.double().square().sum() for piece in x.split(PIECES)])
+    torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=0)
+    # torch's order differs in the last bits: the comparison above can tell
+    assert not torch.equal(got, torch.segment_reduce(x.square(), "sum", lengths=lengths))
+
+
+@pytest.mark.parametrize("described", [True, False], ids=["pieces", "one-piece"])
+def test_accumulate_adds_and_measures_in_one_pass(described):
+    """Error feedback's x + e outside the rotated domain (tensor scales, padding) comes with
+    the sums of squares of x, e and every piece of x + e from the same pass. The bugs feared:
+    a piece summed past its end or from a span misaligned with ``piece_squares``' (pieces cut
+    through the kernel's spans of 4096), or a sum that is not torch's rounding."""
+    pieces = (5000, 17, 1, 9000, 5, 1234) if described else (16_257,)
+    n = sum(pieces)
+    x, e = _random(n, seed=40), _random(n, seed=41) * 1e-2
+    ends = torch.cumsum(torch.tensor(pieces), 0) if described else None
+    total, sums, x_squares, e_squares = native.accumulate(x, e, ends)
+    assert torch.equal(total, x + e)
+    assert torch.equal(sums, native.piece_squares(x + e, pieces, torch.tensor(pieces)))
+    assert x_squares == float(_kernel_squares(x)) and e_squares == float(_kernel_squares(e))
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+@pytest.mark.parametrize("add", [True, False], ids=["memory", "no-memory"])
+def test_rotate_measures_its_leaves_as_piece_squares_does(add, wide):
+    """The rotation of error feedback's input measures |R x|, |e| and |R x + e| from its
+    finished leaves: the sums ``piece_squares`` gives of those vectors, at either width, and
+    the rotation itself unchanged."""
+    from gradsum.codecs.thc import _kernels
+
+    was = _kernels.wide()
+    _kernels.wide(wide)
+    try:
+        codec = THC(workers=2)
+        n = 1 << 18
+        x = _random(n, seed=50)
+        e = _random(n, seed=51) * 1e-2 if add else None
+        rotation = codec._rotation(n, CodecContext(), x.device)
+        plain = native.rotate(x, rotation).clone()
+        out, rotated, added, total = native.rotate(x, rotation, e, measure=True)
+        assert torch.equal(out, plain + e if add else plain)
+        one = (n,), torch.tensor([n])
+        assert rotated == float(native.piece_squares(plain, *one))
+        assert added == (float(native.piece_squares(e, *one)) if add else 0.0)
+        assert total == float(native.piece_squares(out, *one))
+    finally:
+        _kernels.wide(was)
+
+
+@pytest.mark.parametrize("described", [True, False], ids=["tensor-scales", "rotated-domain"])
+def test_a_measured_input_has_the_summary_summarize_computes(described):
+    """Error feedback's input made by a measuring kernel hands ``summarize`` the summary the
+    kernel measured instead of another pass over it: the same bits as summarizing it afresh."""
+    codec = make_codec("thc", workers=3, error_feedback=True)
+    n = 1 << 16
+    if described:
+        codec.describe("k", [(n - 300,), (300,)])
+        codec.partitions("k", n, 1 << 20)
+    for step in range(2):  # the first without memory, the second with it
+        ctx = CodecContext(seed=5, worker=1, step=step, partition=0, key=("k", 0))
+        x = _random(n, seed=60 + step)
+        w = codec.precondition(x, ctx)
+        # measured by the kernel that made it (outside the rotated domain, the first step's
+        # input is a copy of x: no kernel made it)
+        assert (w in codec.inner._measured) == (step > 0 or not described)
+        summary = codec.summarize(w, ctx)
+        assert w not in codec.inner._measured
+        assert torch.equal(summary, codec.summarize(w, ctx))  # afresh: nothing kept now
+        shared = torch.stack([summary] * 3).amax(dim=0)
+        codec.encode(w, ctx, shared)
 
 
 @pytest.mark.parametrize("divide", [True, False], ids=["divide", "multiply"])
@@ -180,24 +274,34 @@ def test_the_residual_inside_the_encode_is_w_minus_the_decode_of_its_payload(opt
 
 
 @pytest.mark.parametrize("block", [None, 1024, 8], ids=["whole", "blocks", "8"])
-def test_the_encode_divides_by_the_tensor_scales_as_scale_pieces_does(block):
-    """The native encode divides each piece by its scale as the rotation reads it, instead of
-    a divided copy first: the same payload and the same own reconstruction, bit for bit, for
-    pieces that straddle vectors (lengths 17, 1, 5), a padded rotation and blocks of one
-    vector. The bug feared: a coordinate divided by its neighbouring piece's scale."""
+def test_the_encode_scales_each_piece_by_its_own_factor(block):
+    """The native encode scales each piece by its tensor scale as the rotation reads it,
+    instead of a divided copy first: x times a / divisor, that factor rounded to float32 once
+    (a multiplication, not the division ``scale_pieces`` makes: a vector divide cost more
+    than the rest of the rotation's first pass). The same payload and own reconstruction, bit
+    for bit, as the encode of x multiplied by those factors first, for pieces that straddle
+    vectors (lengths 17, 1, 5), a padded rotation and blocks of one vector. The bug feared: a
+    coordinate scaled by its neighbouring piece's factor."""
     codec = THC(workers=2, rotation_block=block)
     x = _random(sum(PIECES), seed=30)
     lengths = torch.tensor(PIECES)
     divisors = torch.rand(len(PIECES), generator=torch.Generator().manual_seed(31)) * 10 + 0.01
     ends = torch.cumsum(lengths, 0)
     rotation = codec._rotation(x.numel(), CodecContext(), x.device)
-    divided = torch.empty_like(x)
-    assert native.scale_pieces(x, PIECES, lengths, divisors, True, divided)
     a, g = 0.37, codec.granularity
-    args = (a, g / 2, g, codec._tables(x.device).cell_entries, 99, codec.bits)
+    root = math.sqrt(rotation.block)
+    # the kernel's scale (a over the unnormalised transform's sqrt(block), as float32), over
+    # each piece's divisor in float64, rounded once
+    scale = torch.tensor(a / root, dtype=torch.float32).double()
+    factors = (scale / divisors.double()).float()
+    scaled = torch.empty_like(x)
+    assert native.scale_pieces(x, PIECES, lengths, factors, False, scaled)
+    rest = (g / 2, g, codec._tables(x.device).cell_entries, 99, codec.bits)
     own = (0.25, -3.0)
-    expected = native.encode(divided, rotation, *args, own=own)
+    expected = native.encode(scaled, rotation, root, *rest, own=own)  # a scale of 1
     expected_own = rotation.scratch.clone()
-    fused = native.encode(x, rotation, *args, own=own, pieces=(ends, divisors))
+    fused = native.encode(x, rotation, a, *rest, own=own, pieces=(ends, divisors))
     assert torch.equal(fused, expected)
     assert torch.equal(rotation.scratch, expected_own)
+    # the division's values differ in the last bits: the comparison above can tell
+    assert not torch.equal(scaled, (x / torch.repeat_interleave(divisors, lengths)) * a / root)

@@ -14,6 +14,9 @@ import threading
 import torch
 
 
+MAX_LISTED = 64  # buffers listed, held or idle, beyond which the oldest are let go
+
+
 class Recycler:
     """``empty(count, dtype)`` that hands out buffers of earlier calls nothing refers to any more.
 
@@ -23,11 +26,16 @@ class Recycler:
     Python do not expose those counts, nothing is recycled. Raw ``data_ptr()`` addresses kept
     past the tensor's life are the one thing it cannot see (as with any allocator).
 
-    Buffers of at least ``min_bytes`` are kept, most recently used first, up to ``budget`` bytes
-    in all, or ``per_request`` times the size asked for if that is more (a worker alternates
-    between a payload and an average, and may still hold the last average); older ones are
-    dropped (freed, or left to whoever still holds them). Above glibc's mmap threshold (32 MiB)
-    every fresh buffer faults: 2^24 coordinates cost ~40 ms of faults per encode here.
+    Buffers of at least ``min_bytes`` are kept, most recently used first. The budget bounds the
+    idle ones, those only the recycler holds: when a fresh buffer is made, the oldest idle ones
+    are dropped (freed) until the idle ones hold at most ``budget`` bytes, or ``per_request``
+    times the size asked for if that is more (a worker alternates between a payload and an
+    average, and may still hold the last average). Buffers something else still holds cost the
+    recycler nothing and stay listed (up to ``MAX_LISTED`` in all), to be handed out again once
+    let go: error feedback's memory of every partition is held from one round to the next, and
+    counting it against the budget dropped the round's other buffers, so that every round made
+    them afresh. Above glibc's mmap threshold (32 MiB) every fresh buffer faults: 2^24
+    coordinates cost ~40 ms of faults per encode here.
     """
 
     def __init__(self, budget: int = 64 << 20, min_bytes: int = 256 << 10, per_request: int = 4):
@@ -49,12 +57,25 @@ class Recycler:
                 buffer = kept.pop(i)
                 kept.append(buffer)
                 return buffer
+        idle = [i for i in range(len(kept)) if _unreferenced(kept, i)]
+        total = sum(kept[i].numel() * kept[i].element_size() for i in idle)
+        dropped = set()
+        for i in idle:  # oldest first
+            if total <= budget:
+                break
+            dropped.add(i)
+            total -= kept[i].numel() * kept[i].element_size()
+        excess = len(kept) + 1 - len(dropped) - MAX_LISTED  # the oldest let go: a short scan
+        for i in range(len(kept)):
+            if excess <= 0:
+                break
+            if i not in dropped:
+                dropped.add(i)
+                excess -= 1
+        if dropped:
+            kept[:] = [t for i, t in enumerate(kept) if i not in dropped]
         buffer = torch.empty(count, dtype=dtype)
         kept.append(buffer)
-        total = sum(t.numel() * t.element_size() for t in kept)
-        while total > budget:
-            dropped = kept.pop(0)
-            total -= dropped.numel() * dropped.element_size()
         return buffer
 
     def clear(self) -> None:
@@ -81,6 +102,10 @@ def _counts(kept: list[torch.Tensor], i: int) -> tuple[int, int, int, int]:
 
 
 def _unreferenced(kept: list[torch.Tensor], i: int) -> bool:
+    # the Python count first: a buffer still held (most of those a round scans) is told apart
+    # without the storage object and the C++ counts the full comparison makes
+    if sys.getrefcount(kept[i]) != _BASELINE[0]:
+        return False
     try:
         return _counts(kept, i) == _BASELINE
     except (AttributeError, RuntimeError, TypeError):  # a torch without these counts

@@ -54,7 +54,28 @@ class ErrorFeedback(Codec):
                 f"error-feedback memory for {ctx.state_key!r} holds {error.numel()} coordinates, "
                 f"the gradient has {x.numel()}; call reset() after re-bucketing"
             )
-        return x + self._bounded(error, x)
+        return self._with_memory(x, error, ctx)
+
+    def _with_memory(self, x: torch.Tensor, error: torch.Tensor,
+                     ctx: CodecContext) -> torch.Tensor:  # fmt: skip
+        """x + the memory, scaled to the bound. Where the inner codec has a kernel that adds
+        them and measures x, e and the sum in one pass (THC's native ``accumulate_measured``,
+        which also keeps the sum's summary), no norm takes a pass of its own."""
+        measure = getattr(self.inner, "accumulate_measured", None)
+        measured = None if measure is None else measure(x, error, ctx)
+        if measured is None:
+            return x + self._bounded(error, x)
+        total, x_norm, e_norm = measured
+        if not self._acts(x_norm, e_norm):
+            return total
+        # after a spike: the memory scaled to the bound, and the sum made again
+        error.mul_(self.bound * x_norm / max(e_norm, 1e-30))
+        return measure(x, error, ctx)[0]
+
+    def _acts(self, x_norm: float, e_norm: float) -> bool:
+        """Whether the bound scales a memory of norm ``e_norm`` added to a gradient of norm
+        ``x_norm`` (norms a kernel measured on the way, read on the CPU without a wait)."""
+        return self.bound is not None and e_norm > self.bound * x_norm
 
     def _bounded(self, error: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The memory scaled to at most ``bound`` times ``x``'s norm, in place (the memory is
@@ -193,11 +214,21 @@ class TransformedErrorFeedback(ErrorFeedback):
                 f"error-feedback memory for {ctx.state_key!r} holds {error.numel()} coordinates, "
                 f"the gradient has {x.numel()}; call reset() after re-bucketing"
             )
+        if not transformed:
+            return x.clone() if error is None else self._with_memory(x, error, ctx)
+        # THC's native rotation measures |R x| and |e| on the way (R is orthogonal: the norms
+        # the bound compares), and keeps the result's summary
+        measure = getattr(self.inner, "transform_measured", None)
+        measured = None if measure is None else measure(x, ctx, error)
+        if measured is not None:
+            rotated, x_norm, e_norm = measured
+            if error is None or not self._acts(x_norm, e_norm):
+                return rotated
+            error.mul_(self.bound * x_norm / max(e_norm, 1e-30))  # after a spike
+            return measure(x, ctx, error)[0]
         if error is not None:
             error = self._bounded(error, x)  # the transform is orthogonal: norms are kept
-        if transformed:
-            return self.inner.transform(x, ctx, add=error)
-        return x.clone() if error is None else x + error
+        return self.inner.transform(x, ctx, add=error)
 
     def encode(
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None

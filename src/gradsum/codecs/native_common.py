@@ -28,6 +28,7 @@ def enabled() -> bool:
 
 def cpu_ready(*tensors: tuple[torch.Tensor, torch.dtype]) -> bool:
     """Every tensor is on the CPU, contiguous, of its dtype."""
-    return all(
-        t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t, dtype in tensors
-    )
+    for t, dtype in tensors:  # a loop and ``is_cpu``: called several times per kernel
+        if not (t.is_cpu and t.dtype == dtype and t.is_contiguous()):
+            return False
+    return True

@@ -9,7 +9,8 @@ the right dtype and size. They release the GIL, so worker threads overlap.
   lookup_sum  the aggregator: table lookup of packed indices, integer sum, packing of the sums
   decode      unpacking of sums, y = a*S + c, [rotate back:] FWHT, signs
   scale_pieces  each tensor's piece of a partition divided or multiplied by its own scale
-  piece_squares  each piece's sum of squares (the tensor scales' norms)
+  piece_squares  each piece's sum of squares (the tensor scales' norms), in a defined order
+  accumulate  error feedback's x + e, with the sums of squares of x, e and each piece of x + e
   residual_pieces  error feedback's x - own * scale, piece by piece
 
 Packed layout is bits.py's: element j at bits [j*w, (j+1)*w) of a little-endian bit stream.
@@ -47,6 +48,13 @@ the eight-wide code's bits (``wide(False)`` switches them off, for tests to comp
 
 #define INLINE static inline __attribute__((always_inline))
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
+
+/* Orders a kernel's streaming stores before whatever reads their values next. */
+INLINE void store_fence(void) {
+#if defined(__x86_64__)
+    _mm_sfence();
+#endif
+}
 
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
@@ -100,20 +108,22 @@ INLINE f32x8 apply_signs(f32x8 v, uint8_t bits) {
 }
 
 /* What a transform's first pass reads instead of x: scale * src * signs, zero from `length` on
-   (the rotation's padding); with pieces, scale * (src / divisors[p]) over each piece p of src
-   (the tensor scales, divided as the load reads them: no divided copy of the gradient). */
+   (the rotation's padding); with pieces, (src * factors[p]) * scale over each piece p of src
+   (the tensor scales as the load reads them: no divided copy of the gradient; the encode's
+   factors are its scale over each piece's divisor, a multiplication where a division would
+   take a vector divide, several times the pass's other work, and scale 1). */
 struct source {
     const float *src;
     size_t length;
     float scale;
     const uint8_t *signs;
     const int64_t *ends; /* the pieces' ends, increasing, the last `length` */
-    const float *divisors;
-    size_t pieces; /* 0: no division */
+    const float *factors;
+    size_t pieces; /* 0: no factors */
 };
 
-/* The divisors of coordinates i..i+7 (those past the last piece divide 0 by 1). */
-INLINE f32x8 piece_divisors(const struct source *in, size_t i) {
+/* The factors of coordinates i..i+7 (those past the last piece: 1). */
+INLINE f32x8 piece_factors(const struct source *in, size_t i) {
     size_t low = 0, high = in->pieces; /* the first piece that ends after i */
     while (low < high) {
         size_t mid = (low + high) / 2;
@@ -121,11 +131,11 @@ INLINE f32x8 piece_divisors(const struct source *in, size_t i) {
         else low = mid + 1;
     }
     if (low < in->pieces && (size_t)in->ends[low] >= i + LANES)
-        return (f32x8){0} + in->divisors[low];
+        return (f32x8){0} + in->factors[low];
     f32x8 d;
     for (int lane = 0; lane < LANES; lane++) {
         while (low < in->pieces && (size_t)in->ends[low] <= i + lane) low++;
-        d[lane] = low < in->pieces ? in->divisors[low] : 1.0f;
+        d[lane] = low < in->pieces ? in->factors[low] : 1.0f;
     }
     return d;
 }
@@ -140,7 +150,7 @@ INLINE f32x8 source_load(const struct source *in, size_t i, f32x8 *finite) {
         if (i < in->length) memcpy(tail, in->src + i, (in->length - i) * sizeof(float));
         v = load(tail);
     }
-    if (in->pieces) v /= piece_divisors(in, i);
+    if (in->pieces) v *= piece_factors(in, i);
     *finite += v - v;
     return apply_signs(v * in->scale, in->signs[i / LANES]);
 }
@@ -217,12 +227,16 @@ MULTIVERSION static void pass(float *x, size_t from, size_t n, size_t h, int k, 
    (the tensor scales' multiplication of a decode) or minuend[p] - v * factor (error feedback's
    residual), each rounded as torch's elementwise operations round it, for p < length (the
    padding beyond is dropped); the factor is that of p's piece (ends and factors, in a source's
-   ends, divisors and pieces), or none without pieces. dst may be x. */
+   ends, factors and pieces), or none without pieces. dst may be x. */
 struct sink {
     float *dst;
     size_t length;
     const float *minuend;
     struct source pieces;
+    /* whole vectors stored past the caches (wide passes, dst 64-byte aligned): error
+       feedback's memory, read again a round later, so no line of it is read before it is
+       written (a plain store's miss reads the line first) */
+    int stream;
 };
 
 /* The sink's values from a finished transform x, in a pass of their own (where the last pass
@@ -237,7 +251,7 @@ static void sink_apply(const struct sink *sink, const float *x) {
         if (!sink->pieces.pieces) {
             for (size_t i = at; i < end; i++) sink->dst[i] = minuend ? minuend[i] - x[i] : x[i];
         } else {
-            float f = sink->pieces.divisors[p];
+            float f = sink->pieces.factors[p];
             for (size_t i = at; i < end; i++) {
                 float scaled = x[i] * f;
                 sink->dst[i] = minuend ? minuend[i] - scaled * one : scaled;
@@ -290,19 +304,19 @@ WIDE_INLINE f32x16 apply_signs16(f32x16 v, const uint8_t *signs_at) {
                                          _mm512_set1_epi32(INT32_MIN));
 }
 
-/* The divisors of coordinates i..i+15 (those past the last piece divide by 1). `cursor`: a
+/* The factors of coordinates i..i+15 (those past the last piece: 1). `cursor`: a
    piece at or before i's; a pass reads each column's coordinates in increasing order, so it
    keeps one per column and finds the piece in a compare or two, not a search. */
-WIDE_INLINE f32x16 piece_divisors16(const struct source *in, size_t i, size_t *cursor) {
+WIDE_INLINE f32x16 piece_factors16(const struct source *in, size_t i, size_t *cursor) {
     size_t c = *cursor;
     while (c < in->pieces && (size_t)in->ends[c] <= i) c++;
     *cursor = c;
     if (c < in->pieces && (size_t)in->ends[c] >= i + WLANES)
-        return (f32x16){0} + in->divisors[c];
+        return (f32x16){0} + in->factors[c];
     f32x16 d;
     for (int lane = 0; lane < WLANES; lane++) {
         while (c < in->pieces && (size_t)in->ends[c] <= i + lane) c++;
-        d[lane] = c < in->pieces ? in->divisors[c] : 1.0f;
+        d[lane] = c < in->pieces ? in->factors[c] : 1.0f;
     }
     return d;
 }
@@ -317,7 +331,7 @@ WIDE_INLINE f32x16 source_load16(const struct source *in, size_t i, f32x16 *fini
         if (i < in->length) memcpy(tail, in->src + i, (in->length - i) * sizeof(float));
         v = load16(tail);
     }
-    if (in->pieces) v /= piece_divisors16(in, i, cursor);
+    if (in->pieces) v *= piece_factors16(in, i, cursor);
     *finite += v - v;
     return apply_signs16(v * in->scale, in->signs + i / 8);
 }
@@ -348,11 +362,24 @@ WIDE_INLINE void butterflies16(f32x16 *v, int log_count) {
 
 /* The sink's values of coordinates p.. (v: their final values) */
 WIDE_INLINE void sink_store16(const struct sink *sink, size_t p, f32x16 v, size_t *cursor) {
+    if (p + WLANES <= sink->length) { /* whole vectors, no masked loads and stores */
+        f32x16 r = v;
+        if (sink->pieces.pieces) r = v * piece_factors16(&sink->pieces, p, cursor);
+        if (sink->minuend) {
+            f32x16 m = load16(sink->minuend + p), one = (f32x16){0} + opaque_one;
+            r = sink->pieces.pieces ? m - r * one : m - v;
+        }
+        if (sink->stream)
+            _mm512_stream_ps(sink->dst + p, (__m512)r);
+        else
+            store16(sink->dst + p, r);
+        return;
+    }
     if (p >= sink->length) return;
     size_t count = MIN((size_t)WLANES, sink->length - p);
     __mmask16 keep = count == WLANES ? 0xFFFF : (__mmask16)((1u << count) - 1);
     f32x16 r = v;
-    if (sink->pieces.pieces) r = v * piece_divisors16(&sink->pieces, p, cursor);
+    if (sink->pieces.pieces) r = v * piece_factors16(&sink->pieces, p, cursor);
     if (sink->minuend) {
         f32x16 m = (f32x16)_mm512_maskz_loadu_ps(keep, sink->minuend + p);
         f32x16 one = (f32x16){0} + opaque_one;
@@ -365,7 +392,7 @@ WIDE_INLINE void radix_pass16(float *x, size_t from, size_t n, size_t h, int k, 
                               const struct source *in, f32x8 *finite,
                               const uint8_t *out_signs, const struct sink *sink) {
     f32x16 clean = {0};
-    size_t cursor[1 << WRADIX_LOG] = {0}; /* each column's piece (see piece_divisors16) */
+    size_t cursor[1 << WRADIX_LOG] = {0}; /* each column's piece (see piece_factors16) */
     for (size_t base = from; base < from + n; base += h << k)
         for (size_t j = base; j < base + h; j += WLANES) {
             f32x16 v[1 << WRADIX_LOG];
@@ -954,6 +981,10 @@ WIDE_INLINE void round_all16(const struct grid *grid, struct rng16w *rng, float 
                              int own, float own_a, float own_c, f32x16 *clean) {
     f32x16 step_v = (f32x16){0} + step, offset_v = (f32x16){0} + offset;
     f32x16 one = (f32x16){0} + opaque_one;
+    /* error feedback's memory is read again a round later, after the other partitions' work
+       has gone through the caches: stored past them, its lines are not read first (a write
+       miss reads the line it fills) */
+    int stream_error = error && (uintptr_t)error % 64 == 0;
     __m512i low_cells = _mm512_loadu_si512(&grid->table[0]);
     __m512i high_cells = _mm512_loadu_si512(&grid->table[2]);
     for (size_t i = 0; i < count; i += WLANES) {
@@ -971,7 +1002,13 @@ WIDE_INLINE void round_all16(const struct grid *grid, struct rng16w *rng, float 
         } else {
             _mm_storeu_si128((__m128i *)(indices + i), _mm512_cvtepi32_epi8((__m512i)index));
         }
-        if (error) store16(error + i, v - ((value * step_v) * one + offset_v));
+        if (error) {
+            f32x16 e = v - ((value * step_v) * one + offset_v);
+            if (stream_error)
+                _mm512_stream_ps(error + i, (__m512)e);
+            else
+                store16(error + i, e);
+        }
         if (own) store16(y + i, value * own_a + own_c);
     }
 }
@@ -1368,20 +1405,100 @@ MULTIVERSION static void residual_pieces(const float *x, const float *own, float
     }
 }
 
-/* Every piece's sum of squares, one float32 addition after another in coordinate order: the
-   sums torch's segment_reduce gives, which the summaries on the wire are made of. Not cloned
-   for AVX2, so that no multiply-add fuses a square into its sum. */
+/* ---------------------------------------------------------------------------------------------
+ * Sums of squares in one defined order, so that a kernel that already reads a vector gives its
+ * norm on the way (the summary, error feedback's bound) and every caller, whatever the CPU or
+ * vector width, gets the same bits: coordinate k of a range goes to lane k % 64, each square
+ * rounded to float32 and added in float32 over a span of SQUARES_SPAN coordinates (64 per
+ * lane), each span's lane sums then added in float64; the 64 lanes fold pairwise (lane l + 32,
+ * then + 16, ..., + 1) and the total rounds to float32 once. Short float32 chains and a float64
+ * total keep it closer to the exact sum than one float32 chain, and 64 lanes are eight
+ * independent vector chains: the additions' latency stays under the loads'.
+ */
+enum { SQUARES_SPAN = 4096, SQUARES_LANES = 64 };
+
+struct squares {
+    double lane[SQUARES_LANES];
+};
+
+/* Adds the squares of p[0, count) as the coordinates `done`.. of the range (done a multiple of
+   SQUARES_SPAN, count at most one span: callers split at spans). The product is rounded on its
+   own ((v * v) * one, the one opaque: a multiply-add of it rounds as the addition alone). */
+MULTIVERSION static void squares_add(struct squares *s, const float *p, size_t count) {
+    enum { VECTORS = SQUARES_LANES / LANES };
+    f32x8 one = (f32x8){0} + opaque_one, sum[VECTORS] = {{0}};
+    size_t i = 0;
+    for (; i + SQUARES_LANES <= count; i += SQUARES_LANES)
+        for (int v = 0; v < VECTORS; v++) {
+            f32x8 a = load(p + i + v * LANES);
+            sum[v] = (a * a) * one + sum[v];
+        }
+    if (i < count) {
+        float tail[SQUARES_LANES] = {0};
+        memcpy(tail, p + i, (count - i) * sizeof(float));
+        for (int v = 0; v < VECTORS; v++) {
+            f32x8 a = load(tail + v * LANES);
+            sum[v] = (a * a) * one + sum[v];
+        }
+    }
+    for (int v = 0; v < VECTORS; v++)
+        for (int lane = 0; lane < LANES; lane++) s->lane[v * LANES + lane] += (double)sum[v][lane];
+}
+
+/* The squares of a whole range p[0, count), spans split as squares_add wants them. */
+static void squares_range(struct squares *s, const float *p, size_t count) {
+    for (size_t at = 0; at < count; at += SQUARES_SPAN)
+        squares_add(s, p + at, MIN((size_t)SQUARES_SPAN, count - at));
+}
+
+static float squares_total(const struct squares *s) {
+    double t[SQUARES_LANES];
+    memcpy(t, s->lane, sizeof t);
+    for (int width = SQUARES_LANES / 2; width >= 1; width /= 2)
+        for (int lane = 0; lane < width; lane++) t[lane] += t[lane + width];
+    return (float)t[0];
+}
+
+/* Every piece's sum of squares (the tensor scales' norms), each piece a range of its own. */
 static void piece_squares(const float *src, const int64_t *lengths, size_t pieces, float *sums) {
     size_t at = 0;
     for (size_t p = 0; p < pieces; p++) {
-        float sum = 0;
-        for (size_t i = at; i < at + (size_t)lengths[p]; i++) {
-            float square = src[i] * src[i];
-            sum += square;
-        }
-        sums[p] = sum;
+        struct squares s = {{0}};
+        squares_range(&s, src + at, (size_t)lengths[p]);
+        sums[p] = squares_total(&s);
         at += (size_t)lengths[p];
     }
+}
+
+/* Error feedback's x' = x + e outside the rotated domain, in one pass that also gives the sums
+   of squares of x and of e (the bound's norms) and of every piece of x' (the summary; `ends`:
+   the pieces' ends, the last n; none: one piece), each in squares_add's order: x' is written a
+   span at a time and the pieces' spans that are complete are summed behind it, still in cache. */
+MULTIVERSION static void accumulate(const float *x, const float *e, float *out, size_t n,
+                                    const int64_t *ends, size_t pieces, float *sums,
+                                    float *x_squares, float *e_squares) {
+    struct squares sx = {{0}}, se = {{0}}, sp = {{0}};
+    size_t count = pieces ? pieces : 1, p = 0, at = 0; /* piece p's next span starts at `at` */
+    for (size_t g = 0; g < n; g += SQUARES_SPAN) {
+        size_t m = MIN((size_t)SQUARES_SPAN, n - g);
+        for (size_t k = g; k < g + m; k++) out[k] = x[k] + e[k];
+        squares_add(&sx, x + g, m);
+        squares_add(&se, e + g, m);
+        while (p < count) {
+            size_t end = pieces ? (size_t)ends[p] : n;
+            size_t stop = MIN(at + SQUARES_SPAN, end);
+            if (stop > g + m) break; /* not written yet */
+            squares_add(&sp, out + at, stop - at);
+            at = stop;
+            if (at == end) {
+                sums[p++] = squares_total(&sp);
+                memset(&sp, 0, sizeof sp);
+            }
+        }
+    }
+    for (; p < count; p++) sums[p] = 0; /* empty pieces at the end (n == 0) */
+    *x_squares = squares_total(&sx);
+    *e_squares = squares_total(&se);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1431,8 +1548,9 @@ PyDoc_STRVAR(encode_doc,
              "each operation rounded to float32 (torch's mul_, add_ and sub of the decode).\n"
              "With own (a block): buffer[i] = T[index] * own_a + own_c, the rotated values the\n"
              "payload alone decodes to (``inverse`` rotates them back).\n"
-             "With pieces (a block): src is divided by divisors[p] over each piece p (int64\n"
-             "ends, the last being length) as the transform reads it.\n"
+             "With pieces (a block): src is multiplied by a / divisors[p] (rounded to float32\n"
+             "once) over each piece p (int64 ends, the last being length) as the transform\n"
+             "reads it, instead of by a.\n"
              "Returns False, and no indices, where src (rotated or not) holds an Inf or NaN.");
 
 static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
@@ -1475,6 +1593,9 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
     q.end = q.out + out_size;
     q.error = ADDRESS(float *, error);
     rng16_seed(&q.rng, seed);
+    float *factors = NULL;
+    if (pieces && !(factors = PyMem_RawMalloc((size_t)pieces * sizeof *factors)))
+        return PyErr_NoMemory();
     int finite = 1;
     Py_BEGIN_ALLOW_THREADS
     if (block) {
@@ -1482,14 +1603,21 @@ static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
            whose norm is near the float32 limit would overflow, its scaled values never do */
         struct source in = {ADDRESS(const float *, src), (size_t)length, q.grid.a,
                             ADDRESS(const uint8_t *, signs), ADDRESS(const int64_t *, ends),
-                            ADDRESS(const float *, divisors), (size_t)pieces};
+                            factors, (size_t)pieces};
+        if (pieces) {
+            for (Py_ssize_t p = 0; p < pieces; p++)
+                factors[p] = (float)((double)q.grid.a / ADDRESS(const float *, divisors)[p]);
+            in.scale = 1;
+        }
         q.grid.a = 1;
         finite = fwht_forward(ADDRESS(float *, buffer), (size_t)n, (size_t)block, &in,
                               use_wide ? quantize_leaf16 : quantize_leaf, &q);
     } else {
         finite = quantize(&q, ADDRESS(float *, src), (size_t)n);
+        store_fence(); /* the error's streaming stores, before the caller reads it */
     }
     Py_END_ALLOW_THREADS
+    PyMem_RawFree(factors);
     return PyBool_FromLong(finite);
 }
 
@@ -1503,16 +1631,38 @@ MULTIVERSION static void add_leaf(void *state, float *leaf, size_t offset, size_
     for (size_t i = 0; i < count; i++) leaf[i] += addend[i];
 }
 
+/* The rotation's leaves, measured: the sums of squares of each finished leaf (R x), of the
+   addend and of their sum (the summary of error feedback's rotated input), in squares_add's
+   order over the whole vector (leaves are spans of it, visited in order at either width). */
+struct measured_leaves {
+    const float *addend; /* NULL: none */
+    struct squares rotated, added, total;
+};
+
+static void measure_leaf(void *state, float *leaf, size_t offset, size_t count) {
+    struct measured_leaves *m = state;
+    squares_add(&m->rotated, leaf, count);
+    if (m->addend) {
+        squares_add(&m->added, m->addend + offset, count);
+        add_leaf((void *)m->addend, leaf, offset, count);
+        squares_add(&m->total, leaf, count);
+    }
+}
+
 PyDoc_STRVAR(rotate_doc,
-             "rotate(src, length, out, n, block, signs[, addend])\n"
+             "rotate(src, length, out, n, block, signs[, addend, measure])\n"
              "out[0:n] = orthonormal FWHT (in blocks) of src[0:length] * signs, zero-padded to n,\n"
-             "plus addend[0:n] if given. Returns False where src holds an Inf or NaN (out is then\n"
-             "undefined).");
+             "plus addend[0:n] if given (0: none). Returns False where src holds an Inf or NaN\n"
+             "(out is then undefined). With measure: (finite, |R src|^2, |addend|^2, |out|^2),\n"
+             "the sums of squares of the rotated source, the addend and out, each in the\n"
+             "kernels' order (piece_squares').");
 
 static PyObject *py_rotate(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long src, out, signs, addend = 0;
     Py_ssize_t length, n, block;
-    if (!PyArg_ParseTuple(args, "KnKnnK|K", &src, &length, &out, &n, &block, &signs, &addend) ||
+    int measure = 0;
+    if (!PyArg_ParseTuple(args, "KnKnnK|Kp", &src, &length, &out, &n, &block, &signs, &addend,
+                          &measure) ||
         !check_block(n, block))
         return NULL;
     if (length > n) {
@@ -1521,12 +1671,44 @@ static PyObject *py_rotate(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     struct source in = {ADDRESS(const float *, src), (size_t)length, 1.0f / sqrtf((float)block),
                         ADDRESS(const uint8_t *, signs), NULL, NULL, 0};
+    struct measured_leaves m = {ADDRESS(const float *, addend), {{0}}, {{0}}, {{0}}};
     int finite;
     Py_BEGIN_ALLOW_THREADS
-    finite = fwht_forward(ADDRESS(float *, out), (size_t)n, (size_t)block, &in,
-                          addend ? add_leaf : no_visit, ADDRESS(void *, addend));
+    if (measure)
+        finite = fwht_forward(ADDRESS(float *, out), (size_t)n, (size_t)block, &in, measure_leaf,
+                              &m);
+    else
+        finite = fwht_forward(ADDRESS(float *, out), (size_t)n, (size_t)block, &in,
+                              addend ? add_leaf : no_visit, ADDRESS(void *, addend));
     Py_END_ALLOW_THREADS
-    return PyBool_FromLong(finite);
+    if (!measure) return PyBool_FromLong(finite);
+    float rotated = squares_total(&m.rotated);
+    float added = squares_total(&m.added), total = addend ? squares_total(&m.total) : rotated;
+    return Py_BuildValue("Nddd", PyBool_FromLong(finite), (double)rotated, (double)added,
+                         (double)total);
+}
+
+PyDoc_STRVAR(accumulate_doc,
+             "accumulate(x, e, out, n, ends, pieces, sums) -> (|x|^2, |e|^2)\n"
+             "out[0:n] = x + e (float32, rounded as torch's add), and in the same pass sums[p] =\n"
+             "the sum of squares of each piece p of out (int64 ends, the last n; pieces 0: one\n"
+             "piece, sums[0]), as piece_squares adds them; returns those of x and of e.");
+
+static PyObject *py_accumulate(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long x, e, out, ends, sums;
+    Py_ssize_t n, pieces;
+    if (!PyArg_ParseTuple(args, "KKKnKnK", &x, &e, &out, &n, &ends, &pieces, &sums)) return NULL;
+    if (n < 0 || pieces < 0 || (pieces && !ends)) {
+        PyErr_SetString(PyExc_ValueError, "invalid length or pieces");
+        return NULL;
+    }
+    float xs, es;
+    Py_BEGIN_ALLOW_THREADS
+    accumulate(ADDRESS(const float *, x), ADDRESS(const float *, e), ADDRESS(float *, out),
+               (size_t)n, ADDRESS(const int64_t *, ends), (size_t)pieces, ADDRESS(float *, sums),
+               &xs, &es);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("dd", (double)xs, (double)es);
 }
 
 /* The sink of optional arguments dst, length, minuend, ends, factors, pieces (dst 0: none) */
@@ -1540,7 +1722,9 @@ static int sink_of(struct sink *sink, unsigned long long dst, Py_ssize_t length,
     }
     *sink = (struct sink){ADDRESS(float *, dst), (size_t)length, ADDRESS(const float *, minuend),
                           {NULL, 0, 1.0f, NULL, ADDRESS(const int64_t *, ends),
-                           ADDRESS(const float *, factors), (size_t)pieces}};
+                           ADDRESS(const float *, factors), (size_t)pieces},
+                          /* error feedback's memory, read again a round later */
+                          minuend && dst % 64 == 0};
     return 1;
 }
 
@@ -1569,6 +1753,7 @@ static PyObject *py_inverse(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     fwht_reverse(ADDRESS(float *, x), (size_t)n, (size_t)block, no_visit, NULL,
                  ADDRESS(const uint8_t *, signs), sunk ? &sink : NULL);
+    store_fence(); /* the sink's streaming stores, before the caller reads them */
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1747,7 +1932,8 @@ static PyObject *py_residual_pieces(PyObject *Py_UNUSED(self), PyObject *args) {
 PyDoc_STRVAR(piece_squares_doc,
              "piece_squares(src, lengths, pieces, sums)\n"
              "sums[p] (float32) = the sum of squares of piece p of src (int64 lengths), added in\n"
-             "coordinate order in float32.");
+             "the kernels' order: 64 lanes of float32 sums over spans of 4096 coordinates, their\n"
+             "span sums added in float64, the lanes folded pairwise.");
 
 static PyObject *py_piece_squares(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long src, lengths, sums;
@@ -1793,6 +1979,7 @@ static PyMethodDef methods[] = {
     {"scale_pieces", py_scale_pieces, METH_VARARGS, scale_pieces_doc},
     {"piece_squares", py_piece_squares, METH_VARARGS, piece_squares_doc},
     {"residual_pieces", py_residual_pieces, METH_VARARGS, residual_pieces_doc},
+    {"accumulate", py_accumulate, METH_VARARGS, accumulate_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -445,6 +445,11 @@ class THC(GridCodec):
         self._segment_tensors: dict[tuple, torch.Tensor] = {}
         # per MAX-round result: its version and the tensor scales computed from it
         self._scales_of_shared: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # error feedback's inputs made by a kernel that measured them on the way (native
+        # ``transform_measured``, ``accumulate_measured``): per input, (its round's context,
+        # its summary), taken by ``summarize`` instead of another pass over it. The context
+        # (step included) tells a recycled buffer's stale entry from its own
+        self._measured: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     @staticmethod
     def _table(bits: int, granularity: int, p: float, correlated: int | None) -> tuple[int, ...]:
@@ -519,11 +524,60 @@ class THC(GridCodec):
         if squares is None:
             # unsafe: the pieces add up to the partition, and checking it reads on the host
             squares = torch.segment_reduce(flat.square(), "sum", lengths=lengths, unsafe=True)
+        return self._placed_pieces(squares, flat, pieces, ctx)
+
+    def _placed_pieces(self, squares: torch.Tensor, flat: torch.Tensor, pieces: tuple[int, ...],
+                       ctx: CodecContext | None) -> torch.Tensor:  # fmt: skip
         norms = squares.sqrt_()
         require(finite(norms).all(), lambda: self._norm_overflow(flat))
         placed = norms.new_zeros(self.workers, len(pieces))
         placed[(ctx.worker if ctx is not None else 0) % self.workers] = norms
         return placed.reshape(-1)
+
+    def _keep_summary(self, x: torch.Tensor, squares: torch.Tensor, ctx: CodecContext) -> None:
+        """The summary of ``x`` from the sums of squares a kernel measured as it made x (the
+        values ``summarize`` would compute: the same kernels' order), kept for ``summarize``.
+        Sums that overflowed are not kept: ``summarize`` then reports or handles them."""
+        pieces = self._pieces(ctx)
+        if not all(math.isfinite(v) for v in squares.tolist()):
+            return
+        if pieces is not None:
+            summary = self._placed_pieces(squares, x, pieces, ctx)
+        else:
+            summary = self._placed(squares.sqrt_(), ctx)
+        self._measured[x] = (ctx, summary)
+
+    def transform_measured(
+        self, x: torch.Tensor, ctx: CodecContext, add: torch.Tensor | None
+    ) -> tuple[torch.Tensor, float, float] | None:
+        """``transform`` on the CPU's native path, with the norms of the rotated x and of
+        ``add`` (error feedback's bound compares them; 0 without ``add``) and the result's
+        summary (kept for ``summarize``), all from the rotation's own pass. None where the
+        native kernel cannot run."""
+        flat = x.reshape(-1).to(torch.float32)
+        rotation = self._rotation(flat.numel(), ctx, flat.device)
+        measured = native.rotate(flat, rotation, add, empty=self._recycler.empty, measure=True)
+        if measured is None:
+            return None
+        rotated, x_squares, e_squares, squares = measured
+        self._keep_summary(rotated, torch.tensor([squares], dtype=torch.float32), ctx)
+        return rotated, math.sqrt(x_squares), math.sqrt(e_squares)
+
+    def accumulate_measured(
+        self, x: torch.Tensor, e: torch.Tensor, ctx: CodecContext
+    ) -> tuple[torch.Tensor, float, float] | None:
+        """x + e (error feedback outside the rotated domain) on the CPU's native path, with the
+        norms of x and e (the bound's) and the summary of x + e (kept for ``summarize``) from
+        the same pass. None where the native kernel cannot run."""
+        flat = x.reshape(-1).to(torch.float32)
+        pieces = self._pieces(ctx)
+        ends = None if pieces is None else self._ends(pieces, flat.device)
+        measured = native.accumulate(flat, e.reshape(-1), ends, empty=self._recycler.empty)
+        if measured is None:
+            return None
+        total, squares, x_squares, e_squares = measured
+        self._keep_summary(total, squares, ctx)
+        return total, math.sqrt(x_squares), math.sqrt(e_squares)
 
     def _round_scalars(self, shared: torch.Tensor | None, pieces: tuple[int, ...] | None,
                        device: torch.device, padded: int) -> _RoundScalars:  # fmt: skip
@@ -597,10 +651,19 @@ class THC(GridCodec):
         return (torch.div if divide else torch.mul)(x, repeated, out=out)
 
     def summarize(self, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
+        kept = self._measured.pop(x, None)
+        if kept is not None and kept[0] == ctx:
+            return kept[1]  # measured by the kernel that made x, in this round
         flat = x.reshape(-1).to(torch.float32)
         pieces = self._pieces(ctx)
         if pieces is not None:
             return self._piece_norms(flat, pieces, ctx)
+        if _reads_scalars(flat) and flat.dim() == 1:
+            # the kernels' order, as a measured input's summary has it (``piece_squares``)
+            squares = native.piece_squares(flat, (flat.numel(),), self._lengths((flat.numel(),),
+                                                                                  flat.device))
+            if squares is not None and math.isfinite(float(squares[0])):
+                return self._placed(squares.sqrt_(), ctx)
         if not _reads_scalars(flat):  # checked on the device, read after the round
             # accumulated in float64 (finite coordinates whose squares overflow float32 have a
             # norm), as a step's rows take theirs (``thc.step``): one reduction, no fallback

@@ -57,22 +57,52 @@ def fwht_(x: torch.Tensor, block: int, scale: float) -> bool:
 
 
 def rotate(
-    x: torch.Tensor, rotation: Rotation, add: torch.Tensor | None = None, empty: Empty = fresh
-) -> torch.Tensor | None:
+    x: torch.Tensor, rotation: Rotation, add: torch.Tensor | None = None, empty: Empty = fresh,
+    measure: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, float, float, float] | None:  # fmt: skip
     """``rotation.forward(x)`` (+ ``add``, of the padded length) in one fused pass over x: signs
     and scale applied as the transform loads it, ``add`` as each finished leaf is in cache.
-    Raises ``NonFiniteGradientError`` for NaN or Inf in x."""
+    Raises ``NonFiniteGradientError`` for NaN or Inf in x. ``measure``: also the sums of
+    squares of the rotated x, of ``add`` (0 without) and of the result, taken from the leaves
+    as they are finished (``piece_squares``' order over the padded vector): (out, |R x|^2,
+    |add|^2, |out|^2)."""
     if not (_ready((x, torch.float32)) and x.dim() == 1 and _rotation_ready(rotation)):
         return None
     if add is not None and not (_ready((add, torch.float32)) and add.numel() == rotation.padded):
         return None
     out = empty(rotation.padded, torch.float32)
     args = (x.numel(), out.data_ptr(), out.numel(), rotation.block, rotation.sign_bits.data_ptr())
-    if add is not None:
-        args += (add.data_ptr(),)
-    if not _kernels.rotate(x.data_ptr(), *args):
-        check_finite(x)  # raises, naming the coordinates
-    return out
+    args += (0 if add is None else add.data_ptr(),)
+    if not measure:
+        if not _kernels.rotate(x.data_ptr(), *args):
+            check_finite(x)  # raises, naming the coordinates
+        return out
+    finite, rotated, added, total = _kernels.rotate(x.data_ptr(), *args, True)
+    if not finite:
+        check_finite(x)
+    return out, rotated, added, total
+
+
+def accumulate(
+    x: torch.Tensor, e: torch.Tensor, ends: torch.Tensor | None, empty: Empty = fresh
+) -> tuple[torch.Tensor, torch.Tensor, float, float] | None:
+    """x + e (as torch's add rounds it) and, from the same pass, the sums of squares of every
+    piece of it (``ends``: int64, the pieces' ends, the last ``x.numel()``; None: one piece),
+    each as ``piece_squares`` adds it, and those of x and of e: (x + e, sums, |x|^2, |e|^2).
+    Error feedback's input outside the rotated domain, with its summary and its bound's norms."""
+    n = x.numel()
+    if not (_ready((x, torch.float32), (e, torch.float32)) and x.dim() == 1
+            and e.numel() == n):  # fmt: skip
+        return None
+    if ends is not None and not (_ready((ends, torch.int64)) and ends.numel() > 0):
+        return None
+    out = empty(n, torch.float32)
+    sums = torch.empty(1 if ends is None else ends.numel(), dtype=torch.float32)
+    x_squares, e_squares = _kernels.accumulate(
+        x.data_ptr(), e.data_ptr(), out.data_ptr(), n, 0 if ends is None else ends.data_ptr(),
+        0 if ends is None else ends.numel(), sums.data_ptr(),
+    )  # fmt: skip
+    return out, sums, x_squares, e_squares
 
 
 def encode(
@@ -109,8 +139,10 @@ def encode(
     the decode's, of the unnormalised transform), for ``inverse`` to finish.
 
     ``pieces`` = (ends, divisors) (only with a rotation; int64 and float32, one per piece, the
-    last end ``x.numel()``): x divided by each piece's divisor as the rotation reads it, the
-    values of ``scale_pieces`` (THC's tensor scales) without a divided copy of x.
+    last end ``x.numel()``): x scaled by each piece's divisor as the rotation reads it (THC's
+    tensor scales) without a divided copy of x: multiplied by a / divisor, one float32 factor
+    a piece, instead of divided by the divisor and then multiplied by a (a vector divide costs
+    several times the rest of that pass); the same values to a rounding.
     """
     if (own is not None or pieces is not None) and rotation is None:
         return None
@@ -307,8 +339,13 @@ def residual(
 
 def piece_squares(x: torch.Tensor, pieces: tuple[int, ...],
                   lengths: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
-    """Every piece's sum of squares (float32), as ``torch.segment_reduce(x.square(), "sum")``
-    adds them: one after another."""
+    """Every piece's sum of squares (float32) in the kernels' one order, the one every kernel
+    that measures a vector on the way uses (``rotate``, ``accumulate``): coordinate k of a
+    piece adds its float32 square to lane k % 64 in float32 over spans of 4096 coordinates,
+    each span's lane sums are added in float64, the 64 lanes fold pairwise (l + 32, + 16, ...,
+    + 1) and the total rounds to float32. Not torch's order (``segment_reduce`` adds one
+    square after another, a chain four times slower): a worker's summary is its own, and the
+    MAX round hands every worker the same values whichever way each measured them."""
     if not (_ready((x, torch.float32), (lengths, torch.int64)) and x.dim() == 1
             and x.numel() == sum(pieces) and lengths.numel() == len(pieces)):  # fmt: skip
         return None
