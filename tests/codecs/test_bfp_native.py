@@ -331,7 +331,7 @@ def test_small_buffers_and_the_budget(recycler):
     assert [t.data_ptr() for t in recycler._kept] == addresses
     del held  # idle now: the next fresh buffer drops the oldest beyond the budget
     other = recycler.empty(4096, torch.int32)
-    assert [t.data_ptr() for t in recycler._kept] == addresses[4:] + [other.data_ptr()]
+    assert [t.data_ptr() for t in recycler._kept] == [*addresses[4:], other.data_ptr()]
     big = [recycler.empty(1 << 20, torch.int32) for _ in range(3)]  # 4 MiB each
     big_addresses = [t.data_ptr() for t in big]
     del big  # idle: a fresh 4 MiB buffer keeps 8 MiB of them (per_request 2), newest first

@@ -13,7 +13,6 @@ import threading
 
 import torch
 
-
 MAX_LISTED = 64  # buffers listed, held or idle, beyond which the oldest are let go
 
 

@@ -28,7 +28,7 @@ def enabled() -> bool:
 
 def cpu_ready(*tensors: tuple[torch.Tensor, torch.dtype]) -> bool:
     """Every tensor is on the CPU, contiguous, of its dtype."""
-    for t, dtype in tensors:  # a loop and ``is_cpu``: called several times per kernel
+    for t, dtype in tensors:  # noqa: SIM110 (no generator: called several times per kernel)
         if not (t.is_cpu and t.dtype == dtype and t.is_contiguous()):
             return False
     return True
