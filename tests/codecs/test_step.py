@@ -268,3 +268,54 @@ def test_a_sessions_channel_runs_a_gradients_partitions_as_one_batch(fused, monk
         )
         assert torch.equal(got, want), step
     assert built == [1, 1]  # one batch a round, not a round per partition
+
+
+def test_a_release_of_every_group_is_one_batched_round(fused, monkeypatch):
+    """The bug it fears: local steps' outer round (``GradientSync.release`` without backward's
+    hooks: every worker releases every group at once) still going group by group, a round
+    each; or the batch writing one group's average into another's tensors."""
+    from gradsum.codecs.thc.step import StepRound
+    from gradsum.sync import senders
+    from gradsum.sync.gradient_sync import GradientSync
+    from gradsum.sync.session import Session
+
+    from ..sync.fakes import Alone, Reducing
+
+    built = []
+    build = StepRound.build
+
+    def counted(*args, **kwargs):
+        built.append(len(args[1]))
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(StepRound, "build", staticmethod(counted))
+
+    def released(batched: bool) -> list[torch.Tensor]:
+        if not batched:  # the reference: a round per group (``submit`` alone)
+            monkeypatch.delattr(senders.SerialSender, "submit_many")
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 20))
+        session = Session(make_codec("thc", workers=1, error_feedback=True), Reducing(Alone),
+                          seed=5, partition_elements=PARTITION)  # fmt: skip
+        sync = GradientSync(model, session, groups=[[3], [1, 2], [0]], on_backward=False,
+                            broadcast_from=None)  # fmt: skip
+        try:
+            averages = []
+            for step in range(2):  # error feedback's memory carried into the second round
+                generator = torch.Generator().manual_seed(step)
+                for p in sync.parameters:
+                    p.grad = torch.randn(p.shape, generator=generator) * (1 + p.numel() % 7)
+                sync.release()
+                sync.wait()
+                averages += [p.grad.clone() for p in sync.parameters]
+            return averages
+        finally:
+            sync.close()
+
+    got = released(batched=True)
+    assert built == [3, 3]  # one batch of the three groups a round
+    built.clear()
+    want = released(batched=False)
+    assert built == [1] * 6  # the reference: a round per group
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)

@@ -31,6 +31,10 @@ class _AnsweringChannel(Channel):
         self.reducer(shard)  # a shard that does not exist is refused, as on a real channel
         return self.aggregator.answer(flat, key=key, step=step, shard=shard)
 
+    def run_many(self, round_, flats, *, worker, keys, step):
+        return [self.run(round_, flat, worker=worker, key=key, step=step)
+                for flat, key in zip(flats, keys, strict=True)]  # fmt: skip
+
 
 class Alone:
     """The in-process reducer of a world of one worker: the codec's own round, exactly."""

@@ -152,3 +152,29 @@ def test_a_release_of_other_tensors_sends_those_and_leaves_param_grad_alone(size
         assert all(torch.equal(p.grad, torch.full_like(p, 14.0)) for p in params)
     finally:
         sync.close()
+
+
+def test_a_failed_batch_of_released_groups_fails_the_step_with_its_error():
+    """The bug it fears: a batch of groups (``release`` without backward's hooks) whose round
+    fails leaving the other groups' futures unset, so ``wait`` hangs to its timeout instead of
+    raising the round's own error."""
+    from gradsum.sync.gradient_sync import GradientSync
+
+    def answer(flat, *, key, **_):
+        if key[1] == 1:
+            raise ValueError("the second group's round failed")
+        return flat
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    sync = GradientSync(model, answering_session(answer), fusion_elements=20, timeout=60,
+                        on_backward=False, broadcast_from=None)  # fmt: skip
+    try:
+        assert len(sync.groups) >= 2
+        for p in sync.parameters:
+            p.grad = torch.ones_like(p)
+        sync.release()
+        # as a group sent alone fails (its write-back's future names the round's error)
+        with pytest.raises((ValueError, RuntimeError), match="the second group's round failed"):
+            sync.wait()
+    finally:
+        sync.close()

@@ -54,6 +54,13 @@ class Channel:
         return round_.run_many([flat], self.reducer(shard), worker=worker, keys=[key],
                                step=step)[0]  # fmt: skip
 
+    def run_many(self, round_: CodecRound, flats: Sequence[torch.Tensor], *, worker: int,
+                 keys: Sequence[Hashable], step: int) -> list[torch.Tensor]:  # fmt: skip
+        """This worker's rounds of several gradients through the whole aggregator, batched
+        where the codec batches a step (``CodecRound.run_many``: one MAX and one SUM for all
+        it takes; each ``run``'s bits). Every worker must call it with the same gradients."""
+        return round_.run_many(flats, self.reducer(None), worker=worker, keys=keys, step=step)
+
 
 class Aggregator:
     name: str = ""

@@ -147,15 +147,36 @@ class GradientSync:
         for index in range(len(self.parameters)):
             for g in self._waiting_on[index]:
                 self._missing[g] -= 1
-        self._release_ready_groups()
+        # Without backward's hooks every worker releases all groups here, at once: they can go
+        # as one batched round (no worker batches by what happened to be ready)
+        self._release_ready_groups(together=not self._handles)
 
-    def _release_ready_groups(self) -> None:
-        """Release groups strictly in send order: a ready group waits for those before it."""
+    def _release_ready_groups(self, together: bool = False) -> None:
+        """Release groups strictly in send order: a ready group waits for those before it.
+        ``together``: the ready groups as one job of the sender (``submit_many``)."""
+        ready = []
         while self._released < len(self.order) and self._missing[self.order[self._released]] == 0:
-            self._futures.append(self._send(self.order[self._released]))
+            ready.append(self.order[self._released])
             self._released += 1
+        if together and len(ready) > 1 and hasattr(self._sender, "submit_many"):
+            self._futures.extend(self._send_many(ready))
+        else:
+            self._futures.extend(self._send(group) for group in ready)
 
     def _send(self, group: int) -> torch.futures.Future:
+        flat, shapes, write_back = self._outgoing(group)
+        return self._sender.submit(group, flat, self.step, shapes, self._checks).then(write_back)
+
+    def _send_many(self, groups: list[int]) -> list[torch.futures.Future]:
+        outgoing = [self._outgoing(group) for group in groups]
+        flats = [flat for flat, _, _ in outgoing]
+        shapes = [shapes for _, shapes, _ in outgoing]
+        futures = self._sender.submit_many(groups, flats, self.step, shapes, self._checks)
+        return [f.then(write_back) for f, (_, _, write_back) in zip(futures, outgoing, strict=True)]
+
+    def _outgoing(self, group: int):
+        """A group's flat gradient, its tensors' shapes, and the callback that writes its
+        average back into the tensors it came from."""
         sources = self._sources
         blocks = [
             block
@@ -177,7 +198,7 @@ class GradientSync:
                 offset += block.numel()
 
         shapes = [self._shape(s) for s in self._segments[group]]
-        return self._sender.submit(group, flat, self.step, shapes, self._checks).then(write_back)
+        return flat, shapes, write_back
 
     def _shape(self, segment: Segment) -> tuple[int, ...]:
         """A segment's shape for codecs that work per tensor: its parameter's, if whole."""

@@ -82,6 +82,41 @@ class SerialSender:
 
         return self._thread.submit(run, handoff)
 
+    def submit_many(self, groups: Sequence[int], flats: Sequence[torch.Tensor], step: int,
+                    shapes: Sequence[Sequence[tuple[int, ...]]],
+                    checks: DeviceChecks | None = None) -> list[torch.futures.Future]:  # fmt: skip
+        """Several groups as one job (``Session.synchronize_many``: one batched round where the
+        codec batches a step), a future per group. Only for groups every worker releases
+        together whatever the timing (``GradientSync.release``)."""
+        session = self.session
+        keys = [("group", g, flat.numel()) for g, flat in zip(groups, flats, strict=True)]
+        for key, tensors in zip(keys, shapes, strict=True):
+            if tensors:
+                session.describe(key, tensors)
+        handoff = CommStream.of(flats[0].device).handoff(list(flats))
+        results = [handoff.stream.future() for _ in flats]
+
+        def run() -> None:
+            for _ in flats:
+                self._message.charge()
+            with _deferring(checks):
+                averages = session.synchronize_many(list(flats), keys=keys, step=step)
+            for _ in flats:
+                self._message.charge()
+            for result, average in zip(results, averages, strict=True):
+                result.set_result(average)  # on the communication stream, as ``submit``'s
+
+        def failed(batch: torch.futures.Future) -> None:
+            try:
+                batch.wait()
+            except BaseException as error:  # every group's future carries the batch's error
+                for result in results:
+                    if not result.done():
+                        result.set_exception(error)
+
+        self._thread.submit(run, handoff).add_done_callback(failed)
+        return results
+
     def close(self) -> None:
         self._thread.close()
 

@@ -69,6 +69,14 @@ class Session:
         """The average over workers of ``flat`` (1-D float32), as the codec estimates it."""
         return self.channel.run(self.round, flat, worker=self.rank, key=key, step=step)
 
+    def synchronize_many(self, flats: Sequence[torch.Tensor], *, keys: Sequence[Hashable],
+                         step: int) -> list[torch.Tensor]:  # fmt: skip
+        """The averages of several gradients (``keys`` theirs) at once: one batched round where
+        the codec batches a step, each ``synchronize``'s values. Every worker must call it with
+        the same gradients, in the same order (a deterministic release, never one that depends
+        on which gradients happened to be ready)."""
+        return self.channel.run_many(self.round, flats, worker=self.rank, keys=keys, step=step)
+
     def part(self, shard: int, flat: torch.Tensor, *, key: Hashable, step: int) -> torch.Tensor:
         """The same round as ``synchronize``, aggregated on ``shard`` alone (a plan's part)."""
         return self.channel.run(self.round, flat, worker=self.rank, key=key, step=step,
