@@ -239,13 +239,10 @@ def test_gradients_the_batch_cannot_take_run_rounds_of_their_own(fused):
         assert torch.equal(got[key], want), key
 
 
-def test_a_sessions_channel_runs_a_gradients_partitions_as_one_batch(fused, monkeypatch):
-    """The bug it fears: training (every aggregator's ``Channel``, under the DDP hook and
-    ``GradientSync`` alike) still running a round per partition, 77 launches each on a GPU,
-    where the batched step takes them all in a fixed number; or the batch's average not the
-    per-gradient round's."""
+@pytest.fixture
+def builds(monkeypatch):
+    """How many gradients each batched round (``StepRound.build``) took, in order."""
     from gradsum.codecs.thc.step import StepRound
-    from gradsum.sync.aggregator import Channel
 
     built = []
     build = StepRound.build
@@ -255,6 +252,17 @@ def test_a_sessions_channel_runs_a_gradients_partitions_as_one_batch(fused, monk
         return build(*args, **kwargs)
 
     monkeypatch.setattr(StepRound, "build", staticmethod(counted))
+    return built
+
+
+def test_a_sessions_channel_runs_a_gradients_partitions_as_one_batch(fused, builds):
+    """The bug it fears: training (every aggregator's ``Channel``, under the DDP hook and
+    ``GradientSync`` alike) still running a round per partition, 77 launches each on a GPU,
+    where the batched step takes them all in a fixed number; or the batch's average not the
+    per-gradient round's."""
+    from gradsum.sync.aggregator import Channel
+
+    built = builds
     batched, reference = (make_codec("thc", workers=1, error_feedback=True) for _ in range(2))
     for codec in (batched, reference):
         codec.describe(2, SHAPES[2])
@@ -270,25 +278,17 @@ def test_a_sessions_channel_runs_a_gradients_partitions_as_one_batch(fused, monk
     assert built == [1, 1]  # one batch a round, not a round per partition
 
 
-def test_a_release_of_every_group_is_one_batched_round(fused, monkeypatch):
+def test_a_release_of_every_group_is_one_batched_round(fused, builds, monkeypatch):
     """The bug it fears: local steps' outer round (``GradientSync.release`` without backward's
     hooks: every worker releases every group at once) still going group by group, a round
     each; or the batch writing one group's average into another's tensors."""
-    from gradsum.codecs.thc.step import StepRound
     from gradsum.sync import senders
     from gradsum.sync.gradient_sync import GradientSync
     from gradsum.sync.session import Session
 
     from ..sync.fakes import Alone, Reducing
 
-    built = []
-    build = StepRound.build
-
-    def counted(*args, **kwargs):
-        built.append(len(args[1]))
-        return build(*args, **kwargs)
-
-    monkeypatch.setattr(StepRound, "build", staticmethod(counted))
+    built = builds
 
     def released(batched: bool) -> list[torch.Tensor]:
         if not batched:  # the reference: a round per group (``submit`` alone)
