@@ -178,3 +178,42 @@ def test_a_failed_batch_of_released_groups_fails_the_step_with_its_error():
             sync.wait()
     finally:
         sync.close()
+
+
+def test_a_release_of_some_groups_sends_only_those_and_counts_a_step():
+    """Local steps' fragments: a round of some groups only. The bugs it fears: the other
+    groups sent too (their gradients overwritten), ``wait`` refusing a step with groups left
+    unsent, or the step not counted (the next fragment's round would reuse its keys)."""
+    from gradsum.sync.gradient_sync import GradientSync
+
+    sent = []
+
+    def answer(flat, *, key, step, **_):
+        sent.append((key[1], step))
+        return flat * 2
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    sync = GradientSync(model, answering_session(answer), groups=[[0, 1], [2], [3]],
+                        on_backward=False, broadcast_from=None)  # fmt: skip
+    try:
+        for p in sync.parameters:
+            p.grad = torch.full_like(p, 3.0)
+        sync.release(groups=[2, 1])
+        sync.wait()
+        assert sorted(sent) == [(1, 0), (2, 0)]
+        doubled = [torch.equal(p.grad, torch.full_like(p, 6.0)) for p in sync.parameters]
+        assert doubled == [False, False, True, True]
+        sync.release(groups=[0])
+        sync.wait()
+        assert sorted(sent)[:1] == [(0, 1)] and sync.step == 2
+        with pytest.raises(ValueError, match=r"groups \[7\] are not among this sync's 3"):
+            sync.release(groups=[7])
+    finally:
+        sync.close()
+    hooked = GradientSync(model, answering_session(answer), groups=[[0, 1], [2], [3]],
+                          broadcast_from=None)  # fmt: skip
+    try:
+        with pytest.raises(RuntimeError, match="without backward hooks"):
+            hooked.release(groups=[0])
+    finally:
+        hooked.close()

@@ -247,13 +247,150 @@ def test_an_overlapped_round_in_flight_resumes_bit_for_bit():
         plain.load_state_dict(saved)
 
 
+SHAPES3 = [(3, 4), (5,), (2, 2)]
+
+
+def _streaming_reference(weights, steps, h, tau, fragments, outer_lr, momentum, lr=0.125):
+    """Streaming DiLoCo written out on plain tensors: SGD inner steps at ``lr``; fragment f's
+    tensors launch the average of what each worker's steps since their last launch added after
+    (f + 1) h/F steps and every h after, and it lands tau steps later with Nesterov's outer step
+    on those tensors only, each worker's steps since that launch carried onto the new start."""
+    n, every = len(steps[0]), h // len(fragments)
+    start = [w.clone() for w in weights]
+    local = [[w.clone() for w in weights] for _ in range(n)]
+    since = [[torch.zeros_like(w) for w in weights] for _ in range(n)]
+    buffers = [None] * len(weights)
+    pending = None  # (fragment, average, landing step)
+    rounds = 0
+
+    def land(f, average):
+        nonlocal rounds
+        for i in fragments[f]:
+            d = average[i]
+            buffers[i] = d.clone() if buffers[i] is None else momentum * buffers[i] + d
+            start[i] -= outer_lr * (d + momentum * buffers[i]) if momentum else outer_lr * d
+            for k in range(n):
+                local[k][i] = start[i] + since[k][i]
+        rounds += 1
+
+    for t, grads in enumerate(steps, start=1):
+        for k in range(n):
+            for w, u, g in zip(local[k], since[k], grads[k], strict=True):
+                w -= lr * g
+                u -= lr * g
+        if pending is not None and t == pending[2]:
+            land(pending[0], pending[1])
+            pending = None
+        if t % every == 0:
+            f = (t // every - 1) % len(fragments)
+            average = [-torch.stack([since[k][i] for k in range(n)]).mean(0) for i in
+                       range(len(weights))]  # fmt: skip
+            for k in range(n):
+                for i in fragments[f]:
+                    since[k][i] = torch.zeros_like(weights[i])
+            pending = (f, average, t + tau)
+            if tau == 0:
+                land(f, average)
+                pending = None
+    return start, local, rounds
+
+
+@pytest.mark.parametrize(("h", "tau", "count"), [(4, 0, 2), (4, 2, 2), (6, 1, 3), (6, 2, 3)])
+def test_fragments_sync_in_turn_every_h_over_f_steps(h, tau, count):
+    """Two workers, 13 steps, the model's tensors in ``count`` fragments: the start and each
+    worker's weights against the reference above. The bugs it fears: every tensor synced at
+    each fragment's round, every accumulator zeroed at a fragment's launch, the fragments'
+    turns restarted at each launch, or a fragment landing onto another's start."""
+    generator = torch.Generator().manual_seed(7)
+    weights = _grads(generator, SHAPES3)
+    steps = [[_grads(generator, SHAPES3) for _ in range(2)] for _ in range(13)]
+    spec = LocalSteps(h=h, lr=0.7, momentum=0.5, overlap=tau, fragments=count)
+    states = [_state([w.clone() for w in weights], spec) for _ in range(2)]
+    assert states[0].fragments == [[0], [1], [2]][:count] or count == 2
+    _drive(states, steps)
+    start, local, rounds = _streaming_reference(weights, steps, h, tau, states[0].fragments,
+                                                0.7, 0.5)  # fmt: skip
+    for state, mine in zip(states, local, strict=True):
+        for a, b in zip(state.start, start, strict=True):
+            torch.testing.assert_close(a, b)
+        for a, b in zip(state.weights, mine, strict=True):
+            torch.testing.assert_close(a, b)
+    assert states[0].rounds == rounds
+
+
+def test_one_fragment_is_the_whole_model_round_bit_for_bit():
+    generator = torch.Generator().manual_seed(8)
+    weights = _grads(generator, SHAPES3)
+    steps = [[_grads(generator, SHAPES3) for _ in range(2)] for _ in range(9)]
+    runs = []
+    for spec in (LocalSteps(h=3, lr=0.7, momentum=0.5, overlap=1),
+                 LocalSteps(h=3, lr=0.7, momentum=0.5, overlap=1, fragments=1)):  # fmt: skip
+        states = [_state([w.clone() for w in weights], spec) for _ in range(2)]
+        _drive(states, steps)
+        runs.append(states[0].weights + states[0].start)
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_a_fragment_in_flight_resumes_bit_for_bit():
+    generator = torch.Generator().manual_seed(9)
+    weights = _grads(generator, SHAPES3)
+    spec = LocalSteps(h=4, lr=0.7, momentum=0.5, overlap=1, fragments=2)
+    steps = [[_grads(generator, SHAPES3)] for _ in range(11)]
+    adamw = torch.optim.AdamW
+    whole = _state([w.clone() for w in weights], spec, lr=1e-2, optimizer=adamw)
+    _drive([whole], steps)
+    first = _state([w.clone() for w in weights], spec, lr=1e-2, optimizer=adamw)
+    _drive([first], steps[:6])  # fragment 0's second round: launched at step 6, lands at 7
+    assert first.in_flight and first.flight == 0
+    saved = first.state_dict()
+    resumed = _state([torch.zeros_like(w) for w in weights], spec, lr=1e-2, optimizer=adamw)
+    resumed.load_state_dict(saved)
+    _drive([resumed], steps[6:])
+    for mine, theirs in ((resumed.weights, whole.weights), (resumed.start, whole.start)):
+        for a, b in zip(mine, theirs, strict=True):
+            assert torch.equal(a, b)
+    other = _state([w.clone() for w in weights], LocalSteps(h=3, overlap=1, fragments=3))
+    with pytest.raises(ValueError, match="same --local-steps fragments"):
+        other.load_state_dict(saved)
+
+
+@pytest.mark.parametrize(
+    ("groups", "sizes", "count", "expected"),
+    [
+        ([[0], [1], [2], [3]], [10, 10, 10, 10], 2, [[0, 1], [2, 3]]),
+        ([[0], [1], [2], [3]], [30, 1, 1, 1], 2, [[0], [1, 2, 3]]),
+        ([[0], [1, 2], [3]], [1, 1, 1, 1], 2, [[0], [1, 2, 3]]),  # a group is never cut
+        ([[0, 2], [1], [3]], [1, 1, 1, 1], 2, [[0, 1, 2], [3]]),  # interleaved: one run
+        ([[0], [1], [2]], [1, 1, 1], 3, [[0], [1], [2]]),
+        ([[0], [1], [2]], [5, 1, 1], 1, [[0, 1, 2]]),
+    ],
+)
+def test_fragments_are_contiguous_runs_of_whole_groups_of_about_equal_size(groups, sizes, count,
+                                                                          expected):  # fmt: skip
+    from gradsum.train.outer import split_fragments
+
+    assert split_fragments(groups, sizes, count) == expected
+
+
+def test_more_fragments_than_the_groups_allow_are_refused_naming_both():
+    from gradsum.train.outer import split_fragments
+
+    with pytest.raises(ValueError, match=r"fragments=3, but the sync's 2 gradient groups split"):
+        split_fragments([[0, 1], [2]], [4, 4, 4], 3)
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
+        ("diloco(h=4,fragments=3)", "fragments=3 must divide h=4"),
+        ("diloco(h=4,fragments=0)", "fragments=0 must be an integer >= 1"),
+        ("diloco(h=4,fragments=2,overlap=3)", "overlap=3 must be an integer from 0 to "
+                                              "h/fragments=2"),
         ("diloco(h=0)", "h=0 must be an integer >= 1"),
         ("diloco(momentum=1)", "momentum=1.0 must be in [0, 1)"),
         ("diloco(lr=-1)", "lr=-1.0 must be a positive number"),
-        ("diloco(bogus=1)", "has no option bogus; its options are h, lr, momentum, overlap"),
+        ("diloco(bogus=1)",
+         "has no option bogus; its options are h, lr, momentum, overlap, fragments"),
         ("diloco(h=4,overlap=5)", "overlap=5 must be an integer from 0"),
         ("diloco(overlap=-1)", "overlap=-1 must be an integer from 0"),
         ("local(h=2)", "unknown local steps 'local'"),
@@ -318,22 +455,32 @@ def test_one_local_step_per_round_is_data_parallel_training_bit_for_bit(codec):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlap", [0, 5])
-def test_local_steps_resume_bit_identically_mid_round(tmp_path, overlap):
-    """h=5 against 44 steps an epoch: the checkpoint falls mid-round, so each worker's own
-    weights, accumulator, inner and outer optimizers and the codec's feedback must all carry;
-    with overlap 5 the round launched at step 40 is still in flight (its own process group
-    beside the loss agreement's), and must arrive, be saved and land after the resume."""
+@pytest.mark.parametrize(
+    ("spec", "since", "flight"),
+    [
+        ("diloco(h=5,lr=0.5,momentum=0.5)", [4], None),
+        ("diloco(h=5,lr=0.5,momentum=0.5,overlap=5)", [4], 0),
+        ("diloco(h=4,lr=0.5,momentum=0.5,overlap=1,fragments=2)", [2, 0], 1),
+    ],
+    ids=["whole", "overlap", "fragments"],
+)
+def test_local_steps_resume_bit_identically_mid_round(tmp_path, spec, since, flight):
+    """44 steps an epoch: the checkpoint falls mid-round, so each worker's own weights,
+    accumulator, inner and outer optimizers and the codec's feedback must all carry; with
+    overlap the round launched last (at step 40; with fragments, fragment 1's at step 44) is
+    still in flight (its own process group beside the loss agreement's), and must arrive, be
+    saved and land after the resume."""
     # the divergence guard's running mean starts afresh on resume (as without local steps):
-    # a generous factor keeps it out of a test of the state that does carry
-    spec = f"diloco(h=5,lr=0.5,momentum=0.5,overlap={overlap})"
-    fields = dict(codec="thc", local_steps=spec, momentum=0.9, divergence_factor=100.0)
+    # a generous factor keeps it out of a test of the state that does carry. One group per
+    # tensor (wfbp): the MLP's four tensors can make two fragments
+    fields = dict(codec="thc", local_steps=spec, momentum=0.9, divergence_factor=100.0,
+                  scheduler="wfbp")  # fmt: skip
     whole = _digest(epochs=2, **fields)
     checkpoint = tmp_path / "ckpt.pt"
     _digest(epochs=1, checkpoint=str(checkpoint), **fields)
-    own = torch.load(f"{checkpoint}.rank1", weights_only=False)
-    assert own["local_steps"]["taken"] == 44 % 5
-    assert ("in_flight" in own["local_steps"]) == (overlap > 0)
+    own = torch.load(f"{checkpoint}.rank1", weights_only=False)["local_steps"]
+    assert own["since"] == since
+    assert (own["in_flight"]["fragment"] if "in_flight" in own else None) == flight
     assert _digest(epochs=2, resume=str(checkpoint), **fields) == whole
 
 

@@ -133,23 +133,46 @@ class GradientSync:
 
         return on_ready
 
-    def release(self, tensors: Sequence[torch.Tensor] | None = None) -> None:
+    def release(self, tensors: Sequence[torch.Tensor] | None = None,
+                groups: Sequence[int] | None = None) -> None:  # fmt: skip
         """Send every group now, from what ``param.grad`` holds, in the send order a backward
         pass would release them; ``wait`` as after backward. ``tensors`` (one per parameter,
         shaped alike): send these instead and write the averages back into them, leaving
         ``param.grad`` free for steps taken while the round is in flight (local steps'
-        overlapped outer round, train/outer.py)."""
+        overlapped outer round, train/outer.py). ``groups``: only these groups, this step
+        (local steps' fragments; without backward's hooks): every worker must name the same."""
         if tensors is not None:
             tensors = list(tensors)
             if [t.shape for t in tensors] != [p.shape for p in self.parameters]:
                 raise ValueError("release: one tensor per parameter, of its shape")
         self._sources = tensors
+        if groups is not None:
+            self._release_subset(groups)
+            return
         for index in range(len(self.parameters)):
             for g in self._waiting_on[index]:
                 self._missing[g] -= 1
         # Without backward's hooks every worker releases all groups here, at once: they can go
         # as one batched round (no worker batches by what happened to be ready)
         self._release_ready_groups(together=not self._handles)
+
+    def _release_subset(self, groups: Sequence[int]) -> None:
+        """``groups`` as one job of the sender, in send order; the step waits for them only."""
+        if self._handles:
+            raise RuntimeError("release(groups=...) sends some groups only: a sync without "
+                               "backward hooks (on_backward=False)")  # fmt: skip
+        chosen = set(groups)
+        if not chosen or not chosen <= set(range(len(self.groups))):
+            raise ValueError(f"release: groups {sorted(chosen)} are not among this sync's "
+                             f"{len(self.groups)} groups")  # fmt: skip
+        if self._released:
+            raise RuntimeError("release: this step's groups were already released")
+        ready = [g for g in self.order if g in chosen]
+        self._released = len(self.order)  # nothing else is sent this step
+        if len(ready) > 1 and hasattr(self._sender, "submit_many"):
+            self._futures.extend(self._send_many(ready))
+        else:
+            self._futures.extend(self._send(group) for group in ready)
 
     def _release_ready_groups(self, together: bool = False) -> None:
         """Release groups strictly in send order: a ready group waits for those before it.
@@ -216,7 +239,7 @@ class GradientSync:
             )
         try:
             wait_all(
-                self._futures, self.timeout, f"aggregation of {len(self.groups)} gradient groups"
+                self._futures, self.timeout, f"aggregation of {len(self._futures)} gradient groups"
             )
             self._checks.raise_if_failed()  # the step's one read of its device checks
         finally:

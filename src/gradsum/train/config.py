@@ -230,11 +230,14 @@ class Method(Section):
     # DiLoCo: the optimizer above becomes the inner one, each worker's own (train/outer.py)
     local_steps: str | None = setting(
         None, parse=argument_type(_local_steps_spec), sweep=METHODS.flag, applies=_gradsum_codec,
-        metavar="diloco(h=H,lr=LR,momentum=M,overlap=T)", shown_default="none: every step syncs",
+        metavar="diloco(h=H,lr=LR,momentum=M,overlap=T,fragments=F)",
+        shown_default="none: every step syncs",
         help="take H local steps of the optimizer on each worker, then average the "
         "pseudo-gradient (start - local weights) through the aggregator and codec and apply it "
         "with an outer Nesterov SGD (DiLoCo; defaults h=32, lr=0.7, momentum=0.9); overlap=T: "
-        "the next T inner steps run while the round travels (default 0: wait for it)",
+        "the next T inner steps run while the round travels (default 0: wait for it); "
+        "fragments=F: the model in F fragments that sync in turn, one every H/F steps "
+        "(Streaming DiLoCo; T at most H/F)",
     )  # fmt: skip
     # With AdamW the first gradients set the optimizer's moments; PowerSGD's first rank-r
     # guesses from a random Q set them badly, and a run does not win back the loss it loses there

@@ -30,7 +30,7 @@ from .data import augment_images, load_dataset, shard_batches, steps_per_epoch
 from .guard import DivergenceGuard, all_finite
 from .methods import compresses, method_name
 from .models import build_model, model_sizes, sample_shape
-from .outer import LocalWorker, OuterState, parse_local_steps
+from .outer import LocalWorker, OuterState, parse_local_steps, split_fragments
 from .peers import DDPSync
 from .sharding import (
     FSDPSync,
@@ -91,10 +91,12 @@ def _local_steps(config: TrainConfig, sync) -> OuterState:
     """Local steps' bookkeeping over the synced parameters: the optimizer becomes each worker's
     inner one, over the round's accumulators (its weight decay applied by ``OuterState``)."""
     decoupled = config.lr if config.optimizer == "adamw" else None
+    spec = parse_local_steps(config.local_steps)
+    sizes = [p.numel() for p in sync.parameters]
     return OuterState(
-        sync.parameters, parse_local_steps(config.local_steps),
-        lambda acc: _make_optimizer(config, acc, None, weight_decay=0.0),
+        sync.parameters, spec, lambda acc: _make_optimizer(config, acc, None, weight_decay=0.0),
         weight_decay=config.weight_decay, decoupled_lr=decoupled,
+        fragments=split_fragments(sync.groups, sizes, spec.fragments),
     )  # fmt: skip
 
 

@@ -28,6 +28,13 @@ the weights the round ended at, and it lands T steps late, those steps carried o
 start (the eager update of overlapped DiLoCo). The start weights, what is evaluated, then lag the
 local ones by a round; the sender's thread carries the round, and an all-reduce gets a process
 group of its own beside the inner steps' loss agreement (train/aggregators.py).
+
+``fragments=F`` streams the sync (Streaming DiLoCo): the model's tensors split into F fragments
+of about equal size, contiguous in the model's order and made of whole gradient groups of the
+sync's plan, and every h/F inner steps one of them, in turn, takes its outer round. Each tensor
+still syncs every h steps, but a round carries 1/F of the model, so the link's peak load and the
+round's length (what ``overlap`` must hide, now at most h/F steps) shrink F-fold. With F=1 it
+is the whole-model round above, bit for bit.
 """
 
 from __future__ import annotations
@@ -51,11 +58,25 @@ class LocalSteps:
     lr: float = 0.7
     momentum: float = 0.9
     overlap: int = 0
+    fragments: int = 1
 
     def __post_init__(self) -> None:
         if not (isinstance(self.h, int) and self.h >= 1):
             raise ValueError(f"local steps: h={self.h} must be an integer >= 1")
-        if not (isinstance(self.overlap, int) and 0 <= self.overlap <= self.h):
+        if not (isinstance(self.fragments, int) and self.fragments >= 1):
+            raise ValueError(f"local steps: fragments={self.fragments} must be an integer >= 1")
+        if self.h % self.fragments:
+            raise ValueError(
+                f"local steps: fragments={self.fragments} must divide h={self.h} (one "
+                "fragment's round every h/fragments inner steps)"
+            )
+        every = self.h // self.fragments
+        if not (isinstance(self.overlap, int) and 0 <= self.overlap <= every):
+            if self.fragments > 1:
+                raise ValueError(
+                    f"local steps: overlap={self.overlap} must be an integer from 0 to "
+                    f"h/fragments={every}: a fragment's round lands before the next one leaves"
+                )
             raise ValueError(
                 f"local steps: overlap={self.overlap} must be an integer from 0 (the round "
                 f"lands before the next inner step) to h={self.h} (it lands a whole round later)"
@@ -79,27 +100,93 @@ def parse_local_steps(text: str) -> LocalSteps:
     return LocalSteps(**check_options("local steps", name, given, accepted))
 
 
+def split_fragments(groups: Sequence[Sequence[int]], sizes: Sequence[int],
+                    count: int) -> list[list[int]]:  # fmt: skip
+    """The tensors of ``count`` fragments: contiguous runs of the model's tensors (``sizes``:
+    their element counts) of about equal size, each a union of whole ``groups`` (the sync's
+    gradient groups, tensor indices; groups that share a tensor, a tensor cut across them,
+    stay in one fragment). ValueError when the groups cannot be cut that many ways."""
+    # pieces that cannot be cut: tensors joined by a group that holds them both
+    owner = list(range(len(sizes)))
+
+    def root(i: int) -> int:
+        while owner[i] != i:
+            owner[i] = owner[owner[i]]
+            i = owner[i]
+        return i
+
+    for group in groups:
+        for i in group[1:]:
+            owner[root(i)] = root(group[0])
+    pieces: dict[int, list[int]] = {}
+    for i in range(len(sizes)):
+        pieces.setdefault(root(i), []).append(i)
+    ordered = sorted(pieces.values())  # by first tensor: the model's order
+    # a piece that interleaves with the next (a group of tensors 0 and 2, another of 1) is joined
+    # to it, so that every fragment is a contiguous run of tensors
+    runs: list[list[int]] = []
+    for piece in ordered:
+        if runs and piece[0] < runs[-1][-1]:
+            runs[-1] = sorted(runs[-1] + piece)
+        else:
+            runs.append(piece)
+    if count > len(runs):
+        raise ValueError(
+            f"local steps: fragments={count}, but the sync's {len(groups)} gradient groups "
+            f"split the model into only {len(runs)} separable runs of tensors: use "
+            f"fragments <= {len(runs)}, or smaller groups (--scheduler wfbp, or a smaller "
+            "--fusion-elements with --scheduler fusion)"
+        )
+    total = sum(sizes)
+    fragments: list[list[int]] = [[] for _ in range(count)]
+    done, f = 0, 0
+    for k, run in enumerate(runs):
+        size, target = sum(sizes[i] for i in run), total * (f + 1) / count
+        # close the fragment where its end lands nearest its share of the model, keeping a run
+        # for each fragment still empty
+        nearer = done + size - target >= target - done
+        if fragments[f] and (nearer or len(runs) - k < count - f):
+            f += 1
+        fragments[f] += run
+        done += size
+    return fragments
+
+
 class OuterState:
     """One worker's side of local steps, without communication.
 
     ``weights``: the model's parameters (the local weights, overwritten); ``inner``: builds the
     inner optimizer over the accumulators (its own weight decay off: ``weight_decay`` is applied
     here to the weights, coupled into the gradient for SGD, decoupled at ``decoupled_lr`` for
-    AdamW, as torch's optimizers apply it to their parameters).
+    AdamW, as torch's optimizers apply it to their parameters). ``fragments``: the tensors of
+    each fragment (``split_fragments``); by default ``spec.fragments`` runs of about equal size.
 
-    A round is ``launch``-ed once ``due`` (its pseudo-gradient written out, the accumulator
-    zeroed) and ``land``-ed with the workers' average. Without overlap it lands at once. With
-    ``overlap`` τ > 0 the next round's first τ inner steps run meanwhile from the weights the
+    A round is ``launch``-ed once ``due`` (its fragment's pseudo-gradient written out, their
+    accumulators zeroed) and ``land``-ed with the workers' average. Without overlap it lands at
+    once. With ``overlap`` τ > 0 the next τ inner steps run meanwhile from the weights the
     launched round ended at (``base``): this worker's own updates stand in for the average
     until it lands (the eager update of overlapped DiLoCo). Landing applies the outer step to
-    the start weights, which then lag the local ones by the steps taken since the launch, and
-    those steps carry over onto the new start. Start weights are what every worker holds alike.
+    the fragment's start weights, which then lag the local ones by the steps taken since the
+    launch, and those steps carry over onto the new start. Start weights are what every worker
+    holds alike. Fragment f's first round is due after (f + 1) h/F steps, and every h after.
     """
 
     def __init__(self, weights: Sequence[torch.Tensor], spec: LocalSteps,
                  inner: Callable[[list[torch.Tensor]], torch.optim.Optimizer], *,
-                 weight_decay: float = 0.0, decoupled_lr: float | None = None) -> None:  # fmt: skip
+                 weight_decay: float = 0.0, decoupled_lr: float | None = None,
+                 fragments: Sequence[Sequence[int]] | None = None) -> None:  # fmt: skip
         self.weights, self.spec = list(weights), spec
+        if fragments is None:
+            sizes = [w.numel() for w in self.weights]
+            fragments = split_fragments([[i] for i in range(len(sizes))], sizes, spec.fragments)
+        self.fragments = [list(f) for f in fragments]
+        if len(self.fragments) != spec.fragments or sorted(
+            i for f in self.fragments for i in f
+        ) != list(range(len(self.weights))):
+            raise ValueError(
+                f"local steps: {len(self.fragments)} fragments given for fragments="
+                f"{spec.fragments}; together they must hold every tensor once"
+            )
         with torch.no_grad():
             self.start = [w.detach().clone() for w in self.weights]
             self.acc = [torch.zeros_like(w) for w in self.weights]
@@ -107,27 +194,48 @@ class OuterState:
             # add to while it is in flight (overlap only)
             self.sent = [torch.zeros_like(w) for w in self.weights] if spec.overlap else None
             self._launched = [torch.zeros_like(w) for w in self.weights] if spec.overlap else None
-        self.base = self.start
+        self.base = list(self.start)  # per tensor: its start, or where its round in flight began
         self.inner = inner(self.acc)
         momentum = spec.momentum
-        self.outer = torch.optim.SGD(self.start, lr=spec.lr, momentum=momentum,
-                                     nesterov=momentum > 0)  # fmt: skip
+        # one outer optimizer per fragment: each steps when its fragment's round lands
+        self.outers = [
+            torch.optim.SGD(
+                [self.start[i] for i in f], lr=spec.lr, momentum=momentum, nesterov=momentum > 0
+            )
+            for f in self.fragments
+        ]
         self.weight_decay, self.decoupled_lr = weight_decay, decoupled_lr
-        self.taken = 0  # inner steps of the current round
+        every = spec.h // spec.fragments
+        # inner steps since each fragment's last launch; fragment f is due after (f + 1) h/F
+        self.since = [spec.h - (f + 1) * every for f in range(spec.fragments)]
         self.rounds = 0  # outer steps taken (rounds landed)
-        self.in_flight = False  # a round launched and not landed
+        self.flight: int | None = None  # the fragment whose round is launched and not landed
         self._wait: Callable[[], None] | None = None  # until the round in flight has arrived
 
     @property
+    def in_flight(self) -> bool:
+        return self.flight is not None
+
+    @property
+    def taken(self) -> int:
+        """Inner steps since the last launch, of any fragment."""
+        return min(self.since)
+
+    @property
+    def next_fragment(self) -> int:
+        """The fragment whose round is due next."""
+        return max(range(len(self.since)), key=lambda f: (self.since[f], -f))
+
+    @property
     def due(self) -> bool:
-        """Whether the round's inner steps are all taken: the outer sync is next."""
-        return self.taken >= self.spec.h
+        """Whether a fragment's inner steps are all taken: its outer sync is next."""
+        return self.since[self.next_fragment] >= self.spec.h
 
     @property
     def landing(self) -> bool:
         """Whether the round in flight lands now: before the next inner step without overlap,
-        after ``overlap`` inner steps of the next round with it."""
-        return self.in_flight and self.taken >= self.spec.overlap
+        after ``overlap`` inner steps with it."""
+        return self.flight is not None and self.since[self.flight] >= self.spec.overlap
 
     @torch.no_grad()
     def inner_step(self, grads: Sequence[torch.Tensor]) -> None:
@@ -144,29 +252,32 @@ class OuterState:
         self.inner.step()
         for a in self.acc:
             a.grad = None
-        self.taken += 1
+        self.since = [n + 1 for n in self.since]
         if self.sent is not None or not self.due:  # without overlap, landing sets them
             self._local_weights()
 
     @torch.no_grad()
     def launch(self, into: Sequence[torch.Tensor] | None = None,
                wait: Callable[[], None] | None = None) -> list[torch.Tensor]:  # fmt: skip
-        """End the round: write its pseudo-gradient (start − local, the negated sum of its
-        inner updates) into ``into`` (with overlap: into ``sent``, which the round's average
-        must overwrite), zero the accumulator and count a new round. ``wait``: blocks until
-        the average has arrived (``settle`` calls it). Returns the tensors written."""
+        """End the due fragment's round: write its pseudo-gradient (start − local, the negated
+        sum of its inner updates) into its tensors' entries of ``into`` (one per tensor; with
+        overlap: into ``sent``, which the round's average must overwrite), zero their
+        accumulators and count a new round. ``wait``: blocks until the average has arrived
+        (``settle`` calls it). Returns the tensors written into (one per tensor)."""
         if self.in_flight:
             raise RuntimeError("local steps: a round launched while the last is in flight")
+        f = self.next_fragment
+        mine = self.fragments[f]
         if self.sent is not None:
             into = self.sent
-            for launched, w in zip(self._launched, self.weights, strict=True):
-                launched.copy_(w)
-            self.base = self._launched
-        for buffer, a in zip(into, self.acc, strict=True):
-            torch.neg(a, out=buffer)
-            a.zero_()
-        self.taken = 0
-        self.in_flight, self._wait = True, wait
+            for i in mine:
+                self._launched[i].copy_(self.weights[i])
+                self.base[i] = self._launched[i]
+        for i in mine:
+            torch.neg(self.acc[i], out=into[i])
+            self.acc[i].zero_()
+        self.since[f] = 0
+        self.flight, self._wait = f, wait
         return list(into)
 
     def settle(self) -> None:
@@ -178,19 +289,21 @@ class OuterState:
 
     @torch.no_grad()
     def land(self, average: Sequence[torch.Tensor] | None = None) -> None:
-        """Apply the workers' averaged pseudo-gradient (``average``; with overlap, ``sent``)
-        to the start weights with the outer optimizer; the local weights become the new start
-        plus the inner updates taken since the launch."""
+        """Apply the workers' averaged pseudo-gradient (``average``, one per tensor, read at
+        the landing fragment's; with overlap, ``sent``) to its start weights with its outer
+        optimizer; the local weights become the new start plus the inner updates taken since
+        the launch."""
         self.settle()
         if average is None:
             average = self.sent
-        for s, d in zip(self.start, average, strict=True):
-            s.grad = d
-        self.outer.step()
-        for s in self.start:
-            s.grad = None
-        self.base = self.start
-        self.in_flight = False
+        f, self.flight = self.flight, None
+        mine = self.fragments[f]
+        for i in mine:
+            self.start[i].grad = average[i]
+        self.outers[f].step()
+        for i in mine:
+            self.start[i].grad = None
+            self.base[i] = self.start[i]
         self.rounds += 1
         self._local_weights()
 
@@ -212,7 +325,7 @@ class OuterState:
                 self._local_weights()
 
     def _at_start(self) -> bool:
-        return self.taken == 0 and not self.in_flight
+        return len(self.fragments) == 1 and self.since[0] == 0 and not self.in_flight
 
     def _local_weights(self) -> None:
         if self._at_start():
@@ -225,34 +338,47 @@ class OuterState:
     def state_dict(self) -> dict:
         self.settle()
         state = {"start": [s.clone() for s in self.start], "acc": [a.clone() for a in self.acc],
-                 "inner": self.inner.state_dict(), "outer": self.outer.state_dict(),
-                 "taken": self.taken, "rounds": self.rounds}  # fmt: skip
+                 "inner": self.inner.state_dict(),
+                 "outers": [outer.state_dict() for outer in self.outers],
+                 "since": list(self.since), "rounds": self.rounds}  # fmt: skip
         if self.in_flight:  # arrived (settled) and not landed: it lands after the resume
-            state["in_flight"] = {"base": [b.clone() for b in self.base],
-                                  "average": [d.clone() for d in self.sent]}  # fmt: skip
+            mine = self.fragments[self.flight]
+            state["in_flight"] = {"fragment": self.flight,
+                                  "base": [self._launched[i].clone() for i in mine],
+                                  "average": [self.sent[i].clone() for i in mine]}  # fmt: skip
         return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         self.settle()
+        since = state.get("since", [state.get("taken", 0)])
+        if len(since) != len(self.fragments):
+            raise ValueError(
+                f"this checkpoint holds local steps of {len(since)} fragments: resume with "
+                f"the same --local-steps fragments (not {len(self.fragments)})"
+            )
         for mine, saved in ((self.start, state["start"]), (self.acc, state["acc"])):
             for tensor, value in zip(mine, saved, strict=True):
                 tensor.copy_(value)
         self.inner.load_state_dict(state["inner"])
-        self.outer.load_state_dict(state["outer"])
-        self.taken, self.rounds = state["taken"], state["rounds"]
+        for outer, saved in zip(self.outers, state.get("outers", [state.get("outer")]),
+                                strict=True):  # fmt: skip
+            outer.load_state_dict(saved)
+        self.since, self.rounds = list(since), state["rounds"]
         flight = state.get("in_flight")
         if flight is not None and self.sent is None:
             raise ValueError(
                 "this checkpoint holds an outer round in flight: resume with the same "
                 "--local-steps overlap"
             )
-        self.in_flight, self.base = flight is not None, self.start
+        self.flight, self.base = None, list(self.start)
         if flight is not None:
-            for mine, saved in ((self._launched, flight["base"]), (self.sent, flight["average"])):
-                for tensor, value in zip(mine, saved, strict=True):
-                    tensor.copy_(value)
-            self.base = self._launched
+            self.flight = flight.get("fragment", 0)
+            mine = self.fragments[self.flight]
+            for k, i in enumerate(mine):
+                self._launched[i].copy_(flight["base"][k])
+                self.sent[i].copy_(flight["average"][k])
+                self.base[i] = self._launched[i]
         self._local_weights()
 
 
@@ -264,14 +390,24 @@ class LocalWorker:
     in ``param.grad`` and the worker waits for it; with overlap in the state's own buffers,
     while the next inner steps run (the sync's sender runs rounds on its own thread).
 
-    ``step`` counts outer rounds, so ``--uncompressed-steps N`` sends the first N outer rounds
-    through the Session's lossless codec; a step the Trainer runs uncompressed (warm-up, or a
-    retry) sends its round, when one is due, uncompressed too."""
+    ``step`` counts outer rounds (a fragment's is one), so ``--uncompressed-steps N`` sends the
+    first N outer rounds through the Session's lossless codec; a step the Trainer runs
+    uncompressed (warm-up, or a retry) sends its round, when one is due, uncompressed too.
+    A fragment's round sends the sync's gradient groups that hold its tensors."""
 
     def __init__(self, worker, state: OuterState) -> None:
         self.worker, self.state = worker, state
         self.sync = worker.sync
         self._lossless = False
+        owner = {i: f for f, tensors in enumerate(state.fragments) for i in tensors}
+        self._groups: list[list[int] | None] = [[] for _ in state.fragments]
+        for g, tensors in enumerate(self.sync.groups):
+            fragments = {owner[i] for i in tensors}
+            if len(fragments) != 1:
+                raise ValueError(f"gradient group {g} holds tensors of fragments {fragments}")
+            self._groups[fragments.pop()].append(g)
+        if len(self._groups) == 1:
+            self._groups = [None]  # the whole model: every group, as a plain release sends
 
     @property
     def step(self) -> int:
@@ -305,9 +441,10 @@ class LocalWorker:
         if state.landing:  # with overlap: the last round, after its overlapped steps
             self._land()
         if state.due:
+            groups = self._groups[state.next_fragment]
             sent = state.launch(grads, wait=self.sync.wait)
             with self.sync.uncompressed() if self._lossless else contextlib.nullcontext():
-                self.sync.release(None if state.sent is None else sent)
+                self.sync.release(None if state.sent is None else sent, groups=groups)
             if state.landing:
                 self._land()
         self._lossless = False
@@ -317,10 +454,12 @@ class LocalWorker:
 
         state = self.state
         state.settle()
-        if state.sent is None:  # the average is in param.grad
-            average, finite = [p.grad for p in self.sync.parameters], self.gradients_finite()
-        else:
-            average, finite = state.sent, all_finite(state.sent)
+        # without overlap the average is in param.grad
+        average = [p.grad for p in self.sync.parameters] if state.sent is None else state.sent
+        if len(state.fragments) == 1:
+            finite = self.gradients_finite() if state.sent is None else all_finite(average)
+        else:  # only the landing fragment's are averages (alike on every worker)
+            finite = all_finite(average[i] for i in state.fragments[state.flight])
         if not finite:  # alike on every worker
             raise DivergenceError(
                 f"training diverged at outer round {state.rounds + 1}: the averaged "
