@@ -246,6 +246,40 @@ def test_a_round_computes_each_partitions_tensor_scales_once(monkeypatch):
     assert len(calls) == 2 * first  # a new round's MAX result: computed again
 
 
+@pytest.mark.parametrize("spread", [False, True], ids=["fixed-clamp", "spread-clamp"])
+def test_tensor_scales_read_on_the_cpu_are_the_torch_paths(monkeypatch, spread):
+    """Where the CPU's native kernels take the round's scalars, the tensor scales check the
+    norms as Python floats instead of deferred device checks; every value (largest norm,
+    clamp, factors, divisors) must stay the torch path's bit for bit, or workers on the two
+    paths would round on different grids. The bugs feared: a square root or a sum taken in
+    another order (Python's ``math.sqrt`` of the lengths differs from torch's in the last bit
+    for some), or a piece of RMS 0 given a divisor other than 1; and invalid norms let through."""
+    generator = torch.Generator().manual_seed(41)
+    codec = make_codec("thc", workers=4, correlated=spread)
+    for trial in range(40):
+        # lengths whose square roots torch (its vectorised CPU kernel) and math.sqrt differ in
+        # the last bit on the CPUs tried: 2, 8, 19, 32
+        drawn = torch.randint(1, 100_000, (trial % 11,), generator=generator).tolist()
+        pieces = (2, 8, 19, 32, *drawn)
+        exponents = torch.randint(-20, 20, (4 * len(pieces),), generator=generator)
+        shared = (torch.rand(4 * len(pieces), generator=generator) * 10.0**exponents).float()
+        shared.view(4, -1)[:, 0] = 0  # a piece of RMS 0 on every worker
+        shared[trial % shared.numel()] = 0
+        monkeypatch.setenv("GRADSUM_NATIVE", "1")
+        got = codec._tensor_scales(shared, pieces, shared.device)
+        monkeypatch.setenv("GRADSUM_NATIVE", "0")
+        want = codec._tensor_scales(shared, pieces, shared.device)
+        assert float(got[0]) == float(want[0]) and float(got[1]) == float(want[1])
+        assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+        assert float(got[3][0]) == 1.0
+    monkeypatch.setenv("GRADSUM_NATIVE", "1")
+    for bad in (float("nan"), float("inf"), -1.0):
+        shared = torch.ones(8)
+        shared[3] = bad
+        with pytest.raises(ValueError, match="invalid norms"):
+            codec._tensor_scales(shared, (10, 20), shared.device)
+
+
 @pytest.mark.parametrize(
     "options",
     [{}, {"bits": 8}, {"bits": 2}, {"correlated": True}, {"rotation_block": 1024}],

@@ -1416,16 +1416,78 @@ MULTIVERSION static void residual_pieces(const float *x, const float *own, float
  * independent vector chains: the additions' latency stays under the loads'.
  */
 enum { SQUARES_SPAN = 4096, SQUARES_LANES = 64 };
+_Static_assert((int)LEAF == (int)SQUARES_SPAN, "a transform's leaf is a span of the sums of squares");
 
 struct squares {
     double lane[SQUARES_LANES];
 };
+
+#if HAVE_WIDE
+/* A span's float32 lane sums (squares_add's) sixteen lanes a vector: each lane adds the same
+   squares in the same order, so the sums are the eight-wide loop's bits. With `e` (and `out`),
+   the span of x + e is stored at `out` and the squares of x and of e are summed (into
+   sums_x and sums_e) in the same loop: error feedback's accumulate; with `sums_out` too, the
+   squares of x + e (the measured rotation's leaf, a span of its own). */
+WIDE void squares_span16(const float *x, const float *e, float *out, size_t count,
+                         float *sums_x, float *sums_e, float *sums_out) {
+    enum { VECTORS = SQUARES_LANES / WLANES };
+    f32x16 one = (f32x16){0} + opaque_one, sx[VECTORS] = {{0}}, se[VECTORS] = {{0}};
+    f32x16 so[VECTORS] = {{0}};
+    size_t i = 0;
+    for (; i + SQUARES_LANES <= count; i += SQUARES_LANES)
+#pragma GCC unroll 4
+        for (int v = 0; v < VECTORS; v++) {
+            f32x16 a = load16(x + i + v * WLANES);
+            sx[v] = (a * a) * one + sx[v];
+            if (e) {
+                f32x16 b = load16(e + i + v * WLANES), c = a + b;
+                se[v] = (b * b) * one + se[v];
+                if (sums_out) so[v] = (c * c) * one + so[v];
+                store16(out + i + v * WLANES, c);
+            }
+        }
+    if (i < count) {
+        float tail_x[SQUARES_LANES] = {0}, tail_e[SQUARES_LANES] = {0};
+        memcpy(tail_x, x + i, (count - i) * sizeof(float));
+        if (e) memcpy(tail_e, e + i, (count - i) * sizeof(float));
+        for (int v = 0; v < VECTORS; v++) {
+            f32x16 a = load16(tail_x + v * WLANES), b = load16(tail_e + v * WLANES), c = a + b;
+            sx[v] = (a * a) * one + sx[v];
+            se[v] = (b * b) * one + se[v];
+            so[v] = (c * c) * one + so[v];
+        }
+        if (e)
+            for (size_t k = i; k < count; k++) out[k] = x[k] + e[k];
+    }
+    for (int v = 0; v < VECTORS; v++) {
+        memcpy(sums_x + v * WLANES, &sx[v], sizeof sx[v]);
+        if (e) memcpy(sums_e + v * WLANES, &se[v], sizeof se[v]);
+        if (sums_out) memcpy(sums_out + v * WLANES, &so[v], sizeof so[v]);
+    }
+}
+#else
+static void squares_span16(const float *x, const float *e, float *out, size_t count,
+                           float *sums_x, float *sums_e, float *sums_out) {
+    (void)x, (void)e, (void)out, (void)count, (void)sums_x, (void)sums_e, (void)sums_out;
+}
+#endif
+
+/* The float32 lane sums of a span, added to s in float64 (squares_add's last step). */
+static void squares_lanes_add(struct squares *s, const float *sums) {
+    for (int lane = 0; lane < SQUARES_LANES; lane++) s->lane[lane] += (double)sums[lane];
+}
 
 /* Adds the squares of p[0, count) as the coordinates `done`.. of the range (done a multiple of
    SQUARES_SPAN, count at most one span: callers split at spans). The product is rounded on its
    own ((v * v) * one, the one opaque: a multiply-add of it rounds as the addition alone). */
 MULTIVERSION static void squares_add(struct squares *s, const float *p, size_t count) {
     enum { VECTORS = SQUARES_LANES / LANES };
+    if (use_wide) {
+        float sums[SQUARES_LANES];
+        squares_span16(p, NULL, NULL, count, sums, NULL, NULL);
+        squares_lanes_add(s, sums);
+        return;
+    }
     f32x8 one = (f32x8){0} + opaque_one, sum[VECTORS] = {{0}};
     size_t i = 0;
     for (; i + SQUARES_LANES <= count; i += SQUARES_LANES)
@@ -1481,9 +1543,16 @@ MULTIVERSION static void accumulate(const float *x, const float *e, float *out, 
     size_t count = pieces ? pieces : 1, p = 0, at = 0; /* piece p's next span starts at `at` */
     for (size_t g = 0; g < n; g += SQUARES_SPAN) {
         size_t m = MIN((size_t)SQUARES_SPAN, n - g);
-        for (size_t k = g; k < g + m; k++) out[k] = x[k] + e[k];
-        squares_add(&sx, x + g, m);
-        squares_add(&se, e + g, m);
+        if (use_wide) { /* one loop: x + e and both squares */
+            float sums_x[SQUARES_LANES], sums_e[SQUARES_LANES];
+            squares_span16(x + g, e + g, out + g, m, sums_x, sums_e, NULL);
+            squares_lanes_add(&sx, sums_x);
+            squares_lanes_add(&se, sums_e);
+        } else {
+            for (size_t k = g; k < g + m; k++) out[k] = x[k] + e[k];
+            squares_add(&sx, x + g, m);
+            squares_add(&se, e + g, m);
+        }
         while (p < count) {
             size_t end = pieces ? (size_t)ends[p] : n;
             size_t stop = MIN(at + SQUARES_SPAN, end);
@@ -1641,6 +1710,14 @@ struct measured_leaves {
 
 static void measure_leaf(void *state, float *leaf, size_t offset, size_t count) {
     struct measured_leaves *m = state;
+    if (use_wide && m->addend) { /* one loop: the leaf is a span of its own (LEAF) */
+        float rotated[SQUARES_LANES], added[SQUARES_LANES], total[SQUARES_LANES];
+        squares_span16(leaf, m->addend + offset, leaf, count, rotated, added, total);
+        squares_lanes_add(&m->rotated, rotated);
+        squares_lanes_add(&m->added, added);
+        squares_lanes_add(&m->total, total);
+        return;
+    }
     squares_add(&m->rotated, leaf, count);
     if (m->addend) {
         squares_add(&m->added, m->addend + offset, count);

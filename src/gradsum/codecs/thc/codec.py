@@ -505,6 +505,17 @@ class THC(GridCodec):
                 self._segment_tensors[key] = lengths
         return lengths
 
+    def _root_lengths(self, pieces: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """The square roots of the pieces' lengths (float64), as the tensor scales divide by
+        them (kept: a round's scales need them per partition)."""
+        key = ("roots", pieces, device)
+        roots = self._segment_tensors.get(key)
+        if roots is None:
+            roots = self._lengths(pieces, device).to(torch.float64).sqrt()
+            with self._lock:
+                self._segment_tensors[key] = roots
+        return roots
+
     def _ends(self, pieces: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """The pieces' ends (int64), as the native encode's division reads them."""
         key = ("ends", pieces, device)
@@ -529,7 +540,11 @@ class THC(GridCodec):
     def _placed_pieces(self, squares: torch.Tensor, flat: torch.Tensor, pieces: tuple[int, ...],
                        ctx: CodecContext | None) -> torch.Tensor:  # fmt: skip
         norms = squares.sqrt_()
-        require(finite(norms).all(), lambda: self._norm_overflow(flat))
+        if _reads_scalars(norms):  # read here without a wait: no deferred check's small ops
+            if not all(math.isfinite(v) for v in norms.tolist()):
+                self._norm_overflow(flat)
+        else:
+            require(finite(norms).all(), lambda: self._norm_overflow(flat))
         placed = norms.new_zeros(self.workers, len(pieces))
         placed[(ctx.worker if ctx is not None else 0) % self.workers] = norms
         return placed.reshape(-1)
@@ -624,9 +639,12 @@ class THC(GridCodec):
         def fail() -> None:
             raise ValueError(f"{self.name}: invalid norms {norms.tolist()}")
 
-        require(finite(norms).all() & (norms >= 0).all(), fail)
-        lengths = self._lengths(pieces, device)
-        rms = norms.amax(dim=0) / lengths.to(torch.float64).sqrt()
+        if _reads_scalars(shared):  # read here without a wait: no deferred check's small ops
+            if not all(math.isfinite(v) and v >= 0 for v in shared.tolist()):
+                fail()
+        else:
+            require(finite(norms).all() & (norms >= 0).all(), fail)
+        rms = norms.amax(dim=0) / self._root_lengths(pieces, device)
         inverse = torch.where(rms > 0, 1.0 / rms.clamp(min=1e-300), 0.0)
         # each worker's norm once every piece is divided by its scale: at most sqrt(length)
         normalized = (norms * inverse).square().sum(dim=1).sqrt()
