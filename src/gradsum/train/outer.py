@@ -134,8 +134,8 @@ def split_fragments(groups: Sequence[Sequence[int]], sizes: Sequence[int],
         raise ValueError(
             f"local steps: fragments={count}, but the sync's {len(groups)} gradient groups "
             f"split the model into only {len(runs)} separable runs of tensors: use "
-            f"fragments <= {len(runs)}, or smaller groups (--scheduler wfbp, or a smaller "
-            "--fusion-elements with --scheduler fusion)"
+            f"fragments <= {len(runs)} (a fragment is made of whole groups of the plan; "
+            "--scheduler fusion with a smaller --fusion-elements makes more)"
         )
     total = sum(sizes)
     fragments: list[list[int]] = [[] for _ in range(count)]
