@@ -221,28 +221,36 @@ def test_an_overlapped_round_lands_tau_steps_late_and_the_steps_meanwhile_carry_
     assert states[0].rounds == (11 - tau) // h
 
 
-def test_an_overlapped_round_in_flight_resumes_bit_for_bit():
-    """Saved with a round launched and not landed (h=3, overlap 2, after 4 steps): its average,
-    the weights it was launched from and the steps since must all carry."""
-    generator = torch.Generator().manual_seed(6)
-    weights = _grads(generator, SHAPES)
-    spec = LocalSteps(h=3, lr=0.7, momentum=0.5, overlap=2)
-    steps = [[_grads(generator, SHAPES)] for _ in range(10)]
+def _resumes_bit_for_bit(shapes, spec, *, steps: int, cut: int, seed: int):
+    """One worker (AdamW inside) driven through ``steps`` steps whole, and again saved after
+    ``cut`` steps and resumed into a fresh state: its weights and start weights must match the
+    whole run's bit for bit. Returns the first weights, the state saved and what it saved."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = _grads(generator, shapes)
+    grads = [[_grads(generator, shapes)] for _ in range(steps)]
     adamw = torch.optim.AdamW
     whole = _state([w.clone() for w in weights], spec, lr=1e-2, optimizer=adamw)
-    _drive([whole], steps)
+    _drive([whole], grads)
     first = _state([w.clone() for w in weights], spec, lr=1e-2, optimizer=adamw)
-    _drive([first], steps[:4])
-    assert first.in_flight
+    _drive([first], grads[:cut])
     saved = first.state_dict()
     resumed = _state([torch.zeros_like(w) for w in weights], spec, lr=1e-2, optimizer=adamw)
     resumed.load_state_dict(saved)
-    _drive([resumed], steps[4:])
+    _drive([resumed], grads[cut:])
     for mine, theirs in ((resumed.weights, whole.weights), (resumed.start, whole.start)):
         for a, b in zip(mine, theirs, strict=True):
             assert torch.equal(a, b)
+    return weights, first, saved
+
+
+def test_an_overlapped_round_in_flight_resumes_bit_for_bit():
+    """Saved with a round launched and not landed (h=3, overlap 2, after 4 steps): its average,
+    the weights it was launched from and the steps since must all carry."""
+    spec = LocalSteps(h=3, lr=0.7, momentum=0.5, overlap=2)
+    weights, first, saved = _resumes_bit_for_bit(SHAPES, spec, steps=10, cut=4, seed=6)
+    assert first.in_flight
     plain = _state([w.clone() for w in weights], LocalSteps(h=3, lr=0.7, momentum=0.5),
-                   lr=1e-2, optimizer=adamw)  # fmt: skip
+                   lr=1e-2, optimizer=torch.optim.AdamW)  # fmt: skip
     with pytest.raises(ValueError, match="same --local-steps overlap"):
         plain.load_state_dict(saved)
 
@@ -332,23 +340,10 @@ def test_one_fragment_is_the_whole_model_round_bit_for_bit():
 
 
 def test_a_fragment_in_flight_resumes_bit_for_bit():
-    generator = torch.Generator().manual_seed(9)
-    weights = _grads(generator, SHAPES3)
     spec = LocalSteps(h=4, lr=0.7, momentum=0.5, overlap=1, fragments=2)
-    steps = [[_grads(generator, SHAPES3)] for _ in range(11)]
-    adamw = torch.optim.AdamW
-    whole = _state([w.clone() for w in weights], spec, lr=1e-2, optimizer=adamw)
-    _drive([whole], steps)
-    first = _state([w.clone() for w in weights], spec, lr=1e-2, optimizer=adamw)
-    _drive([first], steps[:6])  # fragment 0's second round: launched at step 6, lands at 7
+    # cut after fragment 0's second round: launched at step 6, it lands at 7
+    weights, first, saved = _resumes_bit_for_bit(SHAPES3, spec, steps=11, cut=6, seed=9)
     assert first.in_flight and first.flight == 0
-    saved = first.state_dict()
-    resumed = _state([torch.zeros_like(w) for w in weights], spec, lr=1e-2, optimizer=adamw)
-    resumed.load_state_dict(saved)
-    _drive([resumed], steps[6:])
-    for mine, theirs in ((resumed.weights, whole.weights), (resumed.start, whole.start)):
-        for a, b in zip(mine, theirs, strict=True):
-            assert torch.equal(a, b)
     other = _state([w.clone() for w in weights], LocalSteps(h=3, overlap=1, fragments=3))
     with pytest.raises(ValueError, match="same --local-steps fragments"):
         other.load_state_dict(saved)

@@ -116,12 +116,28 @@ static double worker_message(Play *p, double start) {
     return on_cores(p, start + p->wait, p->cpu, p->worker_work);
 }
 
-/* A sequence of Python ints (or floats) as a C array; NULL with an exception set. */
-static int64_t *int_array(PyObject *seq, Py_ssize_t *len, const char *what) {
+/* One item as a C value at `out`: 0 with an exception set where it is not one. */
+typedef int (*store_item)(PyObject *item, void *out);
+
+static int store_int64(PyObject *item, void *out) {
+    int64_t value = PyLong_AsLongLong(item);
+    *(int64_t *)out = value;
+    return !(value == -1 && PyErr_Occurred());
+}
+
+static int store_double(PyObject *item, void *out) {
+    double value = PyFloat_AsDouble(item);
+    *(double *)out = value;
+    return !(value == -1.0 && PyErr_Occurred());
+}
+
+/* A sequence of Python numbers as a C array of `size`-byte items; NULL with an exception set. */
+static void *c_array(PyObject *seq, Py_ssize_t *len, const char *what, size_t size,
+                     store_item store) {
     PyObject *fast = PySequence_Fast(seq, what);
     if (!fast) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    int64_t *out = malloc(sizeof(int64_t) * (n ? n : 1));
+    char *out = malloc(size * (n ? n : 1));
     if (!out) {
         Py_DECREF(fast);
         PyErr_NoMemory();
@@ -129,8 +145,7 @@ static int64_t *int_array(PyObject *seq, Py_ssize_t *len, const char *what) {
     }
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t i = 0; i < n; i++) {
-        out[i] = PyLong_AsLongLong(items[i]);
-        if (out[i] == -1 && PyErr_Occurred()) {
+        if (!store(items[i], out + i * size)) {
             Py_DECREF(fast);
             free(out);
             return NULL;
@@ -141,28 +156,12 @@ static int64_t *int_array(PyObject *seq, Py_ssize_t *len, const char *what) {
     return out;
 }
 
+static int64_t *int_array(PyObject *seq, Py_ssize_t *len, const char *what) {
+    return c_array(seq, len, what, sizeof(int64_t), store_int64);
+}
+
 static double *double_array(PyObject *seq, Py_ssize_t *len, const char *what) {
-    PyObject *fast = PySequence_Fast(seq, what);
-    if (!fast) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    double *out = malloc(sizeof(double) * (n ? n : 1));
-    if (!out) {
-        Py_DECREF(fast);
-        PyErr_NoMemory();
-        return NULL;
-    }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        out[i] = PyFloat_AsDouble(items[i]);
-        if (out[i] == -1.0 && PyErr_Occurred()) {
-            Py_DECREF(fast);
-            free(out);
-            return NULL;
-        }
-    }
-    Py_DECREF(fast);
-    *len = n;
-    return out;
+    return c_array(seq, len, what, sizeof(double), store_double);
 }
 
 static PyObject *play(PyObject *self, PyObject *args) {
