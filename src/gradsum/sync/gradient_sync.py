@@ -167,12 +167,8 @@ class GradientSync:
                              f"{len(self.groups)} groups")  # fmt: skip
         if self._released:
             raise RuntimeError("release: this step's groups were already released")
-        ready = [g for g in self.order if g in chosen]
         self._released = len(self.order)  # nothing else is sent this step
-        if len(ready) > 1 and hasattr(self._sender, "submit_many"):
-            self._futures.extend(self._send_many(ready))
-        else:
-            self._futures.extend(self._send(group) for group in ready)
+        self._send_groups([g for g in self.order if g in chosen], together=True)
 
     def _release_ready_groups(self, together: bool = False) -> None:
         """Release groups strictly in send order: a ready group waits for those before it.
@@ -181,10 +177,14 @@ class GradientSync:
         while self._released < len(self.order) and self._missing[self.order[self._released]] == 0:
             ready.append(self.order[self._released])
             self._released += 1
-        if together and len(ready) > 1 and hasattr(self._sender, "submit_many"):
-            self._futures.extend(self._send_many(ready))
+        self._send_groups(ready, together)
+
+    def _send_groups(self, groups: list[int], together: bool) -> None:
+        """``groups`` in this order; ``together``: as one job of the sender where it batches."""
+        if together and len(groups) > 1 and hasattr(self._sender, "submit_many"):
+            self._futures.extend(self._send_many(groups))
         else:
-            self._futures.extend(self._send(group) for group in ready)
+            self._futures.extend(self._send(group) for group in groups)
 
     def _send(self, group: int) -> torch.futures.Future:
         flat, shapes, write_back = self._outgoing(group)
