@@ -180,10 +180,12 @@ def test_a_failed_batch_of_released_groups_fails_the_step_with_its_error():
         sync.close()
 
 
-def test_a_release_of_some_groups_sends_only_those_and_counts_a_step():
-    """Local steps' fragments: a round of some groups only. The bugs it fears: the other
-    groups sent too (their gradients overwritten), ``wait`` refusing a step with groups left
-    unsent, or the step not counted (the next fragment's round would reuse its keys)."""
+@pytest.mark.parametrize("sizes", [(6, 5, 3), (1201, 1000, 7)], ids=["small", "past-2^20"])
+def test_a_release_of_some_groups_sends_only_those_and_counts_a_step(sizes):
+    """Local steps' fragments: a round of some groups only (also a weight of 1,201,000
+    elements, past one 2^20 partition). The bugs it fears: the other groups sent too (their
+    gradients overwritten), ``wait`` refusing a step with groups left unsent, or the step not
+    counted (the next fragment's round would reuse its keys)."""
     from gradsum.sync.gradient_sync import GradientSync
 
     sent = []
@@ -192,7 +194,8 @@ def test_a_release_of_some_groups_sends_only_those_and_counts_a_step():
         sent.append((key[1], step))
         return flat * 2
 
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    a, b, c = sizes
+    model = torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.Linear(b, c))
     sync = GradientSync(model, answering_session(answer), groups=[[0, 1], [2], [3]],
                         on_backward=False, broadcast_from=None)  # fmt: skip
     try:
