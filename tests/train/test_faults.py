@@ -90,6 +90,33 @@ def test_a_worker_killed_before_it_could_report_is_named_by_the_launcher():
     )
 
 
+class _ReapedLate:
+    """A process killed by SIGKILL that the launcher sees as ended only at its ``joins``-th
+    join: workers killed together are reaped one at a time."""
+
+    def __init__(self, joins: int):
+        self.joins, self.exitcode = joins, None
+
+    def join(self, timeout=None):
+        self.joins -= 1
+        if self.joins <= 0:
+            self.exitcode = -signal.SIGKILL
+
+    def is_alive(self):
+        return self.exitcode is None
+
+
+def test_workers_killed_together_are_named_by_the_lowest_rank_not_the_first_reaped():
+    # worker 1 is reaped at once, worker 0 one join later: the launcher must not name worker 1
+    # because it happened to see it first (a job killed whole, every worker SIGKILLed)
+    processes = [_ReapedLate(2), _ReapedLate(0), _ReapedLate(3)]
+    with pytest.raises(WorkerFailed) as raised:
+        _join(processes, {}, TrainConfig())
+    assert str(raised.value.failure) == (
+        "worker 0 failed: Killed: the process ended by SIGKILL before it returned a result"
+    )
+
+
 def _returns_then_aborts(results, rank):
     results[rank] = {"rank": rank}
     faulthandler.disable()  # pytest's, inherited by the fork: no stack dump in the test's log

@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 import warnings
 from datetime import timedelta
 
@@ -201,6 +202,13 @@ def _join(processes, results, config: TrainConfig) -> None:
     while any(p.is_alive() for p in processes) and not failed_early():
         for process in processes:
             process.join(0.2)
+    if any(p.exitcode is not None and p.exitcode < 0 for p in processes):
+        # Workers killed together (a node lost, a job killed) are reaped one at a time: wait a
+        # moment for the others, so the lowest rank among them is named, not whichever the
+        # loop saw first.
+        deadline = time.monotonic() + 0.5
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
     # The manager's dict keeps the order workers wrote in: the first failure is the likeliest
     # cause, the others often only the peers of a worker that had died (a broken connection).
     # A worker killed by a signal before it said anything comes first, though: its peers'
