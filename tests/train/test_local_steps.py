@@ -476,6 +476,11 @@ def test_local_steps_resume_bit_identically_mid_round(tmp_path, spec, since, fli
     own = torch.load(f"{checkpoint}.rank1", weights_only=False)["local_steps"]
     assert own["since"] == since
     assert (own["in_flight"]["fragment"] if "in_flight" in own else None) == flight
+    # the model a user takes from the checkpoint is the synced one every worker holds (here
+    # worker 1's start), not worker 0's own weights mid-round
+    model = torch.load(checkpoint, weights_only=False)["model"]
+    assert all(torch.equal(saved, start)
+               for saved, start in zip(model.values(), own["start"], strict=True))  # fmt: skip
     assert _digest(epochs=2, resume=str(checkpoint), **fields) == whole
 
 

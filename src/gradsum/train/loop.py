@@ -538,14 +538,19 @@ def _saver(config, rank, model, optimizer, codec, sync, local=None):
 def _save(config, rank, epoch, model, optimizer, codec, sync, local=None) -> None:
     """Model and optimizer from worker 0, plus every worker's own codec state (error feedback)
     and, with local steps, its own round (start, accumulator, inner and outer optimizers). A
-    sharded model's are gathered whole first (every worker takes part)."""
+    sharded model's are gathered whole first (every worker takes part).
+
+    With local steps the model saved is the synced one (the start weights every worker holds
+    alike, the ones evaluated), not worker 0's own mid-round weights: that is the model a user
+    takes from the checkpoint, and each worker's own weights come back from its round on
+    resume."""
     if local is not None:  # no outer round running while its codec state is read
         local.settle()
     sharded = is_sharded(model)
     if sharded:
         model_state, optimizer_state = full_states(model, optimizer)
     elif rank == 0:
-        model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
+        model_state, optimizer_state = _synced_state(model, local), optimizer.state_dict()
     if rank == 0:
         state = {"epoch": epoch, "model": model_state, "optimizer": optimizer_state,
                  "method": method_name(config)}  # checked on resume (train/checkpoints.py)
@@ -554,6 +559,13 @@ def _save(config, rank, epoch, model, optimizer, codec, sync, local=None) -> Non
     own = {"codec": codec_state, "step": sync.step, "epoch": epoch,
            "local_steps": local.state_dict() if local is not None else None}  # fmt: skip
     _save_whole(own, _rank_file(config.checkpoint, rank))
+
+
+def _synced_state(model, local=None) -> dict:
+    if local is None:
+        return model.state_dict()
+    with local.synced_weights():  # a copy: the local weights come back on leaving
+        return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
 def _save_whole(state: dict, path: Path) -> None:
