@@ -255,6 +255,52 @@ def test_an_overlapped_round_in_flight_resumes_bit_for_bit():
         plain.load_state_dict(saved)
 
 
+class _NonFiniteRounds:
+    """A sync whose every round brings back inf for the groups it sends (a codec or a peer
+    gone wrong); one group per tensor."""
+
+    def __init__(self, parameters):
+        self.parameters, self.groups, self.step = parameters, [[0], [1], [2]], 0
+
+    def release(self, tensors=None, groups=None):
+        out = [p.grad for p in self.parameters] if tensors is None else tensors
+        for g in range(len(self.groups)) if groups is None else groups:
+            for i in self.groups[g]:
+                out[i].fill_(float("inf"))
+
+    def wait(self):
+        pass
+
+    def uncompressed(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_a_non_finite_average_of_the_landing_fragment_stops_the_run(overlap):
+    """The bug it fears: an outer round whose average is not finite lands, and every worker's
+    start weights become inf; or the check reads another fragment's tensors than the landing
+    one's (here only the landing fragment's are inf: the other fragments' are finite)."""
+    from types import SimpleNamespace
+
+    from gradsum.train.guard import DivergenceError
+    from gradsum.train.outer import LocalWorker
+
+    generator = torch.Generator().manual_seed(8)
+    weights = [w.requires_grad_() for w in _grads(generator, SHAPES3)]
+    sync = _NonFiniteRounds(weights)
+    spec = LocalSteps(h=3, lr=1.0, momentum=0.0, overlap=overlap, fragments=3)
+    state = _state([w.detach() for w in weights], spec, fragments=[[0], [1], [2]])
+    worker = LocalWorker(SimpleNamespace(sync=sync, model=None), state)
+    with pytest.raises(DivergenceError, match="outer round 1: the averaged pseudo-gradient"):
+        for _ in range(1 + overlap):
+            for w, g in zip(weights, _grads(generator, SHAPES3), strict=True):
+                w.grad = g
+            worker.apply()
+    assert all(torch.isfinite(s).all() for s in state.start)
+
+
 SHAPES3 = [(3, 4), (5,), (2, 2)]
 
 

@@ -454,13 +454,10 @@ class LocalWorker:
 
         state = self.state
         state.settle()
-        # without overlap the average is in param.grad
+        # without overlap the average is in param.grad; only the landing fragment's tensors
+        # hold averages (alike on every worker)
         average = [p.grad for p in self.sync.parameters] if state.sent is None else state.sent
-        if len(state.fragments) == 1:
-            finite = self.gradients_finite() if state.sent is None else all_finite(average)
-        else:  # only the landing fragment's are averages (alike on every worker)
-            finite = all_finite(average[i] for i in state.fragments[state.flight])
-        if not finite:  # alike on every worker
+        if not all_finite(average[i] for i in state.fragments[state.flight]):
             raise DivergenceError(
                 f"training diverged at outer round {state.rounds + 1}: the averaged "
                 "pseudo-gradient is not finite"
