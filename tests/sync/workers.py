@@ -48,9 +48,9 @@ def _parameters(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def train_steps(rank, steps, model, forward, after_backward=lambda: None):
+def train_steps(rank, steps, model, forward, after_backward=lambda: None, lr=0.1):
     """SGD steps on this rank's batches: the losses, and the parameters after every step."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses, snapshots = [], []
     for x, y in _batches(rank, steps):
         optimizer.zero_grad()
@@ -108,13 +108,37 @@ def train_with_ddp_hook(rank, world, codec_name, steps):
             "errors": errors_against_the_exact_average(records, world)}  # fmt: skip
 
 
-def train_with_gradient_sync(rank, world, codec_name, steps, fusion_elements):
+def train_with_gradient_sync(rank, world, codec_name, steps, fusion_elements, lr=0.1):
     from gradsum.sync.gradient_sync import GradientSync
 
     model = tiny_model()
     session = Session(make_codec(codec_name, workers=world), AllReduceAggregator())
     sync = GradientSync(model, session, fusion_elements=fusion_elements)
-    losses, snapshots = train_steps(rank, steps, model, model, sync.wait)
+    losses, snapshots = train_steps(rank, steps, model, model, sync.wait, lr=lr)
     sync.close()
     dist.barrier()
     return {"losses": losses, "snapshots": snapshots, "groups": len(sync.groups)}
+
+
+def train_with_local_steps(rank, world, codec_name, steps, spec, lr, weight_decay=0.0):
+    """A user's own loop over ``LocalStepsSync`` (the README's): inner SGD at ``lr``. What the
+    model holds before and after ``close``, the start weights, and the decay it took over."""
+    from gradsum.sync.gradient_sync import GradientSync
+    from gradsum.sync.local_steps import LocalStepsSync
+
+    model = tiny_model()
+    session = Session(make_codec(codec_name, workers=world), AllReduceAggregator())
+    sync = GradientSync(model, session, on_backward=False)
+    local = LocalStepsSync(sync, spec, lambda accumulators: torch.optim.SGD(
+        accumulators, lr=lr, weight_decay=weight_decay))  # fmt: skip
+    for x, y in _batches(rank, steps):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        local.step()
+        model.zero_grad()
+    before, in_flight = _parameters(model), local.state.in_flight
+    local.close()
+    start = torch.cat([s.reshape(-1) for s in local.state.start]).clone()
+    dist.barrier()
+    return {"before": before, "after": _parameters(model), "start": start,
+            "in_flight": in_flight, "decay": (local.state.weight_decay, local.state.decoupled_lr),
+            "inner_decay": [g["weight_decay"] for g in local.inner.param_groups]}  # fmt: skip

@@ -1,4 +1,4 @@
-"""Local steps with an outer sync (train/outer.py): the bookkeeping against hand-computed
+"""Local steps with an outer sync (sync/local_steps.py): the bookkeeping against hand-computed
 references, and whole runs against plain data parallel training and against themselves resumed."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from gradsum.cli import UsageError
+from gradsum.sync.local_steps import LocalSteps, OuterState, parse_local_steps
 from gradsum.train.config import TrainConfig
 from gradsum.train.methods import method_fields, method_name
-from gradsum.train.outer import LocalSteps, OuterState, parse_local_steps
 
 
 def _state(weights, spec, lr=0.125, optimizer=torch.optim.SGD, **kwargs):
@@ -135,7 +135,7 @@ def test_the_state_resumes_mid_round_bit_for_bit():
 
 
 def _drive(states, steps):
-    """Workers in lockstep as ``LocalWorker.apply`` drives each: the inner step, the round in
+    """Workers in lockstep as ``LocalStepsSync.step`` drives each: the inner step, the round in
     flight landing when due, a launch when due (its ``wait`` averages every worker's
     pseudo-gradient in place, as the round does), and without overlap its landing at once."""
     sent = [None] * len(states)
@@ -282,23 +282,21 @@ def test_a_non_finite_average_of_the_landing_fragment_stops_the_run(overlap):
     """The bug it fears: an outer round whose average is not finite lands, and every worker's
     start weights become inf; or the check reads another fragment's tensors than the landing
     one's (here only the landing fragment's are inf: the other fragments' are finite)."""
-    from types import SimpleNamespace
-
+    from gradsum.sync.local_steps import LocalStepsSync
     from gradsum.train.guard import DivergenceError
-    from gradsum.train.outer import LocalWorker
 
     generator = torch.Generator().manual_seed(8)
     weights = [w.requires_grad_() for w in _grads(generator, SHAPES3)]
     sync = _NonFiniteRounds(weights)
     spec = LocalSteps(h=3, lr=1.0, momentum=0.0, overlap=overlap, fragments=3)
-    state = _state([w.detach() for w in weights], spec, fragments=[[0], [1], [2]])
-    worker = LocalWorker(SimpleNamespace(sync=sync, model=None), state)
+    local = LocalStepsSync(sync, spec, lambda acc: torch.optim.SGD(acc, lr=0.125))
+    assert local.state.fragments == [[0], [1], [2]]
     with pytest.raises(DivergenceError, match="outer round 1: the averaged pseudo-gradient"):
         for _ in range(1 + overlap):
             for w, g in zip(weights, _grads(generator, SHAPES3), strict=True):
                 w.grad = g
-            worker.apply()
-    assert all(torch.isfinite(s).all() for s in state.start)
+            local.step()
+    assert all(torch.isfinite(s).all() for s in local.state.start)
 
 
 SHAPES3 = [(3, 4), (5,), (2, 2)]
@@ -408,13 +406,13 @@ def test_a_fragment_in_flight_resumes_bit_for_bit():
 )
 def test_fragments_are_contiguous_runs_of_whole_groups_of_about_equal_size(groups, sizes, count,
                                                                           expected):  # fmt: skip
-    from gradsum.train.outer import split_fragments
+    from gradsum.sync.local_steps import split_fragments
 
     assert split_fragments(groups, sizes, count) == expected
 
 
 def test_more_fragments_than_the_groups_allow_are_refused_naming_both():
-    from gradsum.train.outer import split_fragments
+    from gradsum.sync.local_steps import split_fragments
 
     with pytest.raises(ValueError, match=r"fragments=3, but the sync's 2 gradient groups split"):
         split_fragments([[0, 1], [2]], [4, 4, 4], 3)

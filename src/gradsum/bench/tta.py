@@ -245,7 +245,7 @@ def bytes_per_step(config) -> int:
         return wire_bytes_per_step(config, model)
     from ..codecs import make_codec, parse_options
     from ..codecs.round import run_round
-    from ..train.outer import parse_local_steps
+    from ..sync.local_steps import parse_local_steps
 
     size = sum(p.numel() for p in model.parameters())
     codec = make_codec(config.codec, workers=config.workers,
@@ -260,7 +260,7 @@ def bytes_per_step(config) -> int:
     shared = [s for _, _, s in result.pieces if s is not None]
     summary_bits = sum(s.numel() for s in shared) * codec.summary_bits()
     bits_up, _ = result.bits_per_coordinate()
-    # local steps send one round every h steps (train/outer.py)
+    # local steps send one round every h steps (sync/local_steps.py)
     every = parse_local_steps(config.local_steps).h if config.local_steps else 1
     return math.ceil((bits_up * size + summary_bits) / 8 / every)
 

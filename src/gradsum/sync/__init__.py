@@ -21,6 +21,7 @@ _HOMES = {
     "GradientSync": "gradient_sync",
     "GradsumHookState": "ddp_hook",
     "JobSettings": "service",
+    "LocalStepsSync": "local_steps",
     "ServiceAggregator": "service",
     "Session": "session",
     "ShardedServiceAggregator": "sharded",

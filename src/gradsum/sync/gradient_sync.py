@@ -78,7 +78,7 @@ class GradientSync:
         every replica starts from, as DDP does (None: the replicas already agree; without a
         process group they must, e.g. from a shared seed). ``on_backward`` False: no gradient
         leaves during backward; ``release`` sends what ``param.grad`` holds (local steps' outer
-        round, train/outer.py)."""
+        round, sync/local_steps.py)."""
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         if broadcast_from is not None and dist.is_available() and dist.is_initialized():
             broadcast_parameters(self.parameters, broadcast_from)
@@ -95,6 +95,7 @@ class GradientSync:
             _check_cover(self.groups, len(self.parameters))
         self.order = _check_order(order, len(self.groups))
         self.session = session
+        self.on_backward = on_backward
         self.timeout = timeout
         if message_delay < 0:
             raise ValueError(f"message_delay must be >= 0 s, got {message_delay}")
@@ -139,7 +140,7 @@ class GradientSync:
         pass would release them; ``wait`` as after backward. ``tensors`` (one per parameter,
         shaped alike): send these instead and write the averages back into them, leaving
         ``param.grad`` free for steps taken while the round is in flight (local steps'
-        overlapped outer round, train/outer.py). ``groups``: only these groups, this step
+        overlapped outer round, sync/local_steps.py). ``groups``: only these groups, this step
         (local steps' fragments; without backward's hooks): every worker must name the same."""
         if tensors is not None:
             tensors = list(tensors)

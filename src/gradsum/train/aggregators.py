@@ -79,7 +79,7 @@ def make_aggregator(config, rank: int, world: int, codec: Codec) -> Aggregator:
 
 
 def _overlaps(config) -> bool:
-    """Whether the run's outer rounds run while inner steps do (train/outer.py)."""
-    from .outer import parse_local_steps
+    """Whether the run's outer rounds run while inner steps do (sync/local_steps.py)."""
+    from ..sync.local_steps import parse_local_steps
 
     return bool(config.local_steps) and parse_local_steps(config.local_steps).overlap > 0

@@ -138,7 +138,7 @@ def _codec_spec(text: str) -> tuple[str, str]:
 
 
 def _local_steps_spec(text: str) -> str:
-    from .outer import parse_local_steps
+    from ..sync.local_steps import parse_local_steps
 
     parse_local_steps(text)
     return text.replace(" ", "")
@@ -227,7 +227,7 @@ class Method(Section):
         help="torch's PowerSGD hook's first Q per matrix: its own draw, or drawn from the seed "
         "and the matrix's shape as gradsum's powersgd(first_q=shape) draws it",
     )  # fmt: skip
-    # DiLoCo: the optimizer above becomes the inner one, each worker's own (train/outer.py)
+    # DiLoCo: the optimizer above becomes the inner one, each worker's own (sync/local_steps.py)
     local_steps: str | None = setting(
         None, parse=argument_type(_local_steps_spec), sweep=METHODS.flag, applies=_gradsum_codec,
         metavar="diloco(h=H,lr=LR,momentum=M,overlap=T,fragments=F)",

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..codecs import Codec
 from ..schedule import AlphaBeta, parse_scheduler
 from ..sync.gradient_sync import GradientSync
+from ..sync.local_steps import LocalStepsSync
 from ..sync.startup import agree_on_plan
 from .aggregators import open_session
 from .config import DDP, FSDP2, TrainConfig, stepped
@@ -30,7 +31,6 @@ from .data import augment_images, load_dataset, shard_batches, steps_per_epoch
 from .guard import DivergenceGuard, all_finite
 from .methods import compresses, method_name
 from .models import build_model, model_sizes, sample_shape
-from .outer import LocalWorker, OuterState, parse_local_steps, split_fragments
 from .peers import DDPSync
 from .sharding import (
     FSDPSync,
@@ -87,17 +87,10 @@ def _make_optimizer(config: TrainConfig, parameters, codec: Codec | None,
     return torch.optim.SGD(parameters, lr=config.lr, momentum=momentum, weight_decay=decay)
 
 
-def _local_steps(config: TrainConfig, sync) -> OuterState:
-    """Local steps' bookkeeping over the synced parameters: the optimizer becomes each worker's
-    inner one, over the round's accumulators (its weight decay applied by ``OuterState``)."""
-    decoupled = config.lr if config.optimizer == "adamw" else None
-    spec = parse_local_steps(config.local_steps)
-    sizes = [p.numel() for p in sync.parameters]
-    return OuterState(
-        sync.parameters, spec, lambda acc: _make_optimizer(config, acc, None, weight_decay=0.0),
-        weight_decay=config.weight_decay, decoupled_lr=decoupled,
-        fragments=split_fragments(sync.groups, sizes, spec.fragments),
-    )  # fmt: skip
+def _local_steps(config: TrainConfig, sync) -> LocalStepsSync:
+    """Local steps over the sync: the run's optimizer becomes each worker's inner one (its weight
+    decay applied to the weights by ``LocalStepsSync``, not to the round's accumulators)."""
+    return LocalStepsSync(sync, config.local_steps, lambda acc: _make_optimizer(config, acc, None))
 
 
 def _train(config, rank, world, dataset, model, session) -> dict:
@@ -107,8 +100,9 @@ def _train(config, rank, world, dataset, model, session) -> dict:
     # what the communication-to-compute ratio of bench tta divides by
     compute_s = _compute_seconds(model, dataset, config) if stepwise else None
     sync, net, describe, order, predicted = _sync_for(config, model, dataset, session)
-    local = _local_steps(config, sync) if config.local_steps else None
-    optimizer = local.inner if local else _make_optimizer(config, model.parameters(), codec)
+    outer = _local_steps(config, sync) if config.local_steps else None
+    local = outer.state if outer else None  # the outer state: checkpoints, evaluations
+    optimizer = outer.inner if outer else _make_optimizer(config, model.parameters(), codec)
     # what start-up sent (the plan's calibration), so that the counters after training say what
     # training alone cost in datagrams, retransmissions and timeouts
     start_up = {} if session is None else session.aggregator.transport_stats()
@@ -125,17 +119,16 @@ def _train(config, rank, world, dataset, model, session) -> dict:
     report = (_Evaluations if stepwise else _Epochs)(config, rank, world, model, dataset, log, save)
     batches = _Shards(config, rank, world, dataset, augment=dataset.augment and not stepwise)
     replicas = Worker(net, model, optimizer, sync)
-    if local is not None:
-        replicas = LocalWorker(replicas, local)
-        report.evaluated = local.synced_weights
+    if outer is not None:
+        replicas = LocalWorker(replicas, outer)
+        report.evaluated = outer.synced_weights
     schedule = schedule_of(config, first_epoch)
     trainer = Trainer(replicas, batches, report, schedule, guard=guard, decides=rank == 0)
     try:
         trainer.run()
-        if local is not None:  # an overlapped outer round still in flight: let it arrive
-            local.settle()
-        # mid-round, local steps' workers hold their own weights, and alike only the start
-        check_replicas(local.start if local else list(model.parameters()))
+        if outer is not None:  # a round in flight arrives; the model ends at the start weights
+            outer.finish()
+        check_replicas(list(model.parameters()))
         digest = parameter_digest(model)
         total = {} if session is None else session.aggregator.transport_stats()
     finally:
@@ -248,6 +241,43 @@ class Worker:
         self.optimizer.step()
 
 
+class LocalWorker:
+    """The Trainer's ``Replicas`` for local steps (train/trainer.py): ``worker`` computes the
+    forward and the loss agreement; backward stays local; ``apply`` is ``LocalStepsSync.step``:
+    the inner step, and the outer round when one is due. A step the Trainer runs uncompressed
+    (warm-up, or a retry) sends its round, when one is due, uncompressed too, so
+    ``--uncompressed-steps N`` sends the first N outer rounds through the lossless codec."""
+
+    def __init__(self, worker: Worker, outer: LocalStepsSync) -> None:
+        self.worker, self.outer = worker, outer
+
+    @property
+    def step(self) -> int:
+        return self.outer.sync.step  # outer rounds: a fragment's is one
+
+    def forward(self, inputs, labels):
+        return self.worker.forward(inputs, labels)
+
+    def agree(self, loss, stop: bool) -> tuple[float, bool]:
+        return self.worker.agree(loss, stop)
+
+    def backward(self, loss) -> None:
+        loss.backward()  # this worker's own gradient: the inner steps exchange nothing
+
+    def gradients_finite(self) -> bool:
+        return self.worker.gradients_finite()
+
+    def uncompressed(self):
+        return self.outer.uncompressed()
+
+    def zero_grad(self) -> None:
+        # the model's gradients: the worker's optimizer is the inner one, over the accumulators
+        self.worker.model.zero_grad(set_to_none=False)
+
+    def apply(self) -> None:
+        self.outer.step()
+
+
 def _agree(loss: torch.Tensor, stop: bool) -> tuple[float, bool]:
     """The loss averaged over workers, and whether any worker asked to stop."""
     values = torch.tensor([float(loss), float(stop)], dtype=torch.float64)
@@ -311,7 +341,8 @@ class _WorkerReport(Report):
         self.dataset, self.log, self.save = dataset, log, save
         self.history: list[EpochMetrics] = []  # by epochs
         self.evals: list[dict] = []  # by steps: worker 0's evaluations
-        # the weights evaluated: the model's, or with local steps the synced ones (train/outer.py)
+        # the weights evaluated: the model's, or with local steps the synced ones
+        # (sync/local_steps.py)
         self.evaluated = contextlib.nullcontext
 
     def _accuracy(self) -> float:

@@ -3,7 +3,7 @@ messages print them: torch DDP and its hooks (``ddp``, ``ddp:fp16``, ``ddp:bf16`
 ``ddp:powersgdR``, train/peers.py) or gradsum's ``AGGREGATOR:CODEC``, optionally with the codec's
 options in parentheses: ``switch:thc(correlated=true,bits=4)``, the codec written as ``--codec``
 takes it (gradsum/spec.py), and with local steps after a ``+``:
-``allreduce:thc+diloco(h=32)`` (``--local-steps``, train/outer.py).
+``allreduce:thc+diloco(h=32)`` (``--local-steps``, sync/local_steps.py).
 Light: the command line parses them before torch is imported."""
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def method_fields(name: str) -> dict:
 
 
 def _local_part(name: str) -> tuple[str, dict]:
-    """A method's name without its ``+diloco(...)`` (local steps, train/outer.py), and the
+    """A method's name without its ``+diloco(...)`` (local steps, sync/local_steps.py), and the
     field that sets."""
     from ..cli import UsageError
 
@@ -120,7 +120,7 @@ def _local_part(name: str) -> tuple[str, dict]:
             head, spec = name[:i], name[i + 1 :]
             if head.startswith(DDP):
                 raise UsageError(f"--methods {name}: local steps apply to gradsum's methods only")
-            from .outer import parse_local_steps
+            from ..sync.local_steps import parse_local_steps
 
             try:
                 parse_local_steps(spec)

@@ -6,6 +6,7 @@ it to the start weights, which every worker then holds alike.
     --local-steps 'diloco(h=32,lr=0.7,momentum=0.9)'      # gradsum train, bench train
     --local-steps 'diloco(h=8,overlap=8)'                 # the round beside the next 8 steps
     --methods 'ddp,allreduce:thc+diloco(h=32)'            # bench tta, bench train
+    LocalStepsSync(GradientSync(model, session, on_backward=False), "diloco(h=32)", inner)
 
 The pseudo-gradient is kept exactly as the inner optimizer computes it: the inner optimizer
 updates an accumulator ``acc`` that starts each round at zero, and the local weights are
@@ -15,13 +16,15 @@ and an inner SGD whose learning rate is a power of two, a run is therefore bit f
 parallel training with the same codec and aggregator (``tests/train/test_local_steps.py``).
 
 Split in two: :class:`OuterState` is the pure bookkeeping (start, accumulator, the inner and
-outer optimizers), tested without a process group; :class:`LocalWorker` is the Trainer's
-``Replicas`` for it (train/trainer.py), whose round is the run's ``GradientSync`` driven by hand:
-the same plan, keys, steps, tensor descriptions (THC's per-tensor scales), PS shards, recovery
-and uncompressed Session as a data-parallel step's, with the pseudo-gradient in ``param.grad``.
-The codec's error feedback lives in the Session's codec and so carries across outer rounds; the
-inner optimizer's state stays on its worker. Evaluations see the start weights, the model every
-worker holds alike (mid-round a worker's own weights have seen its shard only).
+outer optimizers), tested without a process group; :class:`LocalStepsSync` drives it over a
+``GradientSync`` built without backward hooks, whose round it runs by hand: the same plan, keys,
+steps, tensor descriptions (THC's per-tensor scales), PS shards, recovery and uncompressed
+Session as a data-parallel step's, with the pseudo-gradient in ``param.grad``. A user's own
+loop calls it after each backward; ``gradsum train`` through its Trainer (``LocalWorker``,
+train/loop.py). The codec's error feedback lives in the Session's codec and so carries across
+outer rounds; the inner optimizer's state stays on its worker. Evaluations see the start
+weights, the model every worker holds alike (mid-round a worker's own weights have seen its
+shard only), and ``close`` leaves them in the model.
 
 ``overlap=T`` hides the round behind compute: the next T inner steps run while it travels, from
 the weights the round ended at, and it lands T steps late, those steps carried over onto the new
@@ -382,26 +385,53 @@ class OuterState:
         self._local_weights()
 
 
-class LocalWorker:
-    """The Trainer's ``Replicas`` for local steps (train/trainer.py): ``worker`` (train/loop.py's
-    ``Worker``) computes the forward and the loss agreement; backward stays local; ``apply`` takes
-    the inner step and, when the round is due, the outer round through ``worker.sync`` (a
-    ``GradientSync`` built without backward hooks). Without overlap the pseudo-gradient travels
-    in ``param.grad`` and the worker waits for it; with overlap in the state's own buffers,
-    while the next inner steps run (the sync's sender runs rounds on its own thread).
+class LocalStepsSync:
+    """Local steps over a model, from a training loop's own code::
 
-    ``step`` counts outer rounds (a fragment's is one), so ``--uncompressed-steps N`` sends the
-    first N outer rounds through the Session's lossless codec; a step the Trainer runs
-    uncompressed (warm-up, or a retry) sends its round, when one is due, uncompressed too.
-    A fragment's round sends the sync's gradient groups that hold its tensors."""
+        sync = GradientSync(model, session, on_backward=False)  # nothing sent during backward
+        local = LocalStepsSync(sync, "diloco(h=4,lr=1,momentum=0,overlap=2)",
+                               inner=lambda params: torch.optim.AdamW(params, lr=1e-3))
+        for inputs, labels in batches:
+            loss_fn(model(inputs), labels).backward()  # this worker's own gradient
+            local.step()  # the inner step, and the outer round when one is due
+            model.zero_grad()
+        local.close()  # every worker's model ends at the same, synced weights
 
-    def __init__(self, worker, state: OuterState) -> None:
-        self.worker, self.state = worker, state
-        self.sync = worker.sync
+    ``inner`` builds the inner optimizer over the tensors it steps (the round's accumulators of
+    inner updates, not the weights): its weight decay is taken out of it and applied to the
+    weights here, coupled into the gradient, or decoupled at its learning rate for AdamW (or
+    Adam with ``decoupled_weight_decay``), as torch applies it to parameters. One decay for
+    every parameter group (ValueError otherwise).
+
+    ``step`` counts outer rounds (``sync.step``: a fragment's is one). Inside
+    ``uncompressed()`` a round due at the next ``step`` goes through the Session's lossless
+    codec. A fragment's round sends the sync's gradient groups that hold its tensors."""
+
+    def __init__(self, sync, spec: LocalSteps | str,
+                 inner: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> None:  # fmt: skip
+        if getattr(sync, "on_backward", False):
+            raise ValueError(
+                "LocalStepsSync: this GradientSync sends every gradient during backward; "
+                "build it with on_backward=False (local steps send only their outer rounds)"
+            )
+        spec = parse_local_steps(spec) if isinstance(spec, str) else spec
+        self.sync = sync
+        sizes = [p.numel() for p in sync.parameters]
+        decay: dict[str, float | None] = {}
+
+        def inner_without_decay(accumulators: list[torch.Tensor]) -> torch.optim.Optimizer:
+            optimizer = inner(accumulators)
+            decay.update({"weight_decay": 0.0, "decoupled_lr": None, **_taken_decay(optimizer)})
+            return optimizer
+
+        fragments = split_fragments(sync.groups, sizes, spec.fragments)
+        self.state = OuterState(sync.parameters, spec, inner_without_decay, fragments=fragments)
+        self.state.weight_decay = decay["weight_decay"]
+        self.state.decoupled_lr = decay["decoupled_lr"]
         self._lossless = False
-        owner = {i: f for f, tensors in enumerate(state.fragments) for i in tensors}
-        self._groups: list[list[int] | None] = [[] for _ in state.fragments]
-        for g, tensors in enumerate(self.sync.groups):
+        owner = {i: f for f, tensors in enumerate(self.state.fragments) for i in tensors}
+        self._groups: list[list[int] | None] = [[] for _ in self.state.fragments]
+        for g, tensors in enumerate(sync.groups):
             fragments = {owner[i] for i in tensors}
             if len(fragments) != 1:
                 raise ValueError(f"gradient group {g} holds tensors of fragments {fragments}")
@@ -410,33 +440,29 @@ class LocalWorker:
             self._groups = [None]  # the whole model: every group, as a plain release sends
 
     @property
-    def step(self) -> int:
-        return self.sync.step
-
-    def forward(self, inputs, labels):
-        return self.worker.forward(inputs, labels)
-
-    def agree(self, loss, stop: bool) -> tuple[float, bool]:
-        return self.worker.agree(loss, stop)
-
-    def backward(self, loss) -> None:
-        loss.backward()  # this worker's own gradient: the inner steps exchange nothing
-
-    def gradients_finite(self) -> bool:
-        return self.worker.gradients_finite()
+    def inner(self) -> torch.optim.Optimizer:
+        return self.state.inner
 
     @contextlib.contextmanager
     def uncompressed(self):
-        self._lossless = True  # read by this step's apply, after the Trainer's block
+        self._lossless = True  # read by the next step, after the block
         yield
 
-    def zero_grad(self) -> None:
-        # the model's gradients: the worker's optimizer is the inner one, over the accumulators
-        self.worker.model.zero_grad(set_to_none=False)
+    def synced_weights(self):
+        """A context: the start weights in the model inside it (``OuterState.synced_weights``)."""
+        return self.state.synced_weights()
 
-    def apply(self) -> None:
+    def step(self) -> None:
+        """The inner step on this worker's gradients (``param.grad``), then the round that is
+        due: landing the one in flight, launching the next."""
         state = self.state
         grads = [p.grad for p in self.sync.parameters]
+        if any(g is None for g in grads):
+            missing = next(i for i, g in enumerate(grads) if g is None)
+            raise RuntimeError(
+                f"LocalStepsSync.step: parameter {missing} has no gradient; call it after "
+                "backward (a parameter backward does not reach needs requires_grad=False)"
+            )
         state.inner_step(grads)
         if state.landing:  # with overlap: the last round, after its overlapped steps
             self._land()
@@ -450,7 +476,7 @@ class LocalWorker:
         self._lossless = False
 
     def _land(self) -> None:
-        from .guard import DivergenceError, all_finite
+        from ..train.guard import DivergenceError, all_finite
 
         state = self.state
         state.settle()
@@ -463,3 +489,51 @@ class LocalWorker:
                 "pseudo-gradient is not finite"
             )
         state.land(average)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Let a round in flight arrive, and leave the start weights in the model: what every
+        worker holds alike and what was evaluated (the inner steps since the last round, each
+        worker's own, are dropped)."""
+        self.state.settle()
+        for w, s in zip(self.state.weights, self.state.start, strict=True):
+            w.copy_(s)
+
+    def close(self) -> None:
+        """``finish``, then close the sync (its sender and hooks)."""
+        try:
+            self.finish()
+        finally:
+            self.sync.close()
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.load_state_dict(state)
+
+
+def _taken_decay(optimizer: torch.optim.Optimizer) -> dict:
+    """The weight decay of ``optimizer``'s groups, set to 0 there: ``weight_decay``, and
+    ``decoupled_lr`` (the learning rate it is applied at) where torch decouples it."""
+    groups = optimizer.param_groups
+    decays = {float(g.get("weight_decay", 0.0)) for g in groups}
+    if len(decays) != 1:
+        raise ValueError(
+            f"local steps: the inner optimizer's parameter groups have weight decays "
+            f"{sorted(decays)}; local steps apply one decay to every weight"
+        )
+    decay = decays.pop()
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
+        groups[0].get("decoupled_weight_decay", False))  # fmt: skip
+    lrs = {float(g["lr"]) for g in groups}
+    if decay and decoupled and len(lrs) != 1:
+        raise ValueError(
+            f"local steps: a decoupled weight decay over parameter groups of learning rates "
+            f"{sorted(lrs)}; local steps apply it at one learning rate"
+        )
+    for g in groups:
+        g["weight_decay"] = 0.0
+    if not decay:
+        return {}
+    return {"weight_decay": decay, "decoupled_lr": lrs.pop() if decoupled else None}
