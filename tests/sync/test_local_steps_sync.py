@@ -61,3 +61,36 @@ def test_a_sync_that_sends_during_backward_is_refused():
     sync = SimpleNamespace(on_backward=True, parameters=[], groups=[])
     with pytest.raises(ValueError, match="build it with on_backward=False"):
         LocalStepsSync(sync, "diloco(h=2)", lambda acc: torch.optim.SGD(acc, lr=0.1))
+
+
+class _OwnAverage:
+    """A sync of one worker: every round's average is what the worker sent."""
+
+    on_backward = False
+
+    def __init__(self, parameters):
+        self.parameters, self.groups, self.step = parameters, [[0], [1]], 0
+
+    def release(self, tensors=None, groups=None):
+        self.step += 1
+
+    def wait(self):
+        pass
+
+    def uncompressed(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def test_a_parameter_backward_does_not_reach_has_a_zero_gradient():
+    """As DDP's find_unused_parameters: the round still carries it, and it does not move."""
+    used, unused = torch.ones(3, requires_grad=True), torch.ones(2, requires_grad=True)
+    local = LocalStepsSync(_OwnAverage([used, unused]), "diloco(h=2,lr=1,momentum=0)",
+                           lambda acc: torch.optim.SGD(acc, lr=0.5))  # fmt: skip
+    for g in (torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.5, 0.5, 0.5])):
+        used.grad = g.clone()
+        local.step()
+        used.grad, unused.grad = None, None
+    assert torch.equal(used.detach(), 1 - 0.5 * torch.tensor([1.5, 2.5, 3.5]))
+    assert torch.equal(unused.detach(), torch.ones(2)) and local.state.rounds == 1

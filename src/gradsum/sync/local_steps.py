@@ -456,13 +456,10 @@ class LocalStepsSync:
         """The inner step on this worker's gradients (``param.grad``), then the round that is
         due: landing the one in flight, launching the next."""
         state = self.state
+        for p in self.sync.parameters:
+            if p.grad is None:  # a parameter this backward did not reach: its gradient is 0
+                p.grad = torch.zeros_like(p)
         grads = [p.grad for p in self.sync.parameters]
-        if any(g is None for g in grads):
-            missing = next(i for i, g in enumerate(grads) if g is None)
-            raise RuntimeError(
-                f"LocalStepsSync.step: parameter {missing} has no gradient; call it after "
-                "backward (a parameter backward does not reach needs requires_grad=False)"
-            )
         state.inner_step(grads)
         if state.landing:  # with overlap: the last round, after its overlapped steps
             self._land()
