@@ -46,11 +46,11 @@ def test_the_inner_optimizers_weight_decay_moves_to_the_weights():
     the optimizer itself keeps none (it steps the round's accumulators, not the weights)."""
     tensors = [torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True)]
     adamw = torch.optim.AdamW(tensors, lr=1e-3, weight_decay=0.1)
-    assert _taken_decay(adamw) == {"weight_decay": 0.1, "decoupled_lr": 1e-3}
+    assert _taken_decay(adamw) == (0.1, 1e-3)
     assert [g["weight_decay"] for g in adamw.param_groups] == [0.0]
     sgd = torch.optim.SGD(tensors, lr=0.1, weight_decay=0.01)
-    assert _taken_decay(sgd) == {"weight_decay": 0.01, "decoupled_lr": None}
-    assert _taken_decay(torch.optim.SGD(tensors, lr=0.1)) == {}
+    assert _taken_decay(sgd) == (0.01, None)
+    assert _taken_decay(torch.optim.SGD(tensors, lr=0.1)) == (0.0, None)
     mixed = torch.optim.SGD([{"params": tensors[:1], "weight_decay": 0.01},
                              {"params": tensors[1:]}], lr=0.1)  # fmt: skip
     with pytest.raises(ValueError, match=r"weight decays \[0.0, 0.01\]"):

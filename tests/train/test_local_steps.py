@@ -94,8 +94,7 @@ def test_decoupled_weight_decay_applies_to_the_weights_not_the_accumulator():
     reference = [w.clone() for w in weights]
     adamw = torch.optim.AdamW(reference, lr=0.1, weight_decay=0.5)
     state = OuterState([w.clone() for w in weights], LocalSteps(h=2),
-                       lambda acc: torch.optim.AdamW(acc, lr=0.1, weight_decay=0.0),
-                       weight_decay=0.5, decoupled_lr=0.1)  # fmt: skip
+                       lambda acc: torch.optim.AdamW(acc, lr=0.1, weight_decay=0.5))
     for _ in range(2):
         grads = _grads(generator, SHAPES)
         state.inner_step([g.clone() for g in grads])

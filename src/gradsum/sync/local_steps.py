@@ -159,10 +159,11 @@ class OuterState:
     """One worker's side of local steps, without communication.
 
     ``weights``: the model's parameters (the local weights, overwritten); ``inner``: builds the
-    inner optimizer over the accumulators (its own weight decay off: ``weight_decay`` is applied
-    here to the weights, coupled into the gradient for SGD, decoupled at ``decoupled_lr`` for
-    AdamW, as torch's optimizers apply it to their parameters). ``fragments``: the tensors of
-    each fragment (``split_fragments``); by default ``spec.fragments`` runs of about equal size.
+    inner optimizer over the accumulators. Its weight decay is taken out of it (``_taken_decay``)
+    and applied here to the weights, coupled into the gradient for SGD, decoupled at its
+    learning rate for AdamW, as torch's optimizers apply it to their parameters. ``fragments``:
+    the tensors of each fragment (``split_fragments``); by default ``spec.fragments`` runs of
+    about equal size.
 
     A round is ``launch``-ed once ``due`` (its fragment's pseudo-gradient written out, their
     accumulators zeroed) and ``land``-ed with the workers' average. Without overlap it lands at
@@ -176,7 +177,6 @@ class OuterState:
 
     def __init__(self, weights: Sequence[torch.Tensor], spec: LocalSteps,
                  inner: Callable[[list[torch.Tensor]], torch.optim.Optimizer], *,
-                 weight_decay: float = 0.0, decoupled_lr: float | None = None,
                  fragments: Sequence[Sequence[int]] | None = None) -> None:  # fmt: skip
         self.weights, self.spec = list(weights), spec
         if fragments is None:
@@ -199,6 +199,7 @@ class OuterState:
             self._launched = [torch.zeros_like(w) for w in self.weights] if spec.overlap else None
         self.base = list(self.start)  # per tensor: its start, or where its round in flight began
         self.inner = inner(self.acc)
+        self.weight_decay, self.decoupled_lr = _taken_decay(self.inner)
         momentum = spec.momentum
         # one outer optimizer per fragment: each steps when its fragment's round lands
         self.outers = [
@@ -207,7 +208,6 @@ class OuterState:
             )
             for f in self.fragments
         ]
-        self.weight_decay, self.decoupled_lr = weight_decay, decoupled_lr
         every = spec.h // spec.fragments
         # inner steps since each fragment's last launch; fragment f is due after (f + 1) h/F
         self.since = [spec.h - (f + 1) * every for f in range(spec.fragments)]
@@ -399,9 +399,9 @@ class LocalStepsSync:
 
     ``inner`` builds the inner optimizer over the tensors it steps (the round's accumulators of
     inner updates, not the weights): its weight decay is taken out of it and applied to the
-    weights here, coupled into the gradient, or decoupled at its learning rate for AdamW (or
-    Adam with ``decoupled_weight_decay``), as torch applies it to parameters. One decay for
-    every parameter group (ValueError otherwise).
+    weights (``OuterState``), coupled into the gradient, or decoupled at its learning rate for
+    AdamW (or Adam with ``decoupled_weight_decay``). One decay for every parameter group
+    (ValueError otherwise).
 
     ``step`` counts outer rounds (``sync.step``: a fragment's is one). Inside
     ``uncompressed()`` a round due at the next ``step`` goes through the Session's lossless
@@ -417,17 +417,8 @@ class LocalStepsSync:
         spec = parse_local_steps(spec) if isinstance(spec, str) else spec
         self.sync = sync
         sizes = [p.numel() for p in sync.parameters]
-        decay: dict[str, float | None] = {}
-
-        def inner_without_decay(accumulators: list[torch.Tensor]) -> torch.optim.Optimizer:
-            optimizer = inner(accumulators)
-            decay.update({"weight_decay": 0.0, "decoupled_lr": None, **_taken_decay(optimizer)})
-            return optimizer
-
         fragments = split_fragments(sync.groups, sizes, spec.fragments)
-        self.state = OuterState(sync.parameters, spec, inner_without_decay, fragments=fragments)
-        self.state.weight_decay = decay["weight_decay"]
-        self.state.decoupled_lr = decay["decoupled_lr"]
+        self.state = OuterState(sync.parameters, spec, inner, fragments=fragments)
         self._lossless = False
         owner = {i: f for f, tensors in enumerate(self.state.fragments) for i in tensors}
         self._groups: list[list[int] | None] = [[] for _ in self.state.fragments]
@@ -510,9 +501,9 @@ class LocalStepsSync:
         self.state.load_state_dict(state)
 
 
-def _taken_decay(optimizer: torch.optim.Optimizer) -> dict:
-    """The weight decay of ``optimizer``'s groups, set to 0 there: ``weight_decay``, and
-    ``decoupled_lr`` (the learning rate it is applied at) where torch decouples it."""
+def _taken_decay(optimizer: torch.optim.Optimizer) -> tuple[float, float | None]:
+    """The weight decay of ``optimizer``'s groups, set to 0 there, and the learning rate it is
+    applied at where torch decouples it (None: coupled into the gradient)."""
     groups = optimizer.param_groups
     decays = {float(g.get("weight_decay", 0.0)) for g in groups}
     if len(decays) != 1:
@@ -531,6 +522,4 @@ def _taken_decay(optimizer: torch.optim.Optimizer) -> dict:
         )
     for g in groups:
         g["weight_decay"] = 0.0
-    if not decay:
-        return {}
-    return {"weight_decay": decay, "decoupled_lr": lrs.pop() if decoupled else None}
+    return decay, (lrs.pop() if decay and decoupled else None)

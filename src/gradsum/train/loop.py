@@ -75,9 +75,8 @@ def train_worker(config: TrainConfig, rank: int, world: int) -> dict:
         session.aggregator.close()
 
 
-def _make_optimizer(config: TrainConfig, parameters, codec: Codec | None,
-                    weight_decay: float | None = None) -> torch.optim.Optimizer:  # fmt: skip
-    decay = config.weight_decay if weight_decay is None else weight_decay
+def _make_optimizer(config: TrainConfig, parameters, codec: Codec | None) -> torch.optim.Optimizer:
+    decay = config.weight_decay
     if config.optimizer == "adamw":
         return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=decay)
     if config.optimizer != "sgd":
