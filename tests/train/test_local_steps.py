@@ -493,6 +493,20 @@ def test_one_local_step_per_round_is_data_parallel_training_bit_for_bit(codec):
 
 
 @pytest.mark.slow
+def test_a_request_to_stop_travels_a_step_late_and_every_worker_stops_at_the_same_step():
+    """Worker 0 asks to stop after its first evaluation (any loss meets this target). Data
+    parallel takes no step; with local steps the request travels with the first step's loss
+    agreement, which no step waits for, so every worker stops at the second step, having
+    taken one (the workers' weights are compared bit for bit at the end of a run)."""
+    from gradsum.train.launch import run_local
+
+    fields = dict(codec="thc", max_steps=50, eval_every=2, target_loss=1e9)
+    assert run_local(TrainConfig(**{**COMMON, **fields}))["steps"] == 0
+    local = TrainConfig(**{**COMMON, **fields}, local_steps="diloco(h=2,overlap=1)")
+    assert run_local(local)["steps"] == 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("spec", "since", "flight"),
     [

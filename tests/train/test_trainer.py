@@ -11,6 +11,8 @@ from gradsum.train.trainer import Report, Schedule, Trainer
 class _Replicas:
     """Steps whose loss is whatever ``losses`` says next."""
 
+    agreement_lag = 0
+
     def __init__(self, losses=None):
         self.step, self.losses = 0, iter(losses or [])
 
@@ -78,6 +80,41 @@ def test_reaching_the_target_loss_stops_at_the_next_step_without_taking_it():
     trainer = Trainer(_Replicas(), _Batches(50), report, schedule).run()
     assert trainer.count == 4
     assert [event[1] for event in report.events if event[0] == "eval"] == [0, 2, 4]
+
+
+class _Lagging(_Replicas):
+    """Replicas whose agreement arrives a step late (local steps')."""
+
+    agreement_lag = 1
+
+    def __init__(self, losses=None):
+        super().__init__(losses)
+        self.last = None
+        self.asked = []  # each step's request to stop, as launched
+
+    def agree(self, loss, stop):
+        last, self.last = self.last, (float(loss), stop)
+        self.asked.append(stop)
+        return (None, False) if last is None else last
+
+
+def test_an_agreement_a_step_late_stops_a_step_later_and_the_guard_names_the_losss_step():
+    report = _Recorded(losses=[5.0, 3.0, 1.0])  # at steps 0, 2, 4
+    schedule = Schedule(max_steps=100, eval_every=2, target_loss=2.0)
+    replicas = _Lagging()
+    trainer = Trainer(replicas, _Batches(50), report, schedule).run()
+    assert trainer.count == 5  # asked after step 4, agreed with step 5's loss, stopped at 6
+    assert replicas.asked == [False] * 4 + [True, True]
+
+    from gradsum.train.guard import DivergenceError, DivergenceGuard
+
+    guard = DivergenceGuard("local", factor=3.0, warmup=5, patience=1)
+    losses = [2.0] * 6 + [100.0] + [2.0] * 10  # step 7's loss jumps
+    trainer = Trainer(_Lagging(losses), _Batches(50), Report(), Schedule(max_steps=20),
+                      guard=guard)  # fmt: skip
+    with pytest.raises(DivergenceError, match=r"at step 8 .*\(the loss of step 7\)"):
+        trainer.run()
+    assert trainer.count == 7
 
 
 def test_an_epoch_without_a_batch_is_an_error():

@@ -387,6 +387,7 @@ class SimulatedWorkers:
         self.gradients = WorkerGradients(model, how)
         self.stragglers = Stragglers(workers, setup.straggler_delay, setup.seed)
         self.step = 0  # rounds
+        self.agreement_lag = 0
         self.modelled, self.bits_up, self.errors = 0.0, 0.0, []
         self._flat: list = []
 

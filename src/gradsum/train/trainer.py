@@ -29,12 +29,16 @@ class Replicas(Protocol):
     """One step's gradient, computed and averaged so that every replica holds it alike."""
 
     step: int  # gradient rounds so far; a resumed run restores it, so warm-up is not repeated
+    # steps between a loss and its agreement: 0, or 1 where steps need not wait for each other
+    # (local steps), so the agreement travels while the next step computes
+    agreement_lag: int
 
     def forward(self, inputs, labels) -> tuple[Any, Any]:
         """(this worker's loss tensor, the outputs)."""
 
-    def agree(self, loss, stop: bool) -> tuple[float, bool]:
-        """The loss averaged over workers, and whether any worker asked to stop."""
+    def agree(self, loss, stop: bool) -> tuple[float | None, bool]:
+        """The loss averaged over workers, and whether any worker asked to stop: this step's,
+        or, with ``agreement_lag`` 1, the step before's (None at the first)."""
 
     def backward(self, loss) -> None:
         """Leave the averaged gradient where the optimizer reads it."""
@@ -211,13 +215,19 @@ class Trainer:
         if problem is not None:
             loss, outputs = self._retry(inputs, labels, problem)
         replicas.apply()
-        if self.guard is not None:
+        if self.guard is not None and mean is not None:
             self.guard.accept(mean)
         self.count += 1
         return loss, outputs
 
-    def _loss_problem(self, mean: float) -> str | None:
-        return None if self.guard is None else self.guard.loss_problem(mean)
+    def _loss_problem(self, mean: float | None) -> str | None:
+        if self.guard is None or mean is None:
+            return None
+        problem = self.guard.loss_problem(mean)
+        lag = self.replicas.agreement_lag
+        if problem is None or not lag:
+            return problem
+        return f"{problem} (the loss of step {self.count + 1 - lag})"
 
     def _gradient_problem(self) -> str | None:
         if self.guard is None:
