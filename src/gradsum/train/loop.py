@@ -267,7 +267,7 @@ class LocalWorker:
     # for its loss agreement either: it travels while the next step computes. Waiting for it
     # made every step wait for the slowest worker and for its few bytes, queued behind the
     # rounds' datagrams on the link (the 4x256 GPT at 100 Mbit/s, two fragments: 0.18 s a
-    # step, against 0.135 s a step a step late).
+    # step, against 0.135 s with the agreement a step late).
     agreement_lag = 1
 
     def __init__(self, worker: Worker, outer: LocalStepsSync) -> None:
