@@ -369,6 +369,8 @@ class SimulatedWorkers:
     micro-batch, averaged by the codec's exact in-process round over the quorum the straggler
     model lets in, then applied by AdamW to the one model all of them share."""
 
+    agreement_lag = 0  # its agreement is its own, at once
+
     def __init__(
         self, method: str, workers: int, quorum: int, model, setup: ScaleSetup, how: str
     ) -> None:
@@ -387,7 +389,6 @@ class SimulatedWorkers:
         self.gradients = WorkerGradients(model, how)
         self.stragglers = Stragglers(workers, setup.straggler_delay, setup.seed)
         self.step = 0  # rounds
-        self.agreement_lag = 0
         self.modelled, self.bits_up, self.errors = 0.0, 0.0, []
         self._flat: list = []
 
