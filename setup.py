@@ -22,6 +22,7 @@ setup(
         Extension(
             "gradsum.codecs._bfp_kernels",
             sources=["src/gradsum/codecs/_bfp_kernels.c"],
+            depends=["src/gradsum/codecs/bfp_core.h"],
             # no fused multiply-adds: the results must match torch's bit for bit
             extra_compile_args=["-O3", "-std=gnu11", "-Wno-psabi", "-ffp-contract=off"],
             optional=True,
@@ -40,8 +41,14 @@ setup(
         Extension(
             "gradsum.net._pump",
             sources=["src/gradsum/net/_pump.c"],
-            depends=["src/gradsum/dataplane/header.h", "src/gradsum/net/udp_offload.h"],
-            extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+            depends=[
+                "src/gradsum/codecs/bfp_core.h",
+                "src/gradsum/dataplane/header.h",
+                "src/gradsum/net/udp_offload.h",
+            ],
+            # bfp's kernels (bfp_core.h) inside: vectorised, and no fused multiply-adds, so a
+            # packet encoded or decoded here has bfp_native.py's bits
+            extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-ffp-contract=off"],
             optional=True,
         ),
         Extension(

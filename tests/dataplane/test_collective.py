@@ -19,6 +19,7 @@ from gradsum.dataplane import (
     switch_profile,
 )
 from gradsum.dataplane.codec_wire import wire_format
+from gradsum.dataplane.transfer import LaneBuffers
 
 from .memnet import Faults, MemoryNetwork
 
@@ -185,24 +186,39 @@ class LateWorker(MemoryNetwork):
 @pytest.mark.parametrize("name", ["thc", "bfp"])
 def test_chunks_of_different_quorums_decode_lane_by_lane_as_the_in_process_round(name, monkeypatch):
     """The switch's per-chunk counts reach the decode as each lane's count (THC: its rotated
-    lanes, before the inverse rotation), giving the in-process quorum round's bits."""
-    inputs, delivered = inputs_for(3, 3000, seed=5), []
-    original = round_module.decode
+    lanes, before the inverse rotation; bfp: each chunk decoded with its own count where it
+    lands, ``LaneCoder``), giving the in-process quorum round's bits."""
+    inputs, delivered, chunks = inputs_for(3, 3000, seed=5), [], []
+    original, received = round_module.decode, LaneBuffers.received
 
     def recording(codec, summed, ctx, shared, out):
         delivered.append((ctx.worker, summed.counts))
         original(codec, summed, ctx, shared, out)
 
+    def counting(buffers, index, nbytes, contributors):
+        if buffers.coder is not None:  # the SUM's chunks (not the MAX round's)
+            first, count = buffers.layout.lanes_of(index)
+            chunks.append((buffers.lane0 + first, count, contributors))
+        received(buffers, index, nbytes, contributors)
+
     monkeypatch.setattr(round_module, "decode", recording)
+    monkeypatch.setattr(LaneBuffers, "received", counting)
     # a deadline well inside the resend timer: the lost chunks complete without worker 2
     results = allreduce_over(LateWorker(late=2), one_switch(), name, inputs, quorum=2,
                              deadline=5e-5)  # fmt: skip
-    counts = {worker: c for worker, c in delivered}
-    assert set(counts) == {0, 1, 2} and all(c is not None for c in counts.values())
-    lane_counts = counts[0]
-    assert all(torch.equal(c, lane_counts) for c in counts.values())
-    assert set(lane_counts.tolist()) == {2.0, 3.0}  # chunks of both quorums
     codec = make_codec(name, workers=3)
+    if name == "thc":
+        counts = {worker: c for worker, c in delivered}
+        assert set(counts) == {0, 1, 2} and all(c is not None for c in counts.values())
+        lane_counts = counts[0]
+        assert all(torch.equal(c, lane_counts) for c in counts.values())
+    else:  # the transport decoded every chunk (bfp's lanes are its coordinates)
+        assert delivered == []
+        lane_counts = torch.zeros(codec.lanes(3000))
+        for first, count, contributors in chunks:
+            lane_counts[first : first + count] = contributors
+        assert len(chunks) == 3 * -(-3000 // 256)  # every chunk, by every worker
+    assert set(lane_counts.tolist()) == {2.0, 3.0}  # chunks of both quorums
     mask = torch.ones(3, codec.lanes(3000), dtype=torch.bool)
     mask[2] = lane_counts == 3
     expected = run_quorum_round(codec, inputs, [mask])

@@ -7,9 +7,12 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
-from gradsum.codecs import make_codec, run_round
+from gradsum.codecs import bfp_native, make_codec, run_round
+from gradsum.codecs.round import CodecRound, SumPhase
 from gradsum.dataplane import DataPlane, switch_profile
+from gradsum.dataplane.codec_wire import wire_format
 from gradsum.dataplane.collective import JobHandle
 from gradsum.dataplane.packet import ANY_WORKER, HEADER_SIZE, Header, Kind, Op, parse_header
 from gradsum.dataplane.stream import ChunkLayout
@@ -117,6 +120,65 @@ def test_a_pumped_transport_gives_the_python_loops_results_under_loss(monkeypatc
         for w in range(3):
             np.testing.assert_array_equal(outputs[w][step].numpy(), want)
     assert daemon.stats.as_dict()["received"] > 3 * 2 * 49  # lost packets were resent
+
+
+@pytest.mark.parametrize("pumped", [True, False])
+def test_bfp_packets_coded_as_they_go_give_the_rounds_bits(monkeypatch, pumped):
+    """bfp's packets encoded as they are sent and decoded where they land (``LaneCoder``): in C
+    by the pump, in Python by the transfers otherwise. Several partitions and pieces, two
+    shards (a route's lanes start inside the round), a last piece padded to whole bytes, and
+    lost packets resent (encoded again): the in-process round's bits."""
+    monkeypatch.setenv("GRADSUM_PUMP", "1" if pumped else "0")
+    coders, decoded = [], []
+    lane_coder, decode = SumPhase.lane_coder, bfp_native.LaneCoder.decode
+    monkeypatch.setattr(SumPhase, "lane_coder", lambda p: coders.append(lane_coder(p)) or coders[-1])
+    monkeypatch.setattr(bfp_native.LaneCoder, "decode",
+                        lambda c, *a: decoded.append(a[0]) or decode(c, *a))  # fmt: skip
+    workers, length, partition = 3, 3 * 4096 + 1003, 4096
+    inputs = [torch.randn(length, generator=torch.Generator().manual_seed(w)) * 10.0**w
+              for w in range(workers)]  # fmt: skip
+    sockets = [open_socket(("127.0.0.1", 0)) for _ in range(2)]
+    daemons = [Daemon(DataPlane(switch_profile()), s, drop_rate=0.03, seed=5 + i)
+               for i, s in enumerate(sockets)]  # fmt: skip
+    serving = [threading.Thread(target=d.serve, daemon=True) for d in daemons]
+    for thread in serving:
+        thread.start()
+    bfp = make_codec("bfp", workers=workers)
+    wire = wire_format(bfp)
+    options = {"workers": workers, "slots": 4, "elements": 512, "multicast": True}
+    shards = [s.getsockname() for s in sockets]
+    clients = [SwitchClient(shards, wire, job=4, worker=w, **options) for w in range(workers)]
+    outputs: dict = {}
+    try:
+        clients[0].register([c.address for c in clients])
+
+        def work(w):
+            own = make_codec("bfp", workers=workers)
+            rounds = CodecRound(own, 0, partition)
+            outputs[w] = [rounds.run(inputs[w], clients[w].collective, worker=w, key=None,
+                                     step=s) for s in range(2)]  # fmt: skip
+
+        threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        for daemon, thread in zip(daemons, serving, strict=True):
+            daemon.stop.set()
+            thread.join(timeout=5)
+        for c in clients:
+            c.close()
+        for s in sockets:
+            s.close()
+    assert len(coders) == 2 * workers and all(c is not None for c in coders)
+    assert (len(decoded) == 0) == pumped  # the pump decodes in C, the Python loop here
+    for step in range(2):
+        want = run_round(bfp, inputs, step=step, partition_elements=partition).average
+        for w in range(workers):
+            assert torch.equal(outputs[w][step], want), (step, w)
+    lost = sum(d.statistics()["daemon"]["injected_dropped_in"] for d in daemons)
+    assert lost > 0  # and their packets were resent
 
 
 def test_an_ipv6_or_payload_transfer_keeps_the_python_loop():

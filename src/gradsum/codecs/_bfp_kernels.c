@@ -1,5 +1,6 @@
 /* Native CPU kernels for SwitchML's block floating point; bfp_native.py is the Python side and
-bfp.py's torch code the reference (and the fallback): the results agree bit for bit.
+bfp.py's torch code the reference (and the fallback): the results agree bit for bit. The kernels
+themselves are in bfp_core.h, which the worker's pump (net/_pump.c) includes too.
 
 Entry points take raw addresses (tensor.data_ptr()) that bfp_native.py has checked: CPU,
 contiguous, the right dtype and size. They release the GIL, so worker threads overlap.
@@ -9,7 +10,8 @@ contiguous, the right dtype and size. They release the GIL, so worker threads ov
   encode     per block: x * 2**shift, clamped to +-limit, rounded half to even, to int32; shift =
              min(30 - headroom - exponent, 120), computed from the shared exponents
   sum        the aggregator: n-way int32 sum (wrapping, as torch's)
-  decode     per block: float(sum) * (2**-shift / contributors)
+  decode     per block: float(sum) / contributors * 2**-shift
+  supported  whether every shared exponent gives a shift the kernels take
 
 Every pass is memory bound: one read of the input and (encode, decode) one write of the output,
 no temporaries. Lengths need not be a multiple of the block size: the last block is shorter.
@@ -34,155 +36,7 @@ builds the baseline alone (to test it: the results must not change).
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__has_attribute) && !defined(GRADSUM_BASELINE_ONLY)
-#if __has_attribute(target_clones)
-#define MULTIVERSION __attribute__((target_clones("avx2", "sse4.1", "default")))
-#endif
-#endif
-#ifndef MULTIVERSION
-#define MULTIVERSION
-#endif
-
-#define INLINE static inline __attribute__((always_inline))
-#define MIN(a, b) ((a) < (b) ? (a) : (b))
-
-enum {
-    EXPONENT_FLOOR = -126, /* bfp.py's exponent of an all-zero block */
-    MAX_SHIFT = 120,       /* bfp.py clamps shifts here */
-    MIN_SHIFT = -126,      /* below, 2**shift would not be a normal float: left to torch */
-    ABS_MASK = 0x7fffffff,
-    INF_BITS = 0x7f800000, /* |x|'s bits at or above: Inf or NaN */
-    SUM_CHUNK = 2048,      /* int32 lanes summed in L1 (8 KiB) while the payloads stream by */
-};
-
-INLINE float power_of_two(int s) { /* s in [-126, 127] */
-    uint32_t bits = (uint32_t)(s + 127) << 23;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* The integral shift of a block with shared exponent e, or INT32_MIN where bfp.py's
-   (30 - headroom) - e, clamped at MAX_SHIFT, is not an integer in [MIN_SHIFT, MAX_SHIFT]. */
-INLINE int block_shift(float e, int headroom) {
-    float s = (float)(30 - headroom) - e;
-    if (s > MAX_SHIFT) s = MAX_SHIFT;
-    if (!(s >= MIN_SHIFT)) return INT32_MIN; /* also NaN */
-    int k = (int)s;
-    return (float)k == s ? k : INT32_MIN;
-}
-
-static int shifts_supported(const float *shared, size_t blocks, int headroom) {
-    for (size_t b = 0; b < blocks; b++)
-        if (block_shift(shared[b], headroom) == INT32_MIN) return 0;
-    return 1;
-}
-
-/* ---------------------------------------------------------------------------------------------
- * summarize: the largest |x| of a block is the largest of its bit patterns with the sign cleared
- * (an integer max: no float compare, and Inf/NaN show up as patterns >= INF_BITS).
- */
-
-INLINE int32_t block_abs_max(const float *restrict x, size_t count) {
-    int32_t m = 0;
-    for (size_t i = 0; i < count; i++) {
-        int32_t bits;
-        memcpy(&bits, x + i, sizeof bits);
-        bits &= ABS_MASK;
-        m = bits > m ? bits : m;
-    }
-    return m;
-}
-
-/* frexp's exponent of the float with bits m (finite, non-negative); EXPONENT_FLOOR for 0. */
-INLINE int frexp_exponent(int32_t m) {
-    if (m == 0) return EXPONENT_FLOOR;
-    if (m >= 1 << 23) return (m >> 23) - 126;
-    return -117 - __builtin_clz((unsigned)m); /* subnormal: m * 2**-149 */
-}
-
-/* exponents[b] for every block of x[0, n); returns whether x is all finite. */
-MULTIVERSION static int summarize(const float *restrict x, size_t n, size_t block,
-                                  float *restrict exponents) {
-    int32_t worst = 0;
-    for (size_t start = 0, b = 0; start < n; start += block, b++) {
-        int32_t m = block_abs_max(x + start, MIN(block, n - start));
-        worst = m > worst ? m : worst;
-        exponents[b] = (float)frexp_exponent(m);
-    }
-    return worst < INF_BITS;
-}
-
-/* ---------------------------------------------------------------------------------------------
- * encode: round(clamp(x * scale, -limit, limit)) per block. Clamping first is the same: limit is
- * an integer, and rounding is monotone. rintf rounds half to even under the default rounding mode
- * (torch.round's nearbyint does too); the conversion after it is exact. The largest |x| bit
- * pattern is tracked on the side, as in summarize, for the finiteness check.
- */
-
-INLINE int32_t quantize_block(const float *restrict x, size_t count, float scale, float limit,
-                              int32_t *restrict out) {
-    int32_t m = 0;
-    for (size_t i = 0; i < count; i++) {
-        float v = x[i];
-        int32_t bits;
-        memcpy(&bits, &v, sizeof bits);
-        bits &= ABS_MASK;
-        m = bits > m ? bits : m;
-        float y = v * scale;
-        y = y > limit ? limit : y;
-        y = y < -limit ? -limit : y;
-        out[i] = (int32_t)rintf(y);
-    }
-    return m;
-}
-
-MULTIVERSION static int encode(const float *restrict x, size_t n, size_t block,
-                               const float *restrict shared, int headroom, float limit,
-                               int32_t *restrict out) {
-    int32_t worst = 0;
-    for (size_t start = 0, b = 0; start < n; start += block, b++) {
-        float scale = power_of_two(block_shift(shared[b], headroom));
-        int32_t m = quantize_block(x + start, MIN(block, n - start), scale, limit, out + start);
-        worst = m > worst ? m : worst;
-    }
-    return worst < INF_BITS;
-}
-
-/* ---------------------------------------------------------------------------------------------
- * sum and decode
- */
-
-/* out = sum of count payloads, chunk by chunk so the running sum stays in L1. Unsigned adds:
-   two's complement wrap-around, like torch's int32 +=, without C's signed-overflow UB. */
-MULTIVERSION static void sum(const uint32_t *const *payloads, size_t count, size_t n,
-                             uint32_t *restrict out) {
-    for (size_t start = 0; start < n; start += SUM_CHUNK) {
-        size_t end = MIN(n, start + SUM_CHUNK);
-        const uint32_t *restrict first = payloads[0];
-        if (count == 1) {
-            memcpy(out + start, first + start, (end - start) * sizeof *out);
-            continue;
-        }
-        const uint32_t *restrict second = payloads[1];
-        for (size_t i = start; i < end; i++) out[i] = first[i] + second[i];
-        for (size_t p = 2; p < count; p++) {
-            const uint32_t *restrict next = payloads[p];
-            for (size_t i = start; i < end; i++) out[i] += next[i];
-        }
-    }
-}
-
-MULTIVERSION static void decode(const int32_t *restrict values, size_t n, size_t block,
-                                const float *restrict shared, int headroom, float contributors,
-                                float *restrict out) {
-    for (size_t start = 0, b = 0; start < n; start += block, b++) {
-        /* bfp.py: exp2(-shift) / contributors, then times the float sum */
-        float inverse = power_of_two(-block_shift(shared[b], headroom)) / contributors;
-        size_t end = MIN(n, start + block);
-        for (size_t i = start; i < end; i++) out[i] = (float)values[i] * inverse;
-    }
-}
+#include "bfp_core.h"
 
 /* ---------------------------------------------------------------------------------------------
  * Python entry points
@@ -218,36 +72,46 @@ static PyObject *py_summarize(PyObject *Py_UNUSED(self), PyObject *args) {
         return NULL;
     int finite;
     Py_BEGIN_ALLOW_THREADS
-    finite = summarize(ADDRESS(const float *, x), (size_t)n, (size_t)block,
+    finite = bfp_summarize(ADDRESS(const float *, x), (size_t)n, (size_t)block,
                        ADDRESS(float *, exponents));
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(finite);
 }
 
+/* Blocks [*from, *to) that coordinates [first, first + n) fall in. */
+static void blocks_of(size_t first, size_t n, size_t block, size_t *from, size_t *to) {
+    *from = first / block;
+    *to = n ? (first + n - 1) / block + 1 : *from;
+}
+
 PyDoc_STRVAR(encode_doc,
-             "encode(x, n, block, shared, headroom, limit, out) -> int\n"
-             "out[i] = int32(round(clamp(x[i] * 2**shift, -limit, limit))) with shift of i's\n"
-             "block = min(30 - headroom - shared[block], 120). Returns 1, 0 where x holds an Inf\n"
-             "or NaN, or -1 (out untouched) where some shift is not an integer in [-126, 120].");
+             "encode(x, first, n, block, shared, headroom, limit, out) -> int\n"
+             "out[i - first] = int32(round(clamp(x[i] * 2**shift, -limit, limit))) for i in\n"
+             "[first, first + n), with shift of i's block (blocks from x[0]) = min(30 - headroom -\n"
+             "shared[block], 120). Returns 1, 0 where those x hold an Inf or NaN, or -1 (out\n"
+             "untouched) where some shift is not an integer in [-126, 120].");
 
 static PyObject *py_encode(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long x, shared, out;
-    Py_ssize_t n, block;
+    Py_ssize_t first, n, block;
     int headroom;
     float limit;
-    if (!PyArg_ParseTuple(args, "KnnKifK", &x, &n, &block, &shared, &headroom, &limit, &out) ||
-        !check_sizes(n, block) || !check_headroom(headroom))
+    if (!PyArg_ParseTuple(args, "KnnnKifK", &x, &first, &n, &block, &shared, &headroom, &limit,
+                          &out) ||
+        !check_sizes(n, block) || !check_sizes(first, block) || !check_headroom(headroom))
         return NULL;
     if (!(limit >= 0 && limit < 2147483648.0f)) {
         PyErr_Format(PyExc_ValueError, "limit %f does not fit int32", (double)limit);
         return NULL;
     }
-    size_t blocks = ((size_t)n + (size_t)block - 1) / (size_t)block;
+    size_t from, to;
+    blocks_of((size_t)first, (size_t)n, (size_t)block, &from, &to);
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = shifts_supported(ADDRESS(const float *, shared), blocks, headroom)
-                 ? encode(ADDRESS(const float *, x), (size_t)n, (size_t)block,
-                          ADDRESS(const float *, shared), headroom, limit, ADDRESS(int32_t *, out))
+    status = shifts_supported(ADDRESS(const float *, shared) + from, to - from, headroom)
+                 ? bfp_encode(ADDRESS(const float *, x), (size_t)first, (size_t)n, (size_t)block,
+                              ADDRESS(const float *, shared), headroom, limit,
+                              ADDRESS(int32_t *, out))
                  : -1;
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(status);
@@ -285,39 +149,57 @@ static PyObject *py_sum(PyObject *Py_UNUSED(self), PyObject *args) {
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    sum(payloads, (size_t)count, (size_t)n, ADDRESS(uint32_t *, out));
+    bfp_sum(payloads, (size_t)count, (size_t)n, ADDRESS(uint32_t *, out));
     Py_END_ALLOW_THREADS
     PyMem_Free(payloads);
     Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(decode_doc,
-             "decode(values, n, block, shared, headroom, contributors, out) -> bool\n"
-             "out[i] = float(values[i]) * (2**-shift / contributors), shift as in encode.\n"
-             "Returns False (out untouched) where some shift is not an integer in [-126, 120].");
+             "decode(values, first, n, block, shared, headroom, contributors, out) -> bool\n"
+             "out[i] = float(values[i - first]) / contributors * 2**-shift for i in [first,\n"
+             "first + n), shift as in encode. Returns False (out untouched) where some shift is\n"
+             "not an integer in [-126, 120].");
 
 static PyObject *py_decode(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long values, shared, out;
-    Py_ssize_t n, block;
+    Py_ssize_t first, n, block;
     int headroom, contributors;
-    if (!PyArg_ParseTuple(args, "KnnKiiK", &values, &n, &block, &shared, &headroom,
+    if (!PyArg_ParseTuple(args, "KnnnKiiK", &values, &first, &n, &block, &shared, &headroom,
                           &contributors, &out) ||
-        !check_sizes(n, block) || !check_headroom(headroom))
+        !check_sizes(n, block) || !check_sizes(first, block) || !check_headroom(headroom))
         return NULL;
     if (contributors < 1 || contributors > 1 << 24) {
         PyErr_Format(PyExc_ValueError, "contributors %d is not in 1..2**24", contributors);
         return NULL;
     }
-    size_t blocks = ((size_t)n + (size_t)block - 1) / (size_t)block;
+    size_t from, to;
+    blocks_of((size_t)first, (size_t)n, (size_t)block, &from, &to);
     int supported;
     Py_BEGIN_ALLOW_THREADS
-    supported = shifts_supported(ADDRESS(const float *, shared), blocks, headroom);
+    supported = shifts_supported(ADDRESS(const float *, shared) + from, to - from, headroom);
     if (supported)
-        decode(ADDRESS(const int32_t *, values), (size_t)n, (size_t)block,
-               ADDRESS(const float *, shared), headroom, (float)contributors,
-               ADDRESS(float *, out));
+        bfp_decode(ADDRESS(const int32_t *, values), (size_t)first, (size_t)n, (size_t)block,
+                   ADDRESS(const float *, shared), headroom, contributors,
+                   ADDRESS(float *, out));
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(supported);
+}
+
+PyDoc_STRVAR(supported_doc,
+             "supported(shared, blocks, headroom) -> bool\n"
+             "Whether every shift min(30 - headroom - shared[b], 120), b < blocks, is an integer\n"
+             "in [-126, 120]: what encode and decode take.");
+
+static PyObject *py_supported(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long shared;
+    Py_ssize_t blocks;
+    int headroom;
+    if (!PyArg_ParseTuple(args, "Kni", &shared, &blocks, &headroom) || !check_sizes(blocks, 1) ||
+        !check_headroom(headroom))
+        return NULL;
+    return PyBool_FromLong(shifts_supported(ADDRESS(const float *, shared), (size_t)blocks,
+                                            headroom));
 }
 
 static PyMethodDef methods[] = {
@@ -325,6 +207,7 @@ static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS, encode_doc},
     {"sum", py_sum, METH_VARARGS, sum_doc},
     {"decode", py_decode, METH_VARARGS, decode_doc},
+    {"supported", py_supported, METH_VARARGS, supported_doc},
     {NULL, NULL, 0, NULL},
 };
 

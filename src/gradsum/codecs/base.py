@@ -31,6 +31,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -212,6 +213,26 @@ class Payload:
         return 8.0 * self.nbytes / max(self.length, 1)
 
 
+class LaneCoder(Protocol):
+    """A round's lanes coded packet by packet (``Codec.lane_coder``): lane i is the round's
+    coordinate i. A transport encodes a packet's lanes just before it sends them (again for a
+    resend: the same bits) and decodes a result right where it landed, so neither the packed
+    upstream nor the summed downstream of the whole round is written and read back.
+
+    ``native``: the fields the worker's pump (net/_pump.c) codes with in C, the same bits, or
+    None where only these methods can."""
+
+    length: int  # the round's coordinates; lanes past them are padding, sent as zeros
+    native: dict | None
+
+    def encode(self, first: int, count: int, into: memoryview) -> None:
+        """Lanes [first, first + count) into ``into`` (their wire bytes)."""
+
+    def decode(self, first: int, count: int, data: memoryview, contributors: int) -> None:
+        """The sums of lanes [first, first + count) (``data``, their wire bytes), over
+        ``contributors`` workers, decoded into the round's output."""
+
+
 class Codec(ABC):
     """Base class of all codecs; see the module docstring for the round structure.
 
@@ -332,6 +353,16 @@ class Codec(ABC):
             raise ValueError(f"{self.name}: {field.numel()} payload bytes for {out.numel()}")
         out.copy_(field)
         return payload
+
+    def lane_coder(self, x: torch.Tensor, shared: torch.Tensor | None,
+                   out: torch.Tensor) -> LaneCoder | None:  # fmt: skip
+        """A coder of any run of a round's lanes, for a transport that encodes each packet as
+        it sends it and decodes each result where it lands (``LaneCoder``), or None. Offered
+        only where lanes are coordinates: ``x`` is the round's input and ``out`` its output,
+        both flat and contiguous, ``shared`` the preliminary round's result for all of ``x``
+        (blocks from its coordinate 0). The packets' bits must be those of ``encode`` and
+        ``decode`` of any whole piece; a codec that cannot promise that returns None."""
+        return None
 
     @abstractmethod
     def aggregate(self, payloads: Sequence[Payload], ctx: CodecContext) -> Payload:

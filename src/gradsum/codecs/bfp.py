@@ -96,6 +96,12 @@ class BlockFloatingPoint(Codec):
             return super().encode_into(x, ctx, shared, out)
         return Payload({"values": values}, x.numel())
 
+    def lane_coder(self, x: torch.Tensor, shared: torch.Tensor | None,
+                   out: torch.Tensor) -> bfp_native.LaneCoder | None:  # fmt: skip
+        """The native kernels' coder of any run of lanes (packets coded by the transport)."""
+        self._check_shared(shared, x.numel())
+        return bfp_native.lane_coder(x, shared, out, self.block_size, self.headroom, self.limit)
+
     def aggregate(self, payloads: Sequence[Payload], ctx: CodecContext) -> Payload:
         length = check_same_length(payloads)
         contributors = sum(p.contributors for p in payloads)
@@ -123,9 +129,8 @@ class BlockFloatingPoint(Codec):
         )  # fmt: skip
         if fast is not None:
             return fast
-        inverse = torch.exp2(-self._shifts(shared, payload.length)).div_(payload.contributors)
-        sums = self._blocks(payload.fields["values"].to(torch.float32))
-        return sums.mul_(inverse.unsqueeze(1)).view(-1)[: payload.length]
+        sums = payload.fields["values"][: payload.length].to(torch.float32)
+        return self._scaled_back(sums.div_(payload.contributors), shared)
 
     def decode_into(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
                     out: torch.Tensor) -> None:  # fmt: skip
@@ -137,6 +142,21 @@ class BlockFloatingPoint(Codec):
         )  # fmt: skip
         if fast is None:
             out.copy_(self.decode(payload, ctx, shared))
+
+    def decode_counted(self, payload: Payload, ctx: CodecContext, shared: torch.Tensor | None,
+                       out: torch.Tensor) -> None:  # fmt: skip
+        """Each lane's sum divided by its own count first, as ``decode`` divides by one count:
+        a lane decodes to the same bits whatever counts its neighbours have."""
+        self._check_shared(shared, payload.length)
+        counts = payload.counts.reshape(-1)[: payload.length].to(torch.float32)
+        sums = payload.fields["values"][: payload.length].to(torch.float32)
+        out.copy_(self._scaled_back(sums.div_(counts), shared))
+
+    def _scaled_back(self, averages: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+        """The averages of the int32 lanes times each block's 2**-shift (exact): the division
+        comes first, one rounding, and only an average, not a sum, must fit a float."""
+        scale = torch.exp2(-self._shifts(shared, averages.numel()))
+        return self._blocks(averages).mul_(scale.unsqueeze(1)).view(-1)[: averages.numel()]
 
     def _check_shared(self, shared: torch.Tensor | None, length: int) -> None:
         blocks = -(-length // self.block_size)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .base import check_finite
@@ -77,7 +78,7 @@ def encode(
         return None
     values = empty(x.numel(), torch.int32)
     status = _bfp_kernels.encode(
-        x.data_ptr(), x.numel(), block, shared.data_ptr(), headroom, limit, values.data_ptr()
+        x.data_ptr(), 0, x.numel(), block, shared.data_ptr(), headroom, limit, values.data_ptr()
     )
     if status == 0:
         check_finite(x)  # raises, naming the coordinates
@@ -101,7 +102,7 @@ def decode(
     values: torch.Tensor, length: int, block: int, shared: torch.Tensor, headroom: int,
     contributors: int, empty: Empty = fresh,
 ) -> torch.Tensor | None:  # fmt: skip
-    """float32 values * (2**-shift / contributors) for the first ``length`` int32 sums."""
+    """float32 values / contributors * 2**-shift for the first ``length`` int32 sums."""
     shared = _exponents(shared, _blocks(length, block))
     if not (
         shared is not None
@@ -112,11 +113,62 @@ def decode(
         return None
     out = empty(length, torch.float32)
     if not _bfp_kernels.decode(
-        values.data_ptr(), length, block, shared.data_ptr(), headroom, contributors,
+        values.data_ptr(), 0, length, block, shared.data_ptr(), headroom, contributors,
         out.data_ptr(),
     ):  # fmt: skip
         return None
     return out
+
+
+class LaneCoder:
+    """bfp's ``base.LaneCoder``: any run of a round's coordinates encoded or decoded with the
+    kernels of a whole piece (blocks from coordinate 0, each with its shared exponent), so a
+    packet's bits are those of ``encode``/``decode`` of the piece it is part of. The pump codes
+    with the same kernels in C (``native``: bfp_core.h)."""
+
+    def __init__(self, x: torch.Tensor, shared: torch.Tensor, out: torch.Tensor, block: int,
+                 headroom: int, limit: float):  # fmt: skip
+        self.x, self.shared, self.out = x, shared, out  # held: the pump reads their addresses
+        self.block, self.headroom, self.limit = block, headroom, limit
+        self.length = x.numel()
+        self.native = {
+            "codec": 1, "source": x.data_ptr(), "target": out.data_ptr(),
+            "exponents": shared.data_ptr(), "coordinates": self.length, "block": block,
+            "headroom": headroom, "limit": limit,
+        }  # fmt: skip
+
+    def encode(self, first: int, count: int, into: memoryview) -> None:
+        lanes = np.frombuffer(into, dtype=np.int32, count=count)
+        real = max(0, min(count, self.length - first))
+        lanes[real:] = 0
+        if real:  # finiteness: the round's summary has checked these coordinates
+            _bfp_kernels.encode(
+                self.x.data_ptr(), first, real, self.block, self.shared.data_ptr(),
+                self.headroom, self.limit, lanes.ctypes.data,
+            )  # fmt: skip
+
+    def decode(self, first: int, count: int, data: memoryview, contributors: int) -> None:
+        real = max(0, min(count, self.length - first))
+        if real:
+            sums = np.frombuffer(data, dtype=np.int32, count=real)
+            _bfp_kernels.decode(
+                sums.ctypes.data, first, real, self.block, self.shared.data_ptr(),
+                self.headroom, contributors, self.out.data_ptr(),
+            )  # fmt: skip
+
+
+def lane_coder(x: torch.Tensor, shared: torch.Tensor | None, out: torch.Tensor, block: int,
+               headroom: int, limit: float) -> LaneCoder | None:  # fmt: skip
+    """A ``LaneCoder`` over the round's flat ``x`` and ``out``, or None where the kernels can't
+    take them (not built, not CPU float32 contiguous, a shift they refuse)."""
+    shared = _exponents(shared, _blocks(x.numel(), block))
+    if shared is None or not _ready((x, torch.float32), (out, torch.float32)):
+        return None
+    if out.numel() != x.numel() or not _bfp_kernels.supported(
+        shared.data_ptr(), shared.numel(), headroom
+    ):
+        return None
+    return LaneCoder(x, shared, out, block, headroom, limit)
 
 
 def _exponents(shared: torch.Tensor | None, blocks: int) -> torch.Tensor | None:

@@ -54,6 +54,7 @@ from .base import (
     Codec,
     CodecContext,
     DeviceChecks,
+    LaneCoder,
     Payload,
     aggregator_context,
     combine_summaries,
@@ -207,6 +208,37 @@ class SumPhase:
         self._delivered[index] = True
         self._payloads[index] = None  # its buffers may be reused
 
+    def lane_coder(self) -> LaneCoder | None:
+        """One coder of all the phase's lanes (``Codec.lane_coder``), for a transport that codes
+        packet by packet, where lanes are coordinates end to end: every piece but the last a
+        whole number of blocks and of bytes of lanes (no padding between pieces), their inputs
+        one contiguous run of memory. None where the codec offers none or this phase is not so
+        laid out; then pieces are encoded and delivered as usual."""
+        codec, pieces = self.codec, self.pieces
+        block = codec.blockwise
+        if not pieces or block is None or type(codec).lane_coder is Codec.lane_coder:
+            return None
+        inputs = [self._inputs(piece) for piece in pieces]
+        x0, first = inputs[0][0], pieces[0].start
+        for k, (piece, (x, shared)) in enumerate(zip(pieces, inputs, strict=True)):
+            last = k == len(pieces) - 1
+            if shared is None or codec.lanes(piece.length) != piece.length:
+                return None
+            if not last and (piece.length % block or piece.length % 8
+                             or pieces[k + 1].start != piece.stop):  # fmt: skip
+                return None
+            if not _follows(x, x0, piece.start - first):
+                return None
+        length = pieces[-1].stop - first
+        x = x0.as_strided((length,), (1,))  # the pieces' inputs, end to end (checked above)
+        shared = torch.cat([s.reshape(-1) for _, s in inputs])
+        return codec.lane_coder(x, shared, self.out[first : pieces[-1].stop])
+
+    def delivered_by_transport(self) -> None:
+        """Every piece's sum was decoded into the output by the transport (``lane_coder``)."""
+        self._delivered = [True] * len(self.pieces)
+        self._payloads = [None] * len(self.pieces)
+
     def deliver_all(self, sums: Sequence[Payload]) -> None:
         for index, summed in enumerate(sums):
             self.deliver(index, summed)
@@ -243,6 +275,17 @@ class SumPhase:
         if shared is not None:
             shared = shared[piece.offset // block : -(-(piece.offset + piece.length) // block)]
         return x, shared
+
+
+def _follows(x: torch.Tensor, x0: torch.Tensor, offset: int) -> bool:
+    """Whether ``x`` is the contiguous run of ``x0``'s memory ``offset`` elements on."""
+    return (
+        x.is_contiguous()
+        and x.dtype == x0.dtype
+        and x.device == x0.device
+        and x.untyped_storage().data_ptr() == x0.untyped_storage().data_ptr()
+        and x.data_ptr() == x0.data_ptr() + offset * x.element_size()
+    )
 
 
 def decode(codec: Codec, summed: Payload, ctx: CodecContext, shared, out: torch.Tensor) -> None:

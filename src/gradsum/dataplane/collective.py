@@ -155,10 +155,12 @@ class Collective:
             lanes += -(-phase.lanes(i) // 8) * 8  # every piece from a whole byte at any width
         boundary = self._boundary(phase.out.device)
         boundary.ready()  # the last round's sums have left the host buffers
+        # packets coded by the transport as they go and come (host tensors only)
+        coder = None if boundary.crosses else phase.lane_coder()
         upstream = self._buffer("up", packed_nbytes(lanes, in_bits))
         result = self._buffer("sum", packed_nbytes(lanes, out_bits))
-        shards = self._sharded(Op.SUM, upstream, result, lanes, in_bits, out_bits)
-        work = StreamedSum(phase, self.fmt, offsets, upstream, result, shards, boundary)
+        shards = self._sharded(Op.SUM, upstream, result, lanes, in_bits, out_bits, coder)
+        work = StreamedSum(phase, self.fmt, offsets, upstream, result, shards, boundary, coder)
         pairs = [(job, transfer) for job, transfer, _ in shards]
         if self.streams:
             work.hold()
@@ -168,8 +170,9 @@ class Collective:
             self.run(pairs)
         work.finish()
 
-    def _sharded(self, op, upstream, result, lanes, in_bits, out_bits) -> list:
-        """Transfers streaming ``lanes`` through the jobs' shards: (job, transfer, first lane)."""
+    def _sharded(self, op, upstream, result, lanes, in_bits, out_bits, coder=None) -> list:
+        """Transfers streaming ``lanes`` through the jobs' shards: (job, transfer, first lane);
+        ``coder``: the transport codes their packets (``LaneBuffers``)."""
         up = memoryview(upstream.numpy()).cast("B")
         down = memoryview(result.numpy()).cast("B")
         bits = max(in_bits, out_bits)
@@ -183,6 +186,8 @@ class Collective:
                 layout,
                 up[start * in_bits // 8 : packed_nbytes(start + count, in_bits)],
                 down[start * out_bits // 8 : packed_nbytes(start + count, out_bits)],
+                coder=coder,
+                lane0=start,
             )
             packets = -(-count // job.packet_lanes(bits))
             transfer = self._transfer(j, job, op, buffers, job.segments, packets)
@@ -262,12 +267,16 @@ class StreamedSum:
     the chunks it completes, or decodes the next piece whose chunks are all back, or else does
     one item of the phase's work behind it (the round's next wave, ``SumPhase.work_behind``).
     ``finish`` decodes what is left once the transfers are done.
+
+    With a ``coder`` (``SumPhase.lane_coder``) the transport encodes each packet as it sends it
+    and decodes each result where it lands: nothing is held, encoded or decoded here.
     """
 
     def __init__(self, phase: SumPhase, fmt: WireFormat, offsets: list[int],
                  upstream: torch.Tensor, result: torch.Tensor, shards: list,
-                 boundary: DeviceBoundary | None = None):  # fmt: skip
+                 boundary: DeviceBoundary | None = None, coder=None):  # fmt: skip
         self.phase, self.fmt, self.offsets = phase, fmt, offsets
+        self.coder = coder
         self.boundary = boundary or DeviceBoundary("cpu")
         self.upstream, self.result, self.shards = upstream, result, shards
         self.encoded = self.decoded = 0
@@ -289,17 +298,26 @@ class StreamedSum:
 
     @property
     def pending(self) -> bool:
+        if self.coder is not None:
+            return self.phase.has_background
         return self.encoded < len(self.phase) or self._decodable() or self.phase.has_background
 
     def hold(self) -> None:
+        if self.coder is not None:
+            return  # every chunk can go: the transport encodes it as it sends it
         for _, transfer, _ in self.shards:
             transfer.stream.ready = transfer.first
 
     def encode_all(self) -> None:
+        if self.coder is not None:
+            return
         while self.encoded < len(self.phase):
             self._encode_next()
 
     def step(self, now: float) -> list[tuple[Transfer, int]]:
+        if self.coder is not None:
+            self.phase.work_behind()
+            return []
         if self.encoded < len(self.phase):
             self._encode_next()
             return self._release(now)
@@ -310,6 +328,9 @@ class StreamedSum:
         return []
 
     def finish(self) -> None:
+        if self.coder is not None:
+            self.phase.delivered_by_transport()
+            return
         while self.decoded < len(self.phase):
             if not self._decodable():
                 raise RuntimeError(f"piece {self.decoded} of the round has chunks without a sum")

@@ -24,7 +24,13 @@ from .stream import ChunkLayout, ChunkStream, RetryPolicy, RoundTrip, StreamStat
 
 
 class LaneBuffers:
-    def __init__(self, layout: ChunkLayout, upstream: memoryview, downstream: memoryview):
+    """``coder`` (``codecs.base.LaneCoder``; its lanes from ``lane0``): each chunk's lanes are
+    encoded into the upstream buffer as the chunk is sent, and a result decoded into the round's
+    output as it is placed. The native pump codes in C instead and then sets ``coded_natively``.
+    """
+
+    def __init__(self, layout: ChunkLayout, upstream: memoryview, downstream: memoryview,
+                 coder=None, lane0: int = 0):  # fmt: skip
         need_up = layout.upstream_bytes(layout.chunks - 1)[1] if layout.chunks else 0
         need_down = layout.downstream_bytes(layout.chunks - 1)[1] if layout.chunks else 0
         if len(upstream) < need_up or len(downstream) < need_down:
@@ -34,6 +40,8 @@ class LaneBuffers:
         self.layout = layout
         self._up = upstream.cast("B") if upstream.format != "B" else upstream
         self._down = downstream.cast("B") if downstream.format != "B" else downstream
+        self.coder, self.lane0 = coder, lane0
+        self.coded_natively = False
 
     @property
     def chunks(self) -> int:
@@ -52,14 +60,21 @@ class LaneBuffers:
 
     def upstream(self, index: int) -> memoryview:
         start, stop = self.layout.upstream_bytes(index)
-        return self._up[start:stop]
+        lanes = self._up[start:stop]
+        if self.coder is not None:
+            first, count = self.layout.lanes_of(index)
+            self.coder.encode(self.lane0 + first, count, lanes)
+        return lanes
 
     def destination(self, index: int, nbytes: int) -> memoryview | None:
         start, stop = self.layout.downstream_bytes(index)
         return self._down[start:stop] if nbytes == stop - start else None
 
-    def received(self, index: int, nbytes: int) -> None:
-        pass
+    def received(self, index: int, nbytes: int, contributors: int) -> None:
+        if self.coder is not None and not self.coded_natively:
+            first, count = self.layout.lanes_of(index)
+            start, stop = self.layout.downstream_bytes(index)
+            self.coder.decode(self.lane0 + first, count, self._down[start:stop], contributors)
 
 
 class PayloadBuffers:
@@ -84,7 +99,7 @@ class PayloadBuffers:
     def destination(self, index: int, nbytes: int) -> memoryview | None:
         return memoryview(self._results[index]) if nbytes <= MAX_PAYLOAD else None
 
-    def received(self, index: int, nbytes: int) -> None:
+    def received(self, index: int, nbytes: int, contributors: int) -> None:
         self.result_sizes[index] = nbytes
 
     def result(self, index: int) -> bytes:
@@ -184,7 +199,7 @@ class Transfer:
         index = chunk - self.first
         self.contributors[index] = contributors
         self.partial |= bool(flags & PARTIAL)
-        self.buffers.received(index, nbytes)
+        self.buffers.received(index, nbytes, contributors)
         return self.stream.on_result(chunk, now)
 
     def on_stale(self, header: Header) -> None:

@@ -17,6 +17,12 @@
  *     it into the datagrams, so a window of MTU-sized packets costs one call per chunk. Where
  *     GSO is refused (old kernel, a device without it), its packets go one by one from then on.
  *
+ * A route may also code its lanes (``codec``: bfp, codecs/bfp_core.h): each packet is then encoded
+ * from the round's float input as it is sent, into a small staging area the kernel copies from
+ * while it is still in cache, and each result is decoded from where it landed straight into the
+ * round's float output; neither the upstream nor the result buffer is touched. Encoding is a
+ * function of the input alone, so a resent packet carries the same bits.
+ *
  * Chunks are the transfer's (dataplane/transfer.py); the aggregator sees packets: chunk c of a
  * route is packets base + (c - first) * segments + i, i < segments, in slots * segments slots.
  * A result is placed per packet; the chunk is reported PLACED once all its packets are, and
@@ -30,6 +36,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <math.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <stdint.h>
@@ -38,6 +45,7 @@
 #include <sys/uio.h>
 
 
+#include "../codecs/bfp_core.h"
 #include "../dataplane/header.h"
 #include "udp_offload.h"
 
@@ -46,6 +54,7 @@
 #define MAX_BATCH 64
 #define MAX_SEGMENTS 64 /* packets per GSO send (the kernel's UDP_MAX_SEGMENTS is 64 or 128) */
 #define SEND_WAIT_MS 20 /* how long a full send buffer may stall one batch (client.py's too) */
+#define STAGE_BYTES (256 << 10) /* coded packets of one batch: stays in L2 until it is sent */
 
 /* PROGRESS: a packet of a chunk placed, the chunk still incomplete (loss detection counts it);
    HOLES: the chunk's last packet placed while earlier ones are still missing. A chunk's results
@@ -75,7 +84,20 @@ struct route {             /* one transfer: an aggregator job streaming one buff
     uint64_t downstream;   /* address of the result buffer */
     uint64_t placed;       /* address of uint8[packets]: 1 once a packet's result is in place */
     uint64_t token;        /* the job's data token, sent in and expected on every packet */
+    /* codec CODEC_BFP: the packets' lanes are coded here (bfp_native.LaneCoder's fields) */
+    uint64_t source;       /* const float *: the round's input at the phase's lane 0 */
+    uint64_t target;       /* float *: the round's output, likewise */
+    uint64_t exponents;    /* const float *: one per block, blocks from the phase's lane 0 */
+    int64_t lane0;         /* the route's first lane within the phase */
+    int64_t coordinates;   /* the phase's coordinates: lanes past them are padding (zeros) */
+    int64_t block;
+    float limit;
+    uint8_t codec;
+    uint8_t headroom;
+    uint8_t pad2[2];
 };
+
+enum codec { CODEC_NONE = 0, CODEC_BFP = 1 };
 
 static void pack(uint8_t *b, const struct route *r, int64_t chunk, uint32_t elements) {
     struct gs_header h = {.kind = GS_DATA, .version = (uint8_t)((chunk / r->slots) % 2),
@@ -111,6 +133,34 @@ static int chunk_placed(const struct route *r, int64_t index) {
     for (int64_t p = from; p < to; p++)
         if (!placed[p]) return 0;
     return 1;
+}
+
+/* Lanes [first, first + n) of route r's phase that are coordinates (the rest are padding). */
+static int64_t real_lanes(const struct route *r, int64_t first, int64_t n) {
+    int64_t left = r->coordinates - first;
+    return left <= 0 ? 0 : left < n ? left : n;
+}
+
+/* Packet `packet`'s lanes, encoded into `out` (its in_bits bytes). */
+static void encode_packet(const struct route *r, int64_t packet, uint8_t *out) {
+    int64_t first = r->lane0 + packet * r->packet_lanes, n = lanes_of(r, packet);
+    int64_t real = real_lanes(r, first, n);
+    if (real > 0) /* finiteness: the round's summary pass has checked these coordinates */
+        bfp_encode((const float *)(uintptr_t)r->source, (size_t)first, (size_t)real,
+                   (size_t)r->block, (const float *)(uintptr_t)r->exponents, r->headroom,
+                   r->limit, (int32_t *)out);
+    memset(out + real * 4, 0, (size_t)(n - real) * 4);
+}
+
+/* A result of packet `packet` (its out_bits bytes at `data`), decoded into the round's output. */
+static void decode_packet(const struct route *r, int64_t packet, const uint8_t *data,
+                          int contributors) {
+    int64_t first = r->lane0 + packet * r->packet_lanes;
+    int64_t real = real_lanes(r, first, lanes_of(r, packet));
+    if (real > 0)
+        bfp_decode((const int32_t *)data, (size_t)first, (size_t)real, (size_t)r->block,
+                   (const float *)(uintptr_t)r->exponents, r->headroom, contributors,
+                   (float *)(uintptr_t)r->target);
 }
 
 struct found {
@@ -165,8 +215,9 @@ static __thread uint8_t sink[1 << 16];
    checked after the read. A run of other packets (answers to resends, say) lands elsewhere: a
    result that is still expected is then copied to its place (staged through the sink first, as
    its landing place may be another's target); what it overwrote was a place still waiting. At
-   most one event per datagram. Returns 1 if something was read, 0 when the socket is empty, -1
-   on an error (errno). */
+   most one event per datagram. A coded route's results all land in the sink and are decoded
+   from there into the round's output. Returns 1 if something was read, 0 when the socket is
+   empty, -1 on an error (errno). */
 static int take_one(int fd, const struct route *routes, Py_ssize_t nroutes,
                     struct found *events, int *nevents) {
     uint8_t heads[MAX_SEGMENTS][HEADER_SIZE];
@@ -195,6 +246,7 @@ static int take_one(int fd, const struct route *routes, Py_ssize_t nroutes,
         return 1;
     }
     int64_t packet = (int64_t)(first.chunk - (uint64_t)r->base);
+    int coded = r->codec != CODEC_NONE; /* decoded from the sink, never placed as lanes */
     struct iovec parts[2 * MAX_SEGMENTS];
     uint8_t *places[MAX_SEGMENTS];
     size_t payloads[MAX_SEGMENTS];
@@ -203,7 +255,7 @@ static int take_one(int fd, const struct route *routes, Py_ssize_t nroutes,
         payloads[i] = (length < segment ? length : segment) - HEADER_SIZE;
         /* the first header is known before the read: a place only for what it promises */
         int wanted = i > 0 ? first.kind == GS_RESULT : expected(r, &first, packet);
-        places[i] = wanted ? place_of(r, packet + i, payloads[i]) : NULL;
+        places[i] = wanted && !coded ? place_of(r, packet + i, payloads[i]) : NULL;
         uint8_t *landing = places[i] ? places[i] : sink + (size_t)i * segment;
         parts[2 * i] = (struct iovec){heads[i], HEADER_SIZE};
         parts[2 * i + 1] = (struct iovec){landing, payloads[i]};
@@ -221,7 +273,7 @@ static int take_one(int fd, const struct route *routes, Py_ssize_t nroutes,
             h[i].token == r->token &&
             h[i].chunk >= (uint64_t)r->base && h[i].chunk < (uint64_t)(r->base + r->packets))
             q[i] = (int64_t)(h[i].chunk - (uint64_t)r->base);
-        if (q[i] < 0 || h[i].kind != GS_RESULT || !expected(r, &h[i], q[i])) continue;
+        if (coded || q[i] < 0 || h[i].kind != GS_RESULT || !expected(r, &h[i], q[i])) continue;
         if (places[i] != NULL && q[i] == packet + i) continue; /* where it belongs */
         if (place_of(r, q[i], payloads[i]) == NULL) continue; /* placed already, or misfit */
         moved[i] = 1;
@@ -235,6 +287,9 @@ static int take_one(int fd, const struct route *routes, Py_ssize_t nroutes,
         int64_t chunk = r->first + q[i] / r->segments;
         if (h[i].kind == GS_STALE) {
             add_event(events, nevents, which, chunk, &h[i], STALE);
+        } else if (coded && expected(r, &h[i], q[i]) && place_of(r, q[i], payloads[i])) {
+            decode_packet(r, q[i], sink + (size_t)i * segment, h[i].contributors);
+            placed[q[i]] = placed_by[i] = 1;
         } else if (moved[i] && !placed[q[i]]) {
             memcpy(place_of(r, q[i], payloads[i]), sink + (size_t)i * segment, payloads[i]);
             placed[q[i]] = placed_by[i] = 1;
@@ -415,6 +470,14 @@ struct send_room {
     struct sockaddr_in addresses[MAX_BATCH];
     union gs_segment_control controls[MAX_BATCH];
     struct mmsghdr messages[MAX_BATCH];
+    size_t staged;                   /* bytes of stage in use */
+    uint8_t stage[STAGE_BYTES];      /* coded packets' lanes, until the batch is sent */
+    int coding;                      /* packets to encode before the batch goes (GIL released) */
+    struct {
+        const struct route *route;
+        int64_t packet;
+        uint8_t *lanes;
+    } codes[MAX_BATCH * MAX_SEGMENTS];
 };
 
 
@@ -438,14 +501,24 @@ static int add_chunk(struct send_room *room, int *used, int *packed, const struc
     per_send = per_send < 1 ? 1 : per_send;
     int needed = (count + per_send - 1) / per_send;
     if (*used + needed > MAX_BATCH || *packed + count > MAX_BATCH * MAX_SEGMENTS) return 0;
+    /* a coded chunk's lanes go to the stage; one larger than it, to its upstream place */
+    size_t lanes_bytes = (size_t)count * (full - HEADER_SIZE);
+    int staging = r->codec != CODEC_NONE && lanes_bytes <= STAGE_BYTES;
+    if (staging && room->staged + lanes_bytes > STAGE_BYTES) return 0;
     for (int i = 0; i < count; i++) {
         int64_t packet = missing[i];
         int at = *packed + i;
         byte_range(r, packet, r->in_bits, &start, &stop);
         pack(room->headers[at], r, r->base + packet, (uint32_t)lanes_of(r, packet));
+        uint8_t *lanes = (uint8_t *)(uintptr_t)r->upstream + start;
+        if (staging) {
+            lanes = room->stage + room->staged;
+            room->staged += (size_t)(stop - start);
+        }
+        if (r->codec != CODEC_NONE)
+            room->codes[room->coding++] = (typeof(room->codes[0])){r, packet, lanes};
         room->parts[2 * at] = (struct iovec){room->headers[at], HEADER_SIZE};
-        room->parts[2 * at + 1] = (struct iovec){(uint8_t *)(uintptr_t)r->upstream + start,
-                                                 (size_t)(stop - start)};
+        room->parts[2 * at + 1] = (struct iovec){lanes, (size_t)(stop - start)};
     }
     for (int m = 0; m < needed; m++) {
         int at = *used + m, first = *packed + m * per_send;
@@ -488,6 +561,7 @@ static PyObject *py_send(PyObject *self, PyObject *args) {
     Py_ssize_t total = PySequence_Fast_GET_SIZE(fast), done = 0;
     while (done < total) {
         int used = 0, packed = 0;
+        room->staged = 0, room->coding = 0;
         Py_ssize_t taken = 0;
         for (; done + taken < total; taken++) {
             Py_ssize_t which;
@@ -512,6 +586,8 @@ static PyObject *py_send(PyObject *self, PyObject *args) {
             if (!add_chunk(room, &used, &packed, r, chunk - r->first)) break;
         }
         Py_BEGIN_ALLOW_THREADS
+        for (int i = 0; i < room->coding; i++)
+            encode_packet(room->codes[i].route, room->codes[i].packet, room->codes[i].lanes);
         send_batch(fd, room->messages, used);
         Py_END_ALLOW_THREADS
         done += taken;

@@ -60,6 +60,16 @@ ROUTE = np.dtype(
         ("downstream", "<u8"),
         ("placed", "<u8"),
         ("token", "<u8"),
+        ("source", "<u8"),
+        ("target", "<u8"),
+        ("exponents", "<u8"),
+        ("lane0", "<i8"),
+        ("coordinates", "<i8"),
+        ("block", "<i8"),
+        ("limit", "<f4"),
+        ("codec", "u1"),
+        ("headroom", "u1"),
+        ("pad2", "V2"),
     ],
     align=True,
 )
@@ -78,16 +88,25 @@ def available() -> bool:
 def serves(pairs: Sequence[tuple]) -> bool:
     """Whether the pump can run these (job handle, transfer) pairs; chunks of several packets
     (``segments``) only it can."""
-    ours = available() and all(
-        isinstance(t.buffers, LaneBuffers) and is_ipv4(job.address[0]) and t.mac_key is None
-        for job, t in pairs
-    )  # per-packet MACs are Python's (the pump compares tokens only)
+    ours = available() and all(_pumpable(job, t) for job, t in pairs)
     if not ours and any(t.segments != 1 for _, t in pairs):
         raise RuntimeError(
             "chunks of several packets need the native pump (net/_pump.c) and "
             "IPv4 aggregators; register the job with segments=1"
         )
     return ours
+
+
+def _pumpable(job, transfer: Transfer) -> bool:
+    """Lanes to an IPv4 aggregator, without per-packet MACs (Python's: the pump compares tokens
+    only) and, where the transport codes the packets, with a coder the pump has in C."""
+    buffers = transfer.buffers
+    return (
+        isinstance(buffers, LaneBuffers)
+        and is_ipv4(job.address[0])
+        and transfer.mac_key is None
+        and (buffers.coder is None or buffers.coder.native is not None)
+    )
 
 
 class Routes:
@@ -123,6 +142,12 @@ class Routes:
         row["downstream"] = downstream.ctypes.data
         row["placed"] = placed.ctypes.data
         row["token"] = transfer.token
+        coder = transfer.buffers.coder
+        if coder is not None and coder.native is not None:  # packets coded in C, not here
+            for field, value in coder.native.items():
+                row[field] = value
+            row["lane0"] = transfer.buffers.lane0
+            transfer.buffers.coded_natively = True
 
     def receive(self, fds: list[int], wait: float) -> list[tuple]:
         return _pump.receive(fds, self.table, max(0, round(wait * 1000)), BATCH)
