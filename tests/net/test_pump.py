@@ -138,14 +138,14 @@ def test_bfp_packets_coded_as_they_go_give_the_rounds_bits(monkeypatch, pumped):
     inputs = [torch.randn(length, generator=torch.Generator().manual_seed(w)) * 10.0**w
               for w in range(workers)]  # fmt: skip
     sockets = [open_socket(("127.0.0.1", 0)) for _ in range(2)]
-    daemons = [Daemon(DataPlane(switch_profile()), s, drop_rate=0.03, seed=5 + i)
+    daemons = [Daemon(DataPlane(switch_profile()), s, drop_rate=0.05, seed=5 + i)
                for i, s in enumerate(sockets)]  # fmt: skip
     serving = [threading.Thread(target=d.serve, daemon=True) for d in daemons]
     for thread in serving:
         thread.start()
     bfp = make_codec("bfp", workers=workers)
     wire = wire_format(bfp)
-    options = {"workers": workers, "slots": 4, "elements": 512, "multicast": True}
+    options = {"workers": workers, "slots": 4, "elements": 256, "multicast": True}
     shards = [s.getsockname() for s in sockets]
     clients = [SwitchClient(shards, wire, job=4, worker=w, **options) for w in range(workers)]
     outputs: dict = {}
@@ -177,8 +177,9 @@ def test_bfp_packets_coded_as_they_go_give_the_rounds_bits(monkeypatch, pumped):
         want = run_round(bfp, inputs, step=step, partition_elements=partition).average
         for w in range(workers):
             assert torch.equal(outputs[w][step], want), (step, w)
-    lost = sum(d.statistics()["daemon"]["injected_dropped_in"] for d in daemons)
-    assert lost > 0  # and their packets were resent
+    counts = [d.statistics()["daemon"] for d in daemons]
+    lost = sum(c["injected_dropped_in"] + c["injected_dropped_out"] for c in counts)
+    assert lost > 10  # ~300 packets a daemon: their packets were resent
 
 
 def test_an_ipv6_or_payload_transfer_keeps_the_python_loop():
