@@ -394,3 +394,70 @@ def test_codecs_still_copy_and_pickle():
     for clone in (copy.deepcopy(codec), pickle.loads(pickle.dumps(codec))):
         assert clone._recycler._kept == []
         _same_round(_round(clone, inputs), first)
+
+
+def test_a_lane_coder_codes_any_run_of_coordinates_with_the_whole_vectors_bits():
+    """Packets start and end anywhere, mid-block included, and the last runs past the
+    coordinates (padding lanes: zeros up, nothing decoded): each run's lanes and decoded values
+    are the whole vector's encode and decode of those coordinates, bit for bit."""
+    block, length = 100, 1037
+    codec = BlockFloatingPoint(workers=3, block_size=block)
+    x = lognormal(length, seed=3)
+    shared = codec.summarize(x, CTX)
+    whole = codec.encode(x, CTX, shared).fields["values"]
+    sums = whole * 3 - 7
+    want = codec.decode(Payload({"values": sums}, length, 3), CTX, shared)
+    out = torch.full((length,), float("nan"))
+    coder = codec.lane_coder(x, shared, out)
+    runs = [(0, 64), (64, 37), (101, 250), (351, 1), (352, 688)]  # 1040 lanes: 3 padding
+    for first, count in runs:
+        lanes = bytearray(b"\xff" * 4 * count)  # the last send's bytes
+        coder.encode(first, count, memoryview(lanes))
+        got = torch.frombuffer(lanes, dtype=torch.int32)
+        real = max(0, min(count, length - first))
+        _same_bits(got[:real], whole[first : first + real])
+        assert not got[real:].any()
+        wire = torch.zeros(count, dtype=torch.int32)
+        wire[:real] = sums[first : first + real]
+        coder.decode(first, count, memoryview(wire.numpy()).cast("B"), 3)
+    _same_bits(out, want)
+
+
+def test_a_lane_coder_is_offered_only_where_the_kernels_take_the_round():
+    codec = BlockFloatingPoint(workers=2, block_size=256)
+    x = gaussian(1000, seed=0)
+    shared = codec.summarize(x, CTX)
+    assert codec.lane_coder(x, shared, torch.empty(1000)) is not None
+    assert codec.lane_coder(x.double(), shared, torch.empty(1000)) is None
+    assert codec.lane_coder(x, shared, torch.empty(2000)[::2]) is None  # not contiguous
+    refused = shared.clone()
+    refused[1] = 0.5  # a shift the kernels do not take (torch's path would)
+    assert codec.lane_coder(x, refused, torch.empty(1000)) is None
+    with pytest.raises(ValueError, match="exponents"):
+        codec.lane_coder(x, shared[:2], torch.empty(1000))
+
+
+@pytest.mark.parametrize(
+    ("codec", "partition", "offered"),
+    [
+        ("bfp", 4096, True),
+        ("bfp", 1001, False),  # pieces of 1001 lanes: padding between them
+        ("bfp+ef", 4096, False),  # error feedback needs each piece's own encode
+        ("thc", 4096, False),  # lanes are rotated coordinates
+    ],
+)
+def test_a_rounds_sum_phase_offers_one_coder_where_lanes_are_its_coordinates(
+    codec, partition, offered
+):
+    from gradsum.codecs.feedback import ErrorFeedback
+    from gradsum.codecs.round import CodecRound
+
+    inner = make_codec(codec.removesuffix("+ef"), workers=2)
+    chosen = ErrorFeedback(inner) if codec.endswith("+ef") else inner
+    flat = gaussian(3 * 4096 + 777, seed=1)
+    prepared = CodecRound(chosen, 0, partition).prepare(flat, worker=0, key=None, step=0)
+    prepared.share(prepared.summaries)
+    coder = prepared.sum_phase(streamed=True).lane_coder()
+    assert (coder is not None) == offered
+    if offered:
+        assert coder.length == flat.numel() and coder.x.data_ptr() == flat.data_ptr()
