@@ -131,9 +131,17 @@ def test_bfp_packets_coded_as_they_go_give_the_rounds_bits(monkeypatch, pumped):
     monkeypatch.setenv("GRADSUM_PUMP", "1" if pumped else "0")
     coders, decoded = [], []
     lane_coder, decode = SumPhase.lane_coder, bfp_native.LaneCoder.decode
-    monkeypatch.setattr(SumPhase, "lane_coder", lambda p: coders.append(lane_coder(p)) or coders[-1])
-    monkeypatch.setattr(bfp_native.LaneCoder, "decode",
-                        lambda c, *a: decoded.append(a[0]) or decode(c, *a))  # fmt: skip
+
+    def recorded_coder(phase):
+        coders.append(lane_coder(phase))
+        return coders[-1]
+
+    def recorded_decode(coder, first, *rest):
+        decoded.append(first)
+        decode(coder, first, *rest)
+
+    monkeypatch.setattr(SumPhase, "lane_coder", recorded_coder)
+    monkeypatch.setattr(bfp_native.LaneCoder, "decode", recorded_decode)
     workers, length, partition = 3, 3 * 4096 + 1003, 4096
     inputs = [torch.randn(length, generator=torch.Generator().manual_seed(w)) * 10.0**w
               for w in range(workers)]  # fmt: skip
