@@ -122,12 +122,13 @@ def test_a_pumped_transport_gives_the_python_loops_results_under_loss(monkeypatc
     assert daemon.stats.as_dict()["received"] > 3 * 2 * 49  # lost packets were resent
 
 
-@pytest.mark.parametrize("pumped", [True, False])
-def test_bfp_packets_coded_as_they_go_give_the_rounds_bits(monkeypatch, pumped):
+@pytest.mark.parametrize(("pumped", "mtu"), [(True, None), (True, 1500), (False, None)])
+def test_bfp_packets_coded_as_they_go_give_the_rounds_bits(monkeypatch, pumped, mtu):
     """bfp's packets encoded as they are sent and decoded where they land (``LaneCoder``): in C
     by the pump, in Python by the transfers otherwise. Several partitions and pieces, two
-    shards (a route's lanes start inside the round), a last piece padded to whole bytes, and
-    lost packets resent (encoded again): the in-process round's bits."""
+    shards (a route's lanes start inside the round), a last piece padded to whole bytes, lost
+    packets resent (encoded again), and with ``mtu`` chunks of several frame-sized packets sent
+    in one GSO send and read back joined by GRO: the in-process round's bits."""
     monkeypatch.setenv("GRADSUM_PUMP", "1" if pumped else "0")
     coders, decoded = [], []
     lane_coder, decode = SumPhase.lane_coder, bfp_native.LaneCoder.decode
@@ -153,7 +154,8 @@ def test_bfp_packets_coded_as_they_go_give_the_rounds_bits(monkeypatch, pumped):
         thread.start()
     bfp = make_codec("bfp", workers=workers)
     wire = wire_format(bfp)
-    options = {"workers": workers, "slots": 4, "elements": 256, "multicast": True}
+    options = {"workers": workers, "slots": 4, "multicast": True}
+    options |= {"mtu": mtu} if mtu else {"elements": 256}
     shards = [s.getsockname() for s in sockets]
     clients = [SwitchClient(shards, wire, job=4, worker=w, **options) for w in range(workers)]
     outputs: dict = {}
@@ -180,6 +182,7 @@ def test_bfp_packets_coded_as_they_go_give_the_rounds_bits(monkeypatch, pumped):
         for s in sockets:
             s.close()
     assert len(coders) == 2 * workers and all(c is not None for c in coders)
+    assert clients[0].segments > 1 if mtu else clients[0].segments == 1
     assert (len(decoded) == 0) == pumped  # the pump decodes in C, the Python loop here
     for step in range(2):
         want = run_round(bfp, inputs, step=step, partition_elements=partition).average
