@@ -461,3 +461,24 @@ def test_a_rounds_sum_phase_offers_one_coder_where_lanes_are_its_coordinates(
     assert (coder is not None) == offered
     if offered:
         assert coder.length == flat.numel() and coder.x.data_ptr() == flat.data_ptr()
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("partition", [4096, 1000])
+def test_merged_partitions_average_as_the_rounds_partitions_one_by_one(
+    monkeypatch, native, partition
+):
+    """bfp merges a round's partitions where they are whole blocks (and keeps them where not):
+    either way each partition averages as a round of that partition alone would."""
+    from gradsum.codecs.round import run_round
+
+    monkeypatch.setenv("GRADSUM_NATIVE", "1" if native else "0")
+    codec = BlockFloatingPoint(workers=3, block_size=256)
+    inputs = [lognormal(5 * partition + 333, seed=w) for w in range(3)]
+    merged = codec.partitions(None, inputs[0].numel(), partition)
+    assert (merged == [(0, inputs[0].numel())]) == (partition % 256 == 0)
+    average = run_round(codec, inputs, partition_elements=partition).average
+    for start in range(0, inputs[0].numel(), partition):
+        alone = [x[start : start + partition] for x in inputs]
+        want = run_round(codec, alone, partition_elements=partition).average
+        _same_bits(average[start : start + partition], want)

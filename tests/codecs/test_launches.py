@@ -318,3 +318,17 @@ def test_a_batched_step_makes_no_host_sync_but_its_checks_one(gpu_path, scales):
     with count_host_syncs() as syncs:
         run_step_round(codec, [flats], step=1)
     assert len(syncs.calls) == 1 and "raise_if_failed" in syncs.calls[0], syncs.calls
+
+
+def test_a_bfp_rounds_launches_do_not_grow_with_its_partitions(gpu_path):
+    """bfp merges the round's partitions (``BlockFloatingPoint.partitions``): a round of 16
+    partitions launches what a round of one does (each took ~24 launches a worker before)."""
+    counts = []
+    for partitions in (1, 16):
+        codec = make_codec("bfp", workers=4)
+        x = torch.randn(partitions * PARTITION_ELEMENTS, generator=torch.Generator().manual_seed(0))
+        counter = LaunchCounter()
+        with counter:
+            run_round(codec, [x], step=0, clock=counter.clock())
+        counts.append(dict(counter.launches))
+    assert counts[0] == counts[1] and sum(counts[0].values()) > 0
