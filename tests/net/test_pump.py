@@ -193,6 +193,21 @@ def test_bfp_packets_coded_as_they_go_give_the_rounds_bits(monkeypatch, pumped, 
     assert lost > 10  # ~300 packets a daemon: their packets were resent
 
 
+def test_a_route_whose_coder_the_pump_does_not_have_is_refused():
+    layout = ChunkLayout(lanes=16, lanes_per_chunk=8, in_bits=32, out_bits=32)
+    data = np.zeros(16, dtype=np.int32)
+    transfer = Transfer(job=1, worker=0, op=Op.SUM, first_chunk=0, slots=1, max_contributors=1,
+                        buffers=LaneBuffers(layout, memoryview(data).cast("B"),
+                                            memoryview(data).cast("B")))  # fmt: skip
+    routes = pump.Routes([(JobHandle(("127.0.0.1", 5), 1, 0, 1, 8, 1), transfer)])
+    routes.table["codec"] = 2  # no such coder: nothing is encoded, decoded or sent
+    with open_socket(("127.0.0.1", 0)) as sock:
+        with pytest.raises(ValueError, match="route 0: codec 2"):
+            routes.receive([sock.fileno()], 0.0)
+        with pytest.raises(ValueError, match="route 0: codec 2"):
+            routes.send(sock.fileno(), [(0, 0)])
+
+
 def test_an_ipv6_or_payload_transfer_keeps_the_python_loop():
     layout = ChunkLayout(lanes=8, lanes_per_chunk=8, in_bits=32, out_bits=32)
     data = memoryview(bytearray(32))

@@ -349,6 +349,18 @@ static int routes_of(Py_buffer *view, const struct route **routes, Py_ssize_t *c
     }
     *routes = view->buf;
     *count = view->len / (Py_ssize_t)sizeof(struct route);
+    for (Py_ssize_t i = 0; i < *count; i++) { /* a coder's fields, before any is used */
+        const struct route *r = *routes + i;
+        if (r->codec == CODEC_NONE) continue;
+        if (r->codec != CODEC_BFP || r->in_bits != 32 || r->out_bits != 32 || r->block < 1 ||
+            !r->source || !r->target || !r->exponents || r->lane0 < 0 || r->coordinates < 0 ||
+            r->headroom > 31) {
+            PyErr_Format(PyExc_ValueError, "route %zd: codec %d with %d/%d-bit lanes, block "
+                         "%lld: not a bfp coder of 32-bit lanes", i, r->codec, r->in_bits,
+                         r->out_bits, (long long)r->block);
+            return 0;
+        }
+    }
     return 1;
 }
 
