@@ -482,3 +482,30 @@ def test_merged_partitions_average_as_the_rounds_partitions_one_by_one(
         alone = [x[start : start + partition] for x in inputs]
         want = run_round(codec, alone, partition_elements=partition).average
         _same_bits(average[start : start + partition], want)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_steps_gradients_joined_average_as_each_alone(monkeypatch, native):
+    """bfp joins a step's gradients into one round where it runs torch's code (a device):
+    each gradient from a whole block on, so its blocks, exponents and averages are its own
+    round's, bit for bit (gradients of odd sizes and scales a million apart)."""
+    from gradsum.codecs.round import CodecRound
+
+    class OneWorker:
+        def max(self, summaries):
+            return list(summaries)
+
+        def sum(self, phase):
+            for i in range(len(phase)):
+                summed = phase.codec.aggregate([phase.encode(i)], phase.aggregator_context(i))
+                phase.deliver(i, summed)
+
+    monkeypatch.setenv("GRADSUM_NATIVE", "1" if native else "0")
+    codec = BlockFloatingPoint(workers=3, block_size=256)
+    flats = [lognormal(n, seed=n) * scale for n, scale in ((1000, 1e6), (257, 1e-6), (4096, 1))]
+    assert codec.joins(flats, 4096) == (not native)
+    assert not codec.joins(flats, 1000)  # partitions not of whole blocks: kept apart
+    rounds = CodecRound(codec, partition_elements=4096)
+    got = rounds.run_many(flats, OneWorker(), worker=0, keys=[0, 1, 2], step=0)
+    for key, flat in enumerate(flats):
+        _same_bits(got[key], rounds.run(flat, OneWorker(), worker=0, key=key, step=0))

@@ -332,3 +332,28 @@ def test_a_bfp_rounds_launches_do_not_grow_with_its_partitions(gpu_path):
             run_round(codec, [x], step=0, clock=counter.clock())
         counts.append(dict(counter.launches))
     assert counts[0] == counts[1] and sum(counts[0].values()) > 0
+
+
+def test_a_bfp_steps_groups_launch_as_one_round(gpu_path):
+    """On a device bfp joins a step's gradients into one round (``Codec.joins``): 27 groups
+    launch what one does, plus the two that join them."""
+    from gradsum.codecs.round import CodecRound
+
+    class OneWorker:
+        def max(self, summaries):
+            return list(summaries)
+
+        def sum(self, phase):
+            for i in range(len(phase)):
+                summed = phase.codec.aggregate([phase.encode(i)], phase.aggregator_context(i))
+                phase.deliver(i, summed)
+
+    counts = []
+    for groups in (1, 27):
+        codec = make_codec("bfp", workers=4)
+        flats = [torch.randn(1000 + 37 * g) for g in range(groups)]
+        counter = LaunchCounter()
+        with counter:
+            CodecRound(codec).run_many(flats, OneWorker(), worker=0, keys=range(groups), step=0)
+        counts.append(sum(counter.launches.values()))
+    assert counts[1] <= counts[0] + 2, counts

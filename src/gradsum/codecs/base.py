@@ -354,6 +354,13 @@ class Codec(ABC):
         out.copy_(field)
         return payload
 
+    def joins(self, flats: Sequence[torch.Tensor], partition_elements: int) -> bool:
+        """Whether a step's gradients ``flats`` go as one round of their concatenation, each
+        padded to a whole number of blocks, with each gradient's own round's bits
+        (``CodecRound.run_many``): a stateless blockwise codec where that saves more than the
+        concatenation's copy costs (a device's launches). The same answer on every worker."""
+        return False
+
     def lane_coder(self, x: torch.Tensor, shared: torch.Tensor | None,
                    out: torch.Tensor) -> LaneCoder | None:  # fmt: skip
         """A coder of any run of a round's lanes, for a transport that encodes each packet as

@@ -66,6 +66,18 @@ class BlockFloatingPoint(Codec):
         merged = size * max(1, MERGED_PARTITION // size)
         return [(start, min(start + merged, total)) for start in range(0, total, merged)]
 
+    def joins(self, flats: Sequence[torch.Tensor], partition_elements: int) -> bool:
+        """On the torch path (a device, or without the kernels), where each round's launches
+        cost more than one copy of the step: not on the CPU's kernels, which make a round one
+        pass whatever its size. Blocks stay where they were only if partitions are whole
+        blocks (``partitions`` merges them then)."""
+        if len(flats) < 2 or partition_elements % self.block_size:
+            return False
+        device = flats[0].device
+        if any(f.device != device for f in flats):
+            return False
+        return device.type != "cpu" or not bfp_native.available()
+
     def integer_op(self) -> IntegerOp:
         return IntegerOp(in_bits=32, out_bits=32, signed=True)
 

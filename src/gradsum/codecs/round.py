@@ -339,11 +339,15 @@ class CodecRound:
         kernels) and the reducer does not run waves (``pipelines``), one MAX of one summary and
         one SUM of every partition of every gradient the batch takes
         (``StepRound.batched_groups``), in launches that do not grow with them, and a ``run``
-        of its own for each of the others (every worker runs the same); otherwise one ``run``
-        per gradient. ``checks`` as for ``run``."""
+        of its own for each of the others (every worker runs the same); where the codec joins
+        a step's gradients (``Codec.joins``: bfp on a device), one ``run`` of them end to end;
+        otherwise one ``run`` per gradient. ``checks`` as for ``run``."""
         from .thc.step import StepRound, StepSumPhase
 
         flats, keys = [flat.reshape(-1) for flat in flats], list(keys)
+        if self.codec.joins(flats, self.partition_elements) and not pipelines(reducer, self.codec):
+            return self._run_joined(flats, reducer, worker=worker, keys=keys, step=step,
+                                    checks=checks)  # fmt: skip
         chosen = [] if pipelines(reducer, self.codec) else StepRound.batched_groups(
             self.codec, flats, keys, self.partition_elements)  # fmt: skip
         averages: list[torch.Tensor | None] = [None] * len(flats)
@@ -370,6 +374,28 @@ class CodecRound:
         if own:
             checks.raise_if_failed()
         return averages
+
+    def _run_joined(self, flats: list[torch.Tensor], reducer: Reducer, *, worker: int,
+                    keys: list[Hashable], step: int,
+                    checks: DeviceChecks | None) -> list[torch.Tensor]:  # fmt: skip
+        """``run_many`` as one round of the gradients end to end (``Codec.joins``), each from a
+        whole block on (zeros between them: a block's zeros change neither its exponent nor its
+        other values): two launches to join them, one round's to reduce them."""
+        block = self.codec.blockwise
+        spans, start = [], 0
+        for flat in flats:
+            spans.append((start, start + flat.numel()))
+            start += -(-flat.numel() // block) * block
+        zeros = flats[0].new_zeros(block)
+        parts = []
+        for flat, (a, b) in zip(flats, spans, strict=True):
+            parts.append(flat)
+            if (b - a) % block:
+                parts.append(zeros[: block - (b - a) % block])
+        joined = torch.cat(parts)
+        average = self.run(joined, reducer, worker=worker, key=tuple(keys), step=step,
+                           checks=checks)  # fmt: skip
+        return [average[a:b] for a, b in spans]
 
     def reduce(self, prepared: Prepared, reducer: Reducer) -> torch.Tensor:
         """A prepared round's MAX, SUM and decode, stage after stage. May run again on the same
