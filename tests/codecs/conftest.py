@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -27,3 +29,22 @@ def both(monkeypatch):
         return fast, slow
 
     return run
+
+
+class OneWorker:
+    """A reducer of one worker, in process: MAX and SUM of one; ``counted``: the sums come back
+    with a contributor count per lane, as a switch's partial aggregation delivers them."""
+
+    def __init__(self, counted: bool = False):
+        self.counted = counted
+
+    def max(self, summaries):
+        return list(summaries)
+
+    def sum(self, phase):
+        for i in reversed(range(len(phase))):  # any order
+            summed = phase.codec.aggregate([phase.encode(i)], phase.aggregator_context(i))
+            if self.counted:
+                counts = torch.ones(phase.lanes(i))
+                summed = replace(summed, contributors=1, counts=counts)
+            phase.deliver(i, summed)

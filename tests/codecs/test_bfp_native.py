@@ -13,6 +13,8 @@ from gradsum.codecs import bfp_native, buffers, make_codec
 from gradsum.codecs.base import CodecContext, NonFiniteGradientError, Payload, combine_summaries
 from gradsum.codecs.bfp import INT32_MAX, BlockFloatingPoint, saturation_limit
 
+from .conftest import OneWorker
+
 pytestmark = [
     pytest.mark.skipif(
         not bfp_native.built(),
@@ -490,15 +492,6 @@ def test_a_steps_gradients_joined_average_as_each_alone(monkeypatch, native):
     each gradient from a whole block on, so its blocks, exponents and averages are its own
     round's, bit for bit (gradients of odd sizes and scales a million apart)."""
     from gradsum.codecs.round import CodecRound
-
-    class OneWorker:
-        def max(self, summaries):
-            return list(summaries)
-
-        def sum(self, phase):
-            for i in range(len(phase)):
-                summed = phase.codec.aggregate([phase.encode(i)], phase.aggregator_context(i))
-                phase.deliver(i, summed)
 
     monkeypatch.setenv("GRADSUM_NATIVE", "1" if native else "0")
     codec = BlockFloatingPoint(workers=3, block_size=256)

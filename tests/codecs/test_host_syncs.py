@@ -15,19 +15,9 @@ from gradsum.codecs.base import DeviceChecks, NonFiniteGradientError
 from gradsum.codecs.round import PARTITION_ELEMENTS, CodecRound
 
 from ..host_syncs import count_host_syncs
+from .conftest import OneWorker
 
 LENGTH = PARTITION_ELEMENTS + 12_345  # a whole 2**20 partition and a ragged one
-
-
-class OneWorker:
-    """The in-process reference's reducer for a single worker: MAX and SUM of one."""
-
-    def max(self, summaries):
-        return list(summaries)
-
-    def sum(self, phase):
-        for i in range(len(phase)):
-            phase.deliver(i, phase.codec.aggregate([phase.encode(i)], phase.aggregator_context(i)))
 
 
 @pytest.fixture

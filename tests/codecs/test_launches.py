@@ -23,6 +23,7 @@ from gradsum.codecs.round import PARTITION_ELEMENTS, PhaseClock, run_round, run_
 from gradsum.codecs.thc import triton_kernels
 
 from ..host_syncs import count_host_syncs
+from .conftest import OneWorker
 
 # ops that only make metadata or allocate: no kernel on a GPU
 NO_KERNEL = {
@@ -338,15 +339,6 @@ def test_a_bfp_steps_groups_launch_as_one_round(gpu_path):
     """On a device bfp joins a step's gradients into one round (``Codec.joins``): 27 groups
     launch what one does, plus the two that join them."""
     from gradsum.codecs.round import CodecRound
-
-    class OneWorker:
-        def max(self, summaries):
-            return list(summaries)
-
-        def sum(self, phase):
-            for i in range(len(phase)):
-                summed = phase.codec.aggregate([phase.encode(i)], phase.aggregator_context(i))
-                phase.deliver(i, summed)
 
     counts = []
     for groups in (1, 27):

@@ -5,7 +5,6 @@ interpreter runs a kernel's programs one by one: the sizes are small)."""
 
 import os
 import sys
-from dataclasses import replace
 
 import pytest
 
@@ -21,6 +20,8 @@ from gradsum.codecs import make_codec
 from gradsum.codecs.base import CodecContext, NonFiniteGradientError, hashed_uniform
 from gradsum.codecs.round import CodecRound, run_round, run_step_round
 from gradsum.codecs.thc.codec import THC
+
+from .conftest import OneWorker
 
 pytestmark = pytest.mark.pins_native
 
@@ -129,25 +130,6 @@ def test_the_kernels_thresholds_are_the_hashed_draws(fused):
     draws = hashed_uniform(seed, 1 << 16)
     assert float(draws.min()) >= 0.0 and float(draws.max()) < 1.0
     assert abs(float(draws.mean()) - 0.5) < 0.01  # U[0, 1): 1/sqrt(12 * 2**16) = 0.0011
-
-
-class OneWorker:
-    """A reducer of one worker (as in test_host_syncs.py); ``counted``: the sums come back
-    with a contributor count per lane, as a switch's partial aggregation delivers them."""
-
-    def __init__(self, counted: bool = False):
-        self.counted = counted
-
-    def max(self, summaries):
-        return list(summaries)
-
-    def sum(self, phase):
-        for i in reversed(range(len(phase))):  # any order
-            summed = phase.codec.aggregate([phase.encode(i)], phase.aggregator_context(i))
-            if self.counted:
-                counts = torch.ones(phase.lanes(i))
-                summed = replace(summed, contributors=1, counts=counts)
-            phase.deliver(i, summed)
 
 
 @pytest.mark.parametrize("counted", [False, True], ids=["sums", "counts-per-lane"])
