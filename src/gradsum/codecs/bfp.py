@@ -172,7 +172,6 @@ class BlockFloatingPoint(Codec):
                        out: torch.Tensor) -> None:  # fmt: skip
         """Each lane's sum divided by its own count first, as ``decode`` divides by one count:
         a lane decodes to the same bits whatever counts its neighbours have."""
-        self._check_shared(shared, payload.length)
         counts = payload.counts.reshape(-1)[: payload.length].to(torch.float32)
         sums = payload.fields["values"][: payload.length].to(torch.float32)
         out.copy_(self._scaled_back(sums.div_(counts), shared))

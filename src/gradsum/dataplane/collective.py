@@ -160,7 +160,10 @@ class Collective:
         upstream = self._buffer("up", packed_nbytes(lanes, in_bits))
         result = self._buffer("sum", packed_nbytes(lanes, out_bits))
         shards = self._sharded(Op.SUM, upstream, result, lanes, in_bits, out_bits, coder)
-        work = StreamedSum(phase, self.fmt, offsets, upstream, result, shards, boundary, coder)
+        if coder is None:
+            work = StreamedSum(phase, self.fmt, offsets, upstream, result, shards, boundary)
+        else:
+            work = CodedSum(phase)
         pairs = [(job, transfer) for job, transfer, _ in shards]
         if self.streams:
             work.hold()
@@ -259,6 +262,33 @@ class Collective:
         return boundary
 
 
+class CodedSum:
+    """The work of a SUM round whose packets the transport codes (``SumPhase.lane_coder``), in
+    ``StreamedSum``'s interface: each packet is encoded as it is sent and each result decoded
+    where it lands, so no chunk waits and nothing is encoded or decoded here; the phase's work
+    behind the round (``SumPhase.work_behind``) still runs between batches of packets."""
+
+    def __init__(self, phase: SumPhase):
+        self.phase = phase
+
+    @property
+    def pending(self) -> bool:
+        return self.phase.has_background
+
+    def hold(self) -> None:
+        pass  # every chunk can go at once
+
+    def encode_all(self) -> None:
+        pass
+
+    def step(self, now: float) -> list[tuple[Transfer, int]]:
+        self.phase.work_behind()
+        return []
+
+    def finish(self) -> None:
+        self.phase.delivered_by_transport()
+
+
 class StreamedSum:
     """The lanes of a SUM round, piece by piece (sans-IO).
 
@@ -267,16 +297,12 @@ class StreamedSum:
     the chunks it completes, or decodes the next piece whose chunks are all back, or else does
     one item of the phase's work behind it (the round's next wave, ``SumPhase.work_behind``).
     ``finish`` decodes what is left once the transfers are done.
-
-    With a ``coder`` (``SumPhase.lane_coder``) the transport encodes each packet as it sends it
-    and decodes each result where it lands: nothing is held, encoded or decoded here.
     """
 
     def __init__(self, phase: SumPhase, fmt: WireFormat, offsets: list[int],
                  upstream: torch.Tensor, result: torch.Tensor, shards: list,
-                 boundary: DeviceBoundary | None = None, coder=None):  # fmt: skip
+                 boundary: DeviceBoundary | None = None):  # fmt: skip
         self.phase, self.fmt, self.offsets = phase, fmt, offsets
-        self.coder = coder
         self.boundary = boundary or DeviceBoundary("cpu")
         self.upstream, self.result, self.shards = upstream, result, shards
         self.encoded = self.decoded = 0
@@ -298,26 +324,17 @@ class StreamedSum:
 
     @property
     def pending(self) -> bool:
-        if self.coder is not None:
-            return self.phase.has_background
         return self.encoded < len(self.phase) or self._decodable() or self.phase.has_background
 
     def hold(self) -> None:
-        if self.coder is not None:
-            return  # every chunk can go: the transport encodes it as it sends it
         for _, transfer, _ in self.shards:
             transfer.stream.ready = transfer.first
 
     def encode_all(self) -> None:
-        if self.coder is not None:
-            return
         while self.encoded < len(self.phase):
             self._encode_next()
 
     def step(self, now: float) -> list[tuple[Transfer, int]]:
-        if self.coder is not None:
-            self.phase.work_behind()
-            return []
         if self.encoded < len(self.phase):
             self._encode_next()
             return self._release(now)
@@ -328,9 +345,6 @@ class StreamedSum:
         return []
 
     def finish(self) -> None:
-        if self.coder is not None:
-            self.phase.delivered_by_transport()
-            return
         while self.decoded < len(self.phase):
             if not self._decodable():
                 raise RuntimeError(f"piece {self.decoded} of the round has chunks without a sum")

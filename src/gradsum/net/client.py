@@ -276,9 +276,9 @@ class UdpTransport:
             self._poll.register(receiver, select.POLLIN)
 
     def run(self, pairs: Sequence[tuple[JobHandle, Transfer]], work=None) -> None:
-        """Run the transfers to completion; ``work`` (``dataplane.collective.StreamedSum``),
-        if given, gets a step between batches of packets while it has any, and may release
-        chunks."""
+        """Run the transfers to completion; ``work`` (``dataplane.collective.StreamedSum`` or
+        ``CodedSum``), if given, gets a step between batches of packets while it has any, and
+        may release chunks."""
         if pump.serves(pairs):
             self._run_pumped(pairs, work)
             return
