@@ -122,13 +122,22 @@ def test_a_pumped_transport_gives_the_python_loops_results_under_loss(monkeypatc
     assert daemon.stats.as_dict()["received"] > 3 * 2 * 49  # lost packets were resent
 
 
-@pytest.mark.parametrize(("pumped", "mtu"), [(True, None), (True, 1500), (False, None)])
-def test_bfp_packets_coded_as_they_go_give_the_rounds_bits(monkeypatch, pumped, mtu):
+SMALL = (3 * 4096 + 1003, 4096, 256)  # coordinates, partition, lanes a packet
+AT_SCALE = ((1 << 21) + 1003, 1 << 20, None)  # the default partitions and packets
+
+
+@pytest.mark.parametrize(
+    ("pumped", "mtu", "sizes"),
+    [(True, None, SMALL), (True, 1500, SMALL), (False, None, SMALL), (True, None, AT_SCALE)],
+    ids=["pump", "pump-mtu", "python", "pump-2^21+1003"],
+)
+def test_bfp_packets_coded_as_they_go_give_the_rounds_bits(monkeypatch, pumped, mtu, sizes):
     """bfp's packets encoded as they are sent and decoded where they land (``LaneCoder``): in C
     by the pump, in Python by the transfers otherwise. Several partitions and pieces, two
     shards (a route's lanes start inside the round), a last piece padded to whole bytes, lost
     packets resent (encoded again), and with ``mtu`` chunks of several frame-sized packets sent
-    in one GSO send and read back joined by GRO: the in-process round's bits."""
+    in one GSO send and read back joined by GRO: the in-process round's bits; also at the size
+    users run (2^21 + 1003 coordinates in partitions of 2^20, 64 KiB packets)."""
     monkeypatch.setenv("GRADSUM_PUMP", "1" if pumped else "0")
     coders, decoded = [], []
     lane_coder, decode = SumPhase.lane_coder, bfp_native.LaneCoder.decode
@@ -143,7 +152,7 @@ def test_bfp_packets_coded_as_they_go_give_the_rounds_bits(monkeypatch, pumped, 
 
     monkeypatch.setattr(SumPhase, "lane_coder", recorded_coder)
     monkeypatch.setattr(bfp_native.LaneCoder, "decode", recorded_decode)
-    workers, length, partition = 3, 3 * 4096 + 1003, 4096
+    workers, (length, partition, elements) = 3, sizes
     inputs = [torch.randn(length, generator=torch.Generator().manual_seed(w)) * 10.0**w
               for w in range(workers)]  # fmt: skip
     sockets = [open_socket(("127.0.0.1", 0)) for _ in range(2)]
@@ -155,7 +164,7 @@ def test_bfp_packets_coded_as_they_go_give_the_rounds_bits(monkeypatch, pumped, 
     bfp = make_codec("bfp", workers=workers)
     wire = wire_format(bfp)
     options = {"workers": workers, "slots": 4, "multicast": True}
-    options |= {"mtu": mtu} if mtu else {"elements": 256}
+    options |= {"mtu": mtu} if mtu else {"elements": elements} if elements else {}
     shards = [s.getsockname() for s in sockets]
     clients = [SwitchClient(shards, wire, job=4, worker=w, **options) for w in range(workers)]
     outputs: dict = {}
