@@ -169,8 +169,7 @@ static volatile float opaque_one = 1; /* see product_plus */
 /* a - b is computed as a + b * -1, which the compiler cannot fold back into a subtraction
    (the -1 is opaque to it): with FMA the differences run on the multiply-add pipes while the
    sums run on the add pipes, so a butterfly issues in one cycle instead of two. */
-INLINE void butterflies(f32x8 *v, int log_count) {
-    f32x8 minus_one = (f32x8){0} + opaque_minus_one;
+INLINE void butterflies(f32x8 *v, int log_count, f32x8 minus_one) {
     for (int d = 1; d < 1 << log_count; d <<= 1)
         for (int m = 0; m < 1 << log_count; m++)
             if (!(m & d)) {
@@ -184,16 +183,23 @@ INLINE void butterflies(f32x8 *v, int log_count) {
    x[from, from + n) (h a multiple of LANES), plus the in-vector stages when `lanes` is set (then
    h == LANES). Loads come from `in` if given; stores apply `out_signs` if given. */
 INLINE void radix_pass(float *x, size_t from, size_t n, size_t h, int k, int lanes,
-                       const struct source *in, f32x8 *finite, const uint8_t *out_signs) {
-    f32x8 clean = {0};
+                       const struct source *source, f32x8 *finite, const uint8_t *out_signs) {
+    f32x8 clean = {0}, minus_one = (f32x8){0} + opaque_minus_one;
+    /* the source in locals: the stores to x could alias its fields (a float scale among
+       them), so read through the pointer they would be read again after every store */
+    struct source local = source ? *source : (struct source){0};
+    const struct source *in = source ? &local : NULL;
     for (size_t base = from; base < from + n; base += h << k)
         for (size_t j = base; j < base + h; j += LANES) {
             f32x8 v[1 << RADIX_LOG];
+#pragma GCC unroll 8
             for (int m = 0; m < 1 << k; m++)
                 v[m] = in ? source_load(in, j + m * h, &clean) : load(x + j + m * h);
             if (lanes)
+#pragma GCC unroll 8
                 for (int m = 0; m < 1 << k; m++) v[m] = lane_stages(v[m]);
-            butterflies(v, k);
+            butterflies(v, k, minus_one);
+#pragma GCC unroll 8
             for (int m = 0; m < 1 << k; m++)
                 store(x + j + m * h,
                       out_signs ? apply_signs(v[m], out_signs[(j + m * h) / LANES]) : v[m]);
@@ -201,9 +207,11 @@ INLINE void radix_pass(float *x, size_t from, size_t n, size_t h, int k, int lan
     if (in) *finite += clean;
 }
 
-/* Dispatch to a pass with a compile-time radix and source/sink, so its column stays in
-   registers and the plain pass carries no branches. */
-#define RADIX_PASS_VARIANTS(k)                                                                   \
+/* Dispatch to a pass with a compile-time radix, source/sink and in-vector stages, so its
+   column stays in registers and the plain pass carries no branches (with `lanes` a run-time
+   flag, GCC merges the two paths through the column kept on the stack: eight stores and eight
+   loads more a column). */
+#define RADIX_PASS_SIDES(k, lanes)                                                               \
     do {                                                                                         \
         if (in)                                                                                  \
             radix_pass(x, from, n, h, k, lanes, in, finite, NULL);                               \
@@ -211,6 +219,14 @@ INLINE void radix_pass(float *x, size_t from, size_t n, size_t h, int k, int lan
             radix_pass(x, from, n, h, k, lanes, NULL, NULL, out_signs);                          \
         else                                                                                     \
             radix_pass(x, from, n, h, k, lanes, NULL, NULL, NULL);                               \
+    } while (0)
+
+#define RADIX_PASS_VARIANTS(k)                                                                   \
+    do {                                                                                         \
+        if (lanes)                                                                               \
+            RADIX_PASS_SIDES(k, 1);                                                              \
+        else                                                                                     \
+            RADIX_PASS_SIDES(k, 0);                                                              \
     } while (0)
 
 MULTIVERSION static void pass(float *x, size_t from, size_t n, size_t h, int k, int lanes,
@@ -347,8 +363,7 @@ WIDE_INLINE f32x16 lane_stages16(f32x16 v) {
            v * (f32x16){1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
 }
 
-WIDE_INLINE void butterflies16(f32x16 *v, int log_count) {
-    f32x16 minus_one = (f32x16){0} + opaque_minus_one;
+WIDE_INLINE void butterflies16(f32x16 *v, int log_count, f32x16 minus_one) {
 #pragma GCC unroll 4
     for (int d = 1; d < 1 << log_count; d <<= 1)
 #pragma GCC unroll 16
@@ -391,7 +406,7 @@ WIDE_INLINE void sink_store16(const struct sink *sink, size_t p, f32x16 v, size_
 WIDE_INLINE void radix_pass16(float *x, size_t from, size_t n, size_t h, int k, int lanes,
                               const struct source *in, f32x8 *finite,
                               const uint8_t *out_signs, const struct sink *sink) {
-    f32x16 clean = {0};
+    f32x16 clean = {0}, minus_one = (f32x16){0} + opaque_minus_one;
     size_t cursor[1 << WRADIX_LOG] = {0}; /* each column's piece (see piece_factors16) */
     for (size_t base = from; base < from + n; base += h << k)
         for (size_t j = base; j < base + h; j += WLANES) {
@@ -403,7 +418,7 @@ WIDE_INLINE void radix_pass16(float *x, size_t from, size_t n, size_t h, int k, 
             if (lanes)
 #pragma GCC unroll 16
                 for (int m = 0; m < 1 << k; m++) v[m] = lane_stages16(v[m]);
-            butterflies16(v, k);
+            butterflies16(v, k, minus_one);
 #pragma GCC unroll 16
             for (int m = 0; m < 1 << k; m++) {
                 f32x16 out = out_signs ? apply_signs16(v[m], out_signs + (j + m * h) / 8) : v[m];
@@ -772,9 +787,16 @@ INLINE u32x8 cell_entries(const struct grid *grid, i32x8 cell, int small) {
     u32x8 entry = {0};
 #if defined(__GNUC__) && !defined(__clang__)
     if (small) {
-        for (int part = 0; part < SMALL_GRID / LANES; part++)
-            entry |= __builtin_shuffle(grid->table[part], (u32x8)cell) & (u32x8)(cell >> 3 == part);
-        return entry;
+        /* a permute of each part by the cell's low three bits, then two selections by bits 3
+           and 4 (a blend by each lane's sign): nine operations where masking every part with
+           a compare takes seventeen */
+        u32x8 part[SMALL_GRID / LANES];
+        for (int k = 0; k < SMALL_GRID / LANES; k++)
+            part[k] = __builtin_shuffle(grid->table[k], (u32x8)cell);
+        i32x8 bit3 = cell << 28 >> 31, bit4 = cell << 27 >> 31;
+        u32x8 low = (u32x8)blend_i(bit3, (i32x8)part[1], (i32x8)part[0]);
+        u32x8 high = (u32x8)blend_i(bit3, (i32x8)part[3], (i32x8)part[2]);
+        return (u32x8)blend_i(bit4, (i32x8)high, (i32x8)low);
     }
 #endif
     for (int lane = 0; lane < LANES; lane++) entry[lane] = grid->cells[cell[lane]];
@@ -802,8 +824,8 @@ INLINE f32x8 stratified(struct strata *strata, f32x8 jitter) {
     return blend(draw < top, draw, top);
 }
 
-INLINE i32x8 round_to_table(const struct grid *grid, struct rng16 *rng, f32x8 y, int small,
-                            f32x8 *value, struct strata *strata) {
+/* The index of y's rounding with threshold `draw` (see round_to_table). */
+INLINE i32x8 round_drawn(const struct grid *grid, f32x8 y, f32x8 draw, int small, f32x8 *value) {
     f32x8 zero = {0}, g = zero + grid->g;
     f32x8 u = y * grid->a + grid->c;
     u = blend(u > zero, u, zero); /* NaN -> 0 */
@@ -812,11 +834,16 @@ INLINE i32x8 round_to_table(const struct grid *grid, struct rng16 *rng, f32x8 y,
     u32x8 entry = cell_entries(grid, cell, small);
     f32x8 low = __builtin_convertvector((i32x8)(entry >> 8 & 0xFFF), f32x8);
     f32x8 width = __builtin_convertvector((i32x8)(entry >> 20), f32x8);
-    f32x8 draw = rng16_uniform8(rng);
-    if (strata) draw = stratified(strata, draw);
     i32x8 up = draw * width < u - low; /* -1 where it rounds up */
     if (value) *value = low + (f32x8)((i32x8)width & up); /* the table value T[index] */
     return (i32x8)(entry & 0xFF) - up;
+}
+
+INLINE i32x8 round_to_table(const struct grid *grid, struct rng16 *rng, f32x8 y, int small,
+                            f32x8 *value, struct strata *strata) {
+    f32x8 draw = rng16_uniform8(rng);
+    if (strata) draw = stratified(strata, draw);
+    return round_drawn(grid, y, draw, small, value);
 }
 
 struct quantizer {
@@ -859,9 +886,75 @@ INLINE void round_all(const struct grid *grid, struct rng16 *rng, float *y, size
     }
 }
 
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+
+/* The packed bytes of sixteen 4-bit indices, a (coordinates 0-7) and b (8-15): a 64-bit lane
+   of a | b << 8 holds indices 2k and 2k + 1 of each; shifted down 28 bits and merged, its byte
+   0 is a's pair and byte 1 b's, and one byte shuffle puts the eight bytes in order. */
+INLINE uint64_t nibbles16(i32x8 a, i32x8 b) {
+    u64x4 c = (u64x4)(a | b << 8);
+    c |= c >> 28;
+#if defined(__clang__) || __GNUC__ >= 12
+    u8x32 bytes = __builtin_shufflevector((u8x32)c, (u8x32)c, 0, 8, 16, 24, 1, 9, 17, 25, 0, 0,
+                                          0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                          0, 0, 0, 0);
+#else
+    u8x32 bytes = __builtin_shuffle((u8x32)c, (u8x32){0, 8, 16, 24, 1, 9, 17, 25});
+#endif
+    uint64_t packed;
+    memcpy(&packed, &bytes, sizeof packed);
+    return packed;
+}
+
+/* round_all for 4-bit indices of a small grid with independent thresholds, sixteen coordinates
+   a step: the two halves of the generator take their turns in program order (no branch on
+   whose turn it is), and the indices are packed in registers straight into `out` (no index
+   array, narrowing or packing pass). Starts at half 0; returns the coordinates it rounded, a
+   multiple of 16 whose bytes fit before `end`. */
+INLINE size_t round_pairs4(const struct grid *grid, struct rng16 *rng, float *y, size_t count,
+                           uint8_t *out, const uint8_t *end, float *error, float step,
+                           float offset, int own, float own_a, float own_c) {
+    size_t room = end > out ? (size_t)(end - out) * 2 : 0;
+    size_t done = MIN(count, room) / 16 * 16;
+    f32x8 step_v = (f32x8){0} + step, offset_v = (f32x8){0} + offset;
+    f32x8 one = (f32x8){0} + opaque_one;
+    for (size_t i = 0; i < done; i += 16) {
+        f32x8 value[2], v[2] = {load(y + i), load(y + i + LANES)};
+        i32x8 low = round_drawn(grid, v[0], rng8_uniform(&rng->half[0]), 1,
+                                error || own ? &value[0] : NULL);
+        i32x8 high = round_drawn(grid, v[1], rng8_uniform(&rng->half[1]), 1,
+                                 error || own ? &value[1] : NULL);
+        uint64_t packed = nibbles16(low, high);
+        memcpy(out + i / 2, &packed, sizeof packed);
+        for (int h = 0; h < 2; h++) {
+            if (error) store(error + i + h * LANES, v[h] - product_plus(value[h], step_v, offset_v, one));
+            if (own) store(y + i + h * LANES, value[h] * own_a + own_c);
+        }
+    }
+    return done;
+}
+
 /* Indices of y[0, count <= LEAF), packed at the place of coordinate `offset` (a multiple of 8). */
 MULTIVERSION static void quantize_leaf(void *state, float *y, size_t offset, size_t count) {
     struct quantizer *q = state;
+    if (q->bits == 4 && q->grid.small && !q->strata.n && !q->rng.next) {
+        const struct grid grid = q->grid;
+        struct rng16 rng = q->rng;
+        uint8_t *out = q->out + offset / 2;
+        float *error = q->error ? q->error + offset : NULL;
+        size_t done;
+        if (q->own)
+            done = round_pairs4(&grid, &rng, y, count, out, q->end, NULL, 0, 0, 1, q->own_a,
+                                q->own_c);
+        else if (error)
+            done = round_pairs4(&grid, &rng, y, count, out, q->end, error, q->step, q->offset,
+                                0, 0, 0);
+        else
+            done = round_pairs4(&grid, &rng, y, count, out, q->end, NULL, 0, 0, 0, 0, 0);
+        q->rng = rng;
+        y += done, offset += done, count -= done;
+        if (!count) return;
+    }
     /* locals, kept in registers: stores to the arrays cannot alias them */
     const struct grid grid = q->grid;
     struct rng16 rng = q->rng;
@@ -1120,10 +1213,11 @@ MULTIVERSION static void dequantize_leaf(void *state, float *y, size_t offset, s
         uint16_t wide[LEAF];
     } sums;
     unpack(d->in + offset / 8 * d->w, d->end, d->w, count, &sums);
+    const float a = d->a, c = d->c; /* locals: a store to y could alias the fields */
     if (d->w <= 8)
-        for (size_t i = 0; i < count; i++) y[i] = (float)sums.narrow[i] * d->a + d->c;
+        for (size_t i = 0; i < count; i++) y[i] = (float)sums.narrow[i] * a + c;
     else
-        for (size_t i = 0; i < count; i++) y[i] = (float)sums.wide[i] * d->a + d->c;
+        for (size_t i = 0; i < count; i++) y[i] = (float)sums.wide[i] * a + c;
 }
 
 #if HAVE_WIDE
