@@ -886,72 +886,123 @@ INLINE void round_all(const struct grid *grid, struct rng16 *rng, float *y, size
     }
 }
 
-typedef uint8_t u8x32 __attribute__((vector_size(32)));
+#if defined(__x86_64__)
+#define HAVE_V3 1
+#define V3_INLINE static inline __attribute__((always_inline, target("arch=x86-64-v3")))
+#define V3 static __attribute__((target("arch=x86-64-v3")))
+
+static int have_v3; /* set at load time where the CPU has x86-64-v3 (AVX2, FMA, BMI2) */
+
+/* round_drawn for a small grid with AVX2's blends: each selection one instruction on the
+   sign of its mask (GNU C's vectors make three of an and, andnot and or), and the clamps a
+   max and a min, which give what the blends give (NaN and -0 become 0, as max returns its
+   second operand where the first is NaN or the two are equal). */
+V3_INLINE i32x8 round_drawn_v3(const struct grid *grid, const __m256i *parts, f32x8 y,
+                               f32x8 draw, f32x8 *value) {
+    f32x8 u = y * grid->a + grid->c;
+    u = (f32x8)_mm256_max_ps((__m256)u, _mm256_setzero_ps());
+    u = (f32x8)_mm256_min_ps((__m256)u, _mm256_set1_ps(grid->g));
+    __m256i cell = _mm256_cvttps_epi32((__m256)u); /* truncation: floor, as u >= 0 */
+    /* each part permuted by the cell's low three bits, then chosen by bits 3 and 4 */
+    __m256 bit3 = _mm256_castsi256_ps(_mm256_slli_epi32(cell, 28));
+    __m256 bit4 = _mm256_castsi256_ps(_mm256_slli_epi32(cell, 27));
+    __m256 low_parts = _mm256_blendv_ps(_mm256_castsi256_ps(_mm256_permutevar8x32_epi32(parts[0], cell)),
+                                        _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(parts[1], cell)), bit3);
+    __m256 high_parts = _mm256_blendv_ps(_mm256_castsi256_ps(_mm256_permutevar8x32_epi32(parts[2], cell)),
+                                         _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(parts[3], cell)), bit3);
+    u32x8 entry = (u32x8)_mm256_castps_si256(_mm256_blendv_ps(low_parts, high_parts, bit4));
+    f32x8 low = __builtin_convertvector((i32x8)(entry >> 8 & 0xFFF), f32x8);
+    f32x8 width = __builtin_convertvector((i32x8)(entry >> 20), f32x8);
+    i32x8 up = draw * width < u - low; /* -1 where it rounds up */
+    if (value) *value = low + (f32x8)((i32x8)width & up); /* the table value T[index] */
+    return (i32x8)(entry & 0xFF) - up;
+}
 
 /* The packed bytes of sixteen 4-bit indices, a (coordinates 0-7) and b (8-15): a 64-bit lane
    of a | b << 8 holds indices 2k and 2k + 1 of each; shifted down 28 bits and merged, its byte
-   0 is a's pair and byte 1 b's, and one byte shuffle puts the eight bytes in order. */
-INLINE uint64_t nibbles16(i32x8 a, i32x8 b) {
-    u64x4 c = (u64x4)(a | b << 8);
-    c |= c >> 28;
-#if defined(__clang__) || __GNUC__ >= 12
-    u8x32 bytes = __builtin_shufflevector((u8x32)c, (u8x32)c, 0, 8, 16, 24, 1, 9, 17, 25, 0, 0,
-                                          0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                          0, 0, 0, 0);
-#else
-    u8x32 bytes = __builtin_shuffle((u8x32)c, (u8x32){0, 8, 16, 24, 1, 9, 17, 25});
-#endif
-    uint64_t packed;
-    memcpy(&packed, &bytes, sizeof packed);
-    return packed;
+   0 is a's pair and byte 1 b's, and a byte shuffle in each half and a merge of the halves put
+   the eight bytes in order. */
+V3_INLINE uint64_t nibbles16(i32x8 a, i32x8 b) {
+    __m256i c = (__m256i)(a | b << 8);
+    c = _mm256_or_si256(c, _mm256_srli_epi64(c, 28));
+    c = _mm256_shuffle_epi8(c, _mm256_setr_epi8(0, 8, -1, -1, 1, 9, -1, -1, -1, -1, -1, -1, -1,
+                                                -1, -1, -1, -1, -1, 0, 8, -1, -1, 1, 9, -1, -1,
+                                                -1, -1, -1, -1, -1, -1));
+    __m128i both = _mm_or_si128(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    return (uint64_t)_mm_cvtsi128_si64(both);
 }
 
-/* round_all for 4-bit indices of a small grid with independent thresholds, sixteen coordinates
-   a step: the two halves of the generator take their turns in program order (no branch on
-   whose turn it is), and the indices are packed in registers straight into `out` (no index
-   array, narrowing or packing pass). Starts at half 0; returns the coordinates it rounded, a
-   multiple of 16 whose bytes fit before `end`. */
-INLINE size_t round_pairs4(const struct grid *grid, struct rng16 *rng, float *y, size_t count,
-                           uint8_t *out, const uint8_t *end, float *error, float step,
-                           float offset, int own, float own_a, float own_c) {
+/* The rounding of a small grid's 4-bit indices with independent thresholds, sixteen
+   coordinates a step: the two halves of the generator take their turns in program order (no
+   branch on whose turn it is), and the indices are packed in registers straight into `out`
+   (no index array, narrowing or packing pass). Starts at half 0; returns the coordinates it
+   rounded, a multiple of 16 whose bytes fit before `end`. */
+V3_INLINE size_t round_pairs4(const struct grid *grid, struct rng16 *rng, float *y, size_t count,
+                              uint8_t *out, const uint8_t *end, float *error, float step,
+                              float offset, int own, float own_a, float own_c) {
     size_t room = end > out ? (size_t)(end - out) * 2 : 0;
     size_t done = MIN(count, room) / 16 * 16;
     f32x8 step_v = (f32x8){0} + step, offset_v = (f32x8){0} + offset;
     f32x8 one = (f32x8){0} + opaque_one;
+    __m256i parts[SMALL_GRID / LANES];
+    memcpy(parts, grid->table, sizeof parts);
+    /* error feedback's memory is read again a round later, after the other partitions' work
+       has gone through the caches: stored past them, its lines are not read first (a write
+       miss reads the line it fills); the caller fences before the memory is read */
+    int stream_error = error && (uintptr_t)error % 32 == 0;
     for (size_t i = 0; i < done; i += 16) {
         f32x8 value[2], v[2] = {load(y + i), load(y + i + LANES)};
-        i32x8 low = round_drawn(grid, v[0], rng8_uniform(&rng->half[0]), 1,
-                                error || own ? &value[0] : NULL);
-        i32x8 high = round_drawn(grid, v[1], rng8_uniform(&rng->half[1]), 1,
-                                 error || own ? &value[1] : NULL);
+        i32x8 low = round_drawn_v3(grid, parts, v[0], rng8_uniform(&rng->half[0]),
+                                   error || own ? &value[0] : NULL);
+        i32x8 high = round_drawn_v3(grid, parts, v[1], rng8_uniform(&rng->half[1]),
+                                    error || own ? &value[1] : NULL);
         uint64_t packed = nibbles16(low, high);
         memcpy(out + i / 2, &packed, sizeof packed);
         for (int h = 0; h < 2; h++) {
-            if (error) store(error + i + h * LANES, v[h] - product_plus(value[h], step_v, offset_v, one));
+            f32x8 e = v[h] - product_plus(value[h], step_v, offset_v, one);
+            if (error && stream_error)
+                _mm256_stream_ps(error + i + h * LANES, (__m256)e);
+            else if (error)
+                store(error + i + h * LANES, e);
             if (own) store(y + i + h * LANES, value[h] * own_a + own_c);
         }
     }
     return done;
 }
 
+/* The coordinates of a leaf that round_pairs4 rounds and packs (0 where it does not apply:
+   other widths, large grids, correlated rounding, a leaf starting at the generator's second
+   half, or a CPU without AVX2). */
+V3 size_t quantize_pairs4(struct quantizer *q, float *y, size_t offset, size_t count) {
+    const struct grid grid = q->grid; /* locals: the output's stores could alias the fields */
+    struct rng16 rng = q->rng;
+    uint8_t *out = q->out + offset / 2;
+    float *error = q->error ? q->error + offset : NULL;
+    size_t done;
+    if (q->own)
+        done = round_pairs4(&grid, &rng, y, count, out, q->end, NULL, 0, 0, 1, q->own_a, q->own_c);
+    else if (error)
+        done = round_pairs4(&grid, &rng, y, count, out, q->end, error, q->step, q->offset, 0, 0,
+                            0);
+    else
+        done = round_pairs4(&grid, &rng, y, count, out, q->end, NULL, 0, 0, 0, 0, 0);
+    q->rng = rng;
+    return done;
+}
+#else
+#define HAVE_V3 0
+static const int have_v3 = 0;
+static size_t quantize_pairs4(struct quantizer *q, float *y, size_t offset, size_t count) {
+    (void)q, (void)y, (void)offset, (void)count;
+    return 0;
+}
+#endif
+
 /* Indices of y[0, count <= LEAF), packed at the place of coordinate `offset` (a multiple of 8). */
 MULTIVERSION static void quantize_leaf(void *state, float *y, size_t offset, size_t count) {
     struct quantizer *q = state;
-    if (q->bits == 4 && q->grid.small && !q->strata.n && !q->rng.next) {
-        const struct grid grid = q->grid;
-        struct rng16 rng = q->rng;
-        uint8_t *out = q->out + offset / 2;
-        float *error = q->error ? q->error + offset : NULL;
-        size_t done;
-        if (q->own)
-            done = round_pairs4(&grid, &rng, y, count, out, q->end, NULL, 0, 0, 1, q->own_a,
-                                q->own_c);
-        else if (error)
-            done = round_pairs4(&grid, &rng, y, count, out, q->end, error, q->step, q->offset,
-                                0, 0, 0);
-        else
-            done = round_pairs4(&grid, &rng, y, count, out, q->end, NULL, 0, 0, 0, 0, 0);
-        q->rng = rng;
+    if (have_v3 && q->bits == 4 && q->grid.small && !q->strata.n && !q->rng.next) {
+        size_t done = quantize_pairs4(q, y, offset, count);
         y += done, offset += done, count -= done;
         if (!count) return;
     }
@@ -1566,6 +1617,61 @@ static void squares_span16(const float *x, const float *e, float *out, size_t co
 }
 #endif
 
+/* squares_span16 eight floats wide: the 64 lanes in two halves of 32, each half a pass over
+   the span (four accumulators of each sum, twelve registers of sixteen, where 64 lanes at once
+   would spill 24); each lane adds the same squares in the same order, so the same bits. `out`
+   may be x: every coordinate is read before it is written, once. */
+MULTIVERSION static void squares_span8(const float *x, const float *e, float *out, size_t count,
+                                       float *sums_x, float *sums_e, float *sums_out) {
+    enum { HALF = SQUARES_LANES / 2, VECTORS = HALF / LANES };
+    f32x8 one = (f32x8){0} + opaque_one;
+    size_t whole = count / SQUARES_LANES * SQUARES_LANES;
+    float tail_x[SQUARES_LANES] = {0}, tail_e[SQUARES_LANES] = {0};
+    if (whole < count) {
+        memcpy(tail_x, x + whole, (count - whole) * sizeof(float));
+        if (e) memcpy(tail_e, e + whole, (count - whole) * sizeof(float));
+    }
+    for (size_t half = 0; half < 2; half++) {
+        f32x8 sx[VECTORS] = {{0}}, se[VECTORS] = {{0}}, so[VECTORS] = {{0}};
+        for (size_t i = half * HALF; i < whole; i += SQUARES_LANES)
+#pragma GCC unroll 4
+            for (int v = 0; v < VECTORS; v++) {
+                f32x8 a = load(x + i + v * LANES);
+                sx[v] = (a * a) * one + sx[v];
+                if (e) {
+                    f32x8 b = load(e + i + v * LANES), c = a + b;
+                    se[v] = (b * b) * one + se[v];
+                    if (sums_out) so[v] = (c * c) * one + so[v];
+                    store(out + i + v * LANES, c);
+                }
+            }
+        if (whole < count)
+            for (int v = 0; v < VECTORS; v++) {
+                f32x8 a = load(tail_x + half * HALF + v * LANES);
+                f32x8 b = load(tail_e + half * HALF + v * LANES), c = a + b;
+                sx[v] = (a * a) * one + sx[v];
+                se[v] = (b * b) * one + se[v];
+                so[v] = (c * c) * one + so[v];
+            }
+        for (int v = 0; v < VECTORS; v++) {
+            memcpy(sums_x + half * HALF + v * LANES, &sx[v], sizeof sx[v]);
+            if (e) memcpy(sums_e + half * HALF + v * LANES, &se[v], sizeof se[v]);
+            if (sums_out) memcpy(sums_out + half * HALF + v * LANES, &so[v], sizeof so[v]);
+        }
+    }
+    if (e)
+        for (size_t k = whole; k < count; k++) out[k] = tail_x[k - whole] + tail_e[k - whole];
+}
+
+/* One span's sums (and x + e), at whichever width the CPU runs. */
+static void squares_span(const float *x, const float *e, float *out, size_t count,
+                         float *sums_x, float *sums_e, float *sums_out) {
+    if (use_wide)
+        squares_span16(x, e, out, count, sums_x, sums_e, sums_out);
+    else
+        squares_span8(x, e, out, count, sums_x, sums_e, sums_out);
+}
+
 /* The float32 lane sums of a span, added to s in float64 (squares_add's last step). */
 static void squares_lanes_add(struct squares *s, const float *sums) {
     for (int lane = 0; lane < SQUARES_LANES; lane++) s->lane[lane] += (double)sums[lane];
@@ -1637,16 +1743,10 @@ MULTIVERSION static void accumulate(const float *x, const float *e, float *out, 
     size_t count = pieces ? pieces : 1, p = 0, at = 0; /* piece p's next span starts at `at` */
     for (size_t g = 0; g < n; g += SQUARES_SPAN) {
         size_t m = MIN((size_t)SQUARES_SPAN, n - g);
-        if (use_wide) { /* one loop: x + e and both squares */
-            float sums_x[SQUARES_LANES], sums_e[SQUARES_LANES];
-            squares_span16(x + g, e + g, out + g, m, sums_x, sums_e, NULL);
-            squares_lanes_add(&sx, sums_x);
-            squares_lanes_add(&se, sums_e);
-        } else {
-            for (size_t k = g; k < g + m; k++) out[k] = x[k] + e[k];
-            squares_add(&sx, x + g, m);
-            squares_add(&se, e + g, m);
-        }
+        float sums_x[SQUARES_LANES], sums_e[SQUARES_LANES]; /* one loop: x + e, both squares */
+        squares_span(x + g, e + g, out + g, m, sums_x, sums_e, NULL);
+        squares_lanes_add(&sx, sums_x);
+        squares_lanes_add(&se, sums_e);
         while (p < count) {
             size_t end = pieces ? (size_t)ends[p] : n;
             size_t stop = MIN(at + SQUARES_SPAN, end);
@@ -1804,20 +1904,15 @@ struct measured_leaves {
 
 static void measure_leaf(void *state, float *leaf, size_t offset, size_t count) {
     struct measured_leaves *m = state;
-    if (use_wide && m->addend) { /* one loop: the leaf is a span of its own (LEAF) */
+    if (m->addend) { /* one loop: the leaf is a span of its own (LEAF) */
         float rotated[SQUARES_LANES], added[SQUARES_LANES], total[SQUARES_LANES];
-        squares_span16(leaf, m->addend + offset, leaf, count, rotated, added, total);
+        squares_span(leaf, m->addend + offset, leaf, count, rotated, added, total);
         squares_lanes_add(&m->rotated, rotated);
         squares_lanes_add(&m->added, added);
         squares_lanes_add(&m->total, total);
         return;
     }
     squares_add(&m->rotated, leaf, count);
-    if (m->addend) {
-        squares_add(&m->added, m->addend + offset, count);
-        add_leaf((void *)m->addend, leaf, offset, count);
-        squares_add(&m->total, leaf, count);
-    }
 }
 
 PyDoc_STRVAR(rotate_doc,
@@ -2168,6 +2263,9 @@ PyMODINIT_FUNC PyInit__kernels(void) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     have_avx2 = __builtin_cpu_supports("avx2");
+#if HAVE_V3
+    have_v3 = __builtin_cpu_supports("x86-64-v3");
+#endif
 #if HAVE_WIDE
     have_vbmi = __builtin_cpu_supports("avx512vbmi");
 #endif
