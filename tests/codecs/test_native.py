@@ -297,24 +297,70 @@ def width(request):
     kernels.wide(was)
 
 
-def _in_both_widths(make):
-    """make() with the eight-wide kernels and with the sixteen-wide ones."""
-    kernels = native._kernels
-    was = kernels.wide()
+def _both_ways(switch, make):
+    """make() with a kernel switch (``wide``, ``paired``) off and then on."""
+    was = switch()
     try:
-        kernels.wide(False)
-        narrow = make()
-        kernels.wide(True)
-        wide = make()
+        switch(False)
+        off = make()
+        switch(True)
+        on = make()
     finally:
-        kernels.wide(was)
-    return narrow, wide
+        switch(was)
+    return off, on
 
 
 # blocks of 8 (the eight-wide kernels' alone), 16, one leaf, several chunks; padded lengths; a
 # default partition of 2**20, whose block does not fit L2 (the transform parks it in memory)
 WIDTH_ROTATIONS = [(1000, 8), (4096 + 40, 16), (5000, None), (40_000, 16_384),
                    ((1 << 18) + 77, None), (3 << 17, None), (1 << 20, None)]  # fmt: skip
+
+
+def _kernel_outputs(length, block, options):
+    """Every native kernel's output on one input: rotations (plain, added to), encodes (with
+    strata, with own reconstruction and tensor scales, unrotated with error feedback's error),
+    inverses and residuals, decodes of narrow and wide sums (plain, scaled, unrotated)."""
+    correlated = options.get("correlated", False)
+    codec = THC(workers=3, rotation_block=block, **options)
+    x = _random(length, seed=length)
+    cells, g = codec._tables(x.device).cell_entries, codec.granularity
+    strata = (1234, 3, 1) if correlated else None
+    pieces = (length // 3, 17, length - length // 3 - 17)
+    ends = torch.cumsum(torch.tensor(pieces), 0)
+    factors = torch.tensor([0.5, 3.0, 1.7])
+    rotation = Rotation(length, block, seed=7, device="cpu")
+    n = rotation.padded
+    sums = _random(n, seed=3, high=1 << 7, dtype=torch.int64)
+    wide_sums = _random(n, seed=4, high=1 << 12, dtype=torch.int64)
+    args = (3.0, g / 2, g, cells, 11, codec.bits)
+    results = [
+        native.rotate(x, rotation).clone(),
+        native.rotate(x, rotation, add=x.new_ones(n)).clone(),
+    ]
+    results.append(native.encode(x, rotation, *args, strata=strata))
+    results.append(native.encode(x, rotation, *args, own=(0.25, -3.0), pieces=(ends, factors)))
+    results.append(rotation.scratch.clone())
+    results.append(native.inverse(rotation).clone())
+    native.encode(x, rotation, *args, own=(0.25, -3.0))
+    results.append(native.inverse_residual(rotation, x, (ends, factors)))
+    native.encode(x, rotation, *args, own=(0.25, -3.0))
+    results.append(native.inverse_residual(rotation, x, None))
+    error = torch.empty(length)
+    results.append(native.encode(x, None, *args, error=(error, 0.1, -1.5), strata=strata))
+    results.append(error)
+    for values, width in ((sums, 7), (wide_sums, 12)):
+        packed = pack_bits(values, width)
+        results.append(native.decode(packed, width, n, 0.1, -3.0, rotation).clone())
+        results.append(native.decode(packed, width, n, 0.1, -3.0, rotation,
+                                     pieces=(ends, factors))[:length].clone())  # fmt: skip
+        results.append(native.decode(packed, width, n, 0.1, -3.0, None).clone())
+    return results
+
+
+def _assert_same_outputs(first, second):
+    assert all(r is not None for r in first)
+    for i, (a, b) in enumerate(zip(first, second, strict=True)):
+        assert torch.equal(a, b), f"output {i}: {int((a != b).sum())} of {a.numel()} differ"
 
 
 @pytest.mark.parametrize(("length", "block"), WIDTH_ROTATIONS)
@@ -328,48 +374,29 @@ def test_the_wide_kernels_give_the_narrow_kernels_bits(length, block, options):
     """The AVX-512 kernels run the transform's stages in the same order and draw the same
     uniforms: every output is bit for bit the eight-wide kernels', so workers on either CPU
     decode the same averages. The bug feared: a lane, a sign bit or a draw out of place."""
-    correlated = options.get("correlated", False)
-    codec = THC(workers=3, rotation_block=block, **options)
-    x = _random(length, seed=length)
-    cells, g = codec._tables(x.device).cell_entries, codec.granularity
-    strata = (1234, 3, 1) if correlated else None
-    pieces = (length // 3, 17, length - length // 3 - 17)
-    ends = torch.cumsum(torch.tensor(pieces), 0)
-    factors = torch.tensor([0.5, 3.0, 1.7])
+    narrow, wide = _both_ways(native._kernels.wide,
+                              lambda: _kernel_outputs(length, block, options))  # fmt: skip
+    _assert_same_outputs(narrow, wide)
 
-    def outputs():
-        rotation = Rotation(length, block, seed=7, device="cpu")
-        n = rotation.padded
-        sums = _random(n, seed=3, high=1 << 7, dtype=torch.int64)
-        wide_sums = _random(n, seed=4, high=1 << 12, dtype=torch.int64)
-        args = (3.0, g / 2, g, cells, 11, codec.bits)
-        results = [
-            native.rotate(x, rotation).clone(),
-            native.rotate(x, rotation, add=x.new_ones(n)).clone(),
-        ]
-        results.append(native.encode(x, rotation, *args, strata=strata))
-        results.append(native.encode(x, rotation, *args, own=(0.25, -3.0), pieces=(ends, factors)))
-        results.append(rotation.scratch.clone())
-        results.append(native.inverse(rotation).clone())
-        native.encode(x, rotation, *args, own=(0.25, -3.0))
-        results.append(native.inverse_residual(rotation, x, (ends, factors)))
-        native.encode(x, rotation, *args, own=(0.25, -3.0))
-        results.append(native.inverse_residual(rotation, x, None))
-        error = torch.empty(length)
-        results.append(native.encode(x, None, *args, error=(error, 0.1, -1.5), strata=strata))
-        results.append(error)
-        for values, width in ((sums, 7), (wide_sums, 12)):
-            packed = pack_bits(values, width)
-            results.append(native.decode(packed, width, n, 0.1, -3.0, rotation).clone())
-            results.append(native.decode(packed, width, n, 0.1, -3.0, rotation,
-                                         pieces=(ends, factors))[:length].clone())  # fmt: skip
-            results.append(native.decode(packed, width, n, 0.1, -3.0, None).clone())
-        return results
 
-    narrow, wide = _in_both_widths(outputs)
-    assert all(r is not None for r in narrow)
-    for i, (a, b) in enumerate(zip(narrow, wide, strict=True)):
-        assert torch.equal(a, b), f"output {i}: {int((a != b).sum())} of {a.numel()} differ"
+@pytest.mark.parametrize(("length", "block"), [*WIDTH_ROTATIONS, (40, None), (4096 + 8, None)])
+@pytest.mark.parametrize("options", [{}, {"granularity": 31}], ids=["4-bits", "31-cells"])
+def test_the_paired_rounding_gives_the_generic_rounding_bits(length, block, options):
+    """The AVX2 rounding of 4-bit indices (the generator's two halves in program order, the
+    grid's cells chosen by blends, the indices packed in registers) gives the generic eight-wide
+    loop's payloads, error and own reconstruction bit for bit, leaf tails and short inputs
+    included. The bugs feared: a nibble out of place, a half drawn out of turn, a cell of the
+    upper parts of the grid chosen wrong."""
+    if not native._kernels.paired():
+        pytest.skip("the paired rounding needs AVX2")
+    was = native._kernels.wide()
+    native._kernels.wide(False)  # the eight-wide path is where the paired rounding runs
+    try:
+        generic, paired = _both_ways(native._kernels.paired,
+                                     lambda: _kernel_outputs(length, block, options))  # fmt: skip
+    finally:
+        native._kernels.wide(was)
+    _assert_same_outputs(generic, paired)
 
 
 @pytest.mark.parametrize(("length", "block"), [(5000, None), ((1 << 18) + 77, None), (3000, 1024)])

@@ -892,6 +892,7 @@ INLINE void round_all(const struct grid *grid, struct rng16 *rng, float *y, size
 #define V3 static __attribute__((target("arch=x86-64-v3")))
 
 static int have_v3; /* set at load time where the CPU has x86-64-v3 (AVX2, FMA, BMI2) */
+static int use_paired; /* round_pairs4 runs (have_v3 unless ``paired(False)``) */
 
 /* round_drawn for a small grid with AVX2's blends: each selection one instruction on the
    sign of its mask (GNU C's vectors make three of an and, andnot and or), and the clamps a
@@ -991,7 +992,7 @@ V3 size_t quantize_pairs4(struct quantizer *q, float *y, size_t offset, size_t c
 }
 #else
 #define HAVE_V3 0
-static const int have_v3 = 0;
+static const int have_v3 = 0, use_paired = 0;
 static size_t quantize_pairs4(struct quantizer *q, float *y, size_t offset, size_t count) {
     (void)q, (void)y, (void)offset, (void)count;
     return 0;
@@ -1001,7 +1002,7 @@ static size_t quantize_pairs4(struct quantizer *q, float *y, size_t offset, size
 /* Indices of y[0, count <= LEAF), packed at the place of coordinate `offset` (a multiple of 8). */
 MULTIVERSION static void quantize_leaf(void *state, float *y, size_t offset, size_t count) {
     struct quantizer *q = state;
-    if (have_v3 && q->bits == 4 && q->grid.small && !q->strata.n && !q->rng.next) {
+    if (use_paired && q->bits == 4 && q->grid.small && !q->strata.n && !q->rng.next) {
         size_t done = quantize_pairs4(q, y, offset, count);
         y += done, offset += done, count -= done;
         if (!count) return;
@@ -2232,8 +2233,24 @@ static PyObject *py_wide(PyObject *Py_UNUSED(self), PyObject *args) {
     return PyBool_FromLong(use_wide);
 }
 
+PyDoc_STRVAR(paired_doc,
+             "paired([on]) -> bool\n"
+             "Whether the AVX2 rounding of 4-bit indices (sixteen coordinates a step, packed in\n"
+             "registers) runs; with `on`, switches it on (where the CPU has AVX2) or off first:\n"
+             "tests compare it with the generic rounding bit for bit.");
+
+static PyObject *py_paired(PyObject *Py_UNUSED(self), PyObject *args) {
+    int on = -1;
+    if (!PyArg_ParseTuple(args, "|p", &on)) return NULL;
+#if HAVE_V3
+    if (on >= 0) use_paired = on && have_v3;
+#endif
+    return PyBool_FromLong(use_paired);
+}
+
 static PyMethodDef methods[] = {
     {"wide", py_wide, METH_VARARGS, wide_doc},
+    {"paired", py_paired, METH_VARARGS, paired_doc},
     {"fwht", py_fwht, METH_VARARGS, fwht_doc},
     {"encode", py_encode, METH_VARARGS, encode_doc},
     {"rotate", py_rotate, METH_VARARGS, rotate_doc},
@@ -2264,7 +2281,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     __builtin_cpu_init();
     have_avx2 = __builtin_cpu_supports("avx2");
 #if HAVE_V3
-    have_v3 = __builtin_cpu_supports("x86-64-v3");
+    use_paired = have_v3 = __builtin_cpu_supports("x86-64-v3");
 #endif
 #if HAVE_WIDE
     have_vbmi = __builtin_cpu_supports("avx512vbmi");
