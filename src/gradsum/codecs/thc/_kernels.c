@@ -122,26 +122,24 @@ struct source {
     size_t pieces; /* 0: no factors */
 };
 
-/* The factors of coordinates i..i+7 (those past the last piece: 1). */
-INLINE f32x8 piece_factors(const struct source *in, size_t i) {
-    size_t low = 0, high = in->pieces; /* the first piece that ends after i */
-    while (low < high) {
-        size_t mid = (low + high) / 2;
-        if ((size_t)in->ends[mid] > i) high = mid;
-        else low = mid + 1;
-    }
-    if (low < in->pieces && (size_t)in->ends[low] >= i + LANES)
-        return (f32x8){0} + in->factors[low];
+/* The factors of coordinates i..i+7 (those past the last piece: 1). `cursor`: a piece at or
+   before i's; a pass reads each column's coordinates in increasing order, so it keeps one per
+   column and finds the piece in a compare or two, not a search. */
+INLINE f32x8 piece_factors(const struct source *in, size_t i, size_t *cursor) {
+    size_t c = *cursor;
+    while (c < in->pieces && (size_t)in->ends[c] <= i) c++;
+    *cursor = c;
+    if (c < in->pieces && (size_t)in->ends[c] >= i + LANES) return (f32x8){0} + in->factors[c];
     f32x8 d;
     for (int lane = 0; lane < LANES; lane++) {
-        while (low < in->pieces && (size_t)in->ends[low] <= i + lane) low++;
-        d[lane] = low < in->pieces ? in->factors[low] : 1.0f;
+        while (c < in->pieces && (size_t)in->ends[c] <= i + lane) c++;
+        d[lane] = c < in->pieces ? in->factors[c] : 1.0f;
     }
     return d;
 }
 
 /* Coordinates i..i+7 of the source; `finite` stays zero unless one of them is an Inf or NaN. */
-INLINE f32x8 source_load(const struct source *in, size_t i, f32x8 *finite) {
+INLINE f32x8 source_load(const struct source *in, size_t i, f32x8 *finite, size_t *cursor) {
     f32x8 v;
     if (i + LANES <= in->length) {
         v = load(in->src + i);
@@ -150,7 +148,7 @@ INLINE f32x8 source_load(const struct source *in, size_t i, f32x8 *finite) {
         if (i < in->length) memcpy(tail, in->src + i, (in->length - i) * sizeof(float));
         v = load(tail);
     }
-    if (in->pieces) v *= piece_factors(in, i);
+    if (in->pieces) v *= piece_factors(in, i, cursor);
     *finite += v - v;
     return apply_signs(v * in->scale, in->signs[i / LANES]);
 }
@@ -189,12 +187,13 @@ INLINE void radix_pass(float *x, size_t from, size_t n, size_t h, int k, int lan
        them), so read through the pointer they would be read again after every store */
     struct source local = source ? *source : (struct source){0};
     const struct source *in = source ? &local : NULL;
+    size_t cursor[1 << RADIX_LOG] = {0}; /* each column's piece (see piece_factors) */
     for (size_t base = from; base < from + n; base += h << k)
         for (size_t j = base; j < base + h; j += LANES) {
             f32x8 v[1 << RADIX_LOG];
 #pragma GCC unroll 8
             for (int m = 0; m < 1 << k; m++)
-                v[m] = in ? source_load(in, j + m * h, &clean) : load(x + j + m * h);
+                v[m] = in ? source_load(in, j + m * h, &clean, &cursor[m]) : load(x + j + m * h);
             if (lanes)
 #pragma GCC unroll 8
                 for (int m = 0; m < 1 << k; m++) v[m] = lane_stages(v[m]);
