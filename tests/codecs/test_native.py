@@ -298,7 +298,7 @@ def width(request):
 
 
 def _both_ways(switch, make):
-    """make() with a kernel switch (``wide``, ``paired``) off and then on."""
+    """make() with a kernel switch (``wide``, ``v3``) off and then on."""
     was = switch()
     try:
         switch(False)
@@ -381,22 +381,42 @@ def test_the_wide_kernels_give_the_narrow_kernels_bits(length, block, options):
 
 @pytest.mark.parametrize(("length", "block"), [*WIDTH_ROTATIONS, (40, None), (4096 + 8, None)])
 @pytest.mark.parametrize("options", [{}, {"granularity": 31}], ids=["4-bits", "31-cells"])
-def test_the_paired_rounding_gives_the_generic_rounding_bits(length, block, options):
-    """The AVX2 rounding of 4-bit indices (the generator's two halves in program order, the
-    grid's cells chosen by blends, the indices packed in registers) gives the generic eight-wide
-    loop's payloads, error and own reconstruction bit for bit, leaf tails and short inputs
-    included. The bugs feared: a nibble out of place, a half drawn out of turn, a cell of the
-    upper parts of the grid chosen wrong."""
-    if not native._kernels.paired():
-        pytest.skip("the paired rounding needs AVX2")
+def test_the_avx2_paths_give_the_generic_paths_bits(length, block, options):
+    """The x86-64-v3 paths (the 4-bit rounding: the generator's two halves in program order,
+    the grid's cells chosen by blends, the indices packed in registers; the dequantization of
+    sums read straight from their packed bytes) give the generic eight-wide loops' outputs bit
+    for bit, leaf tails and short inputs included. The bugs feared: a nibble out of place, a
+    half drawn out of turn, a cell of the grid's upper parts chosen wrong, a sum's bits taken
+    from the wrong byte or shift."""
+    if not native._kernels.v3():
+        pytest.skip("the x86-64-v3 paths need AVX2")
     was = native._kernels.wide()
-    native._kernels.wide(False)  # the eight-wide path is where the paired rounding runs
+    native._kernels.wide(False)  # the eight-wide path is where the x86-64-v3 paths run
     try:
-        generic, paired = _both_ways(native._kernels.paired,
-                                     lambda: _kernel_outputs(length, block, options))  # fmt: skip
+        generic, v3 = _both_ways(native._kernels.v3,
+                                 lambda: _kernel_outputs(length, block, options))  # fmt: skip
     finally:
         native._kernels.wide(was)
-    _assert_same_outputs(generic, paired)
+    _assert_same_outputs(generic, v3)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("count", [8, 4096, 4096 * 3 + 40, 77])
+def test_the_avx2_dequantization_reads_every_sum_width(bits, count):
+    """Sums of 1 to 8 bits (4 workers' 4-bit indices sum to 7; 8 workers' to 8), decoded
+    unrotated by the x86-64-v3 path against the generic unpacking, on lengths that end
+    mid-group and mid-leaf: the same values, and the sums themselves recovered."""
+    if not native._kernels.v3():
+        pytest.skip("the x86-64-v3 paths need AVX2")
+    sums = _random(count, seed=bits, high=1 << bits, dtype=torch.int64)
+    packed = pack_bits(sums, bits)
+
+    def decode():
+        return native.decode(packed, bits, count, 1.0, 0.0, None).clone()
+
+    generic, v3 = _both_ways(native._kernels.v3, decode)
+    assert torch.equal(generic, v3)
+    assert torch.equal(v3, sums.to(torch.float32))
 
 
 @pytest.mark.parametrize(("length", "block"), [(5000, None), ((1 << 18) + 77, None), (3000, 1024)])

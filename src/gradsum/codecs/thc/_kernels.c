@@ -49,6 +49,18 @@ the eight-wide code's bits (``wide(False)`` switches them off, for tests to comp
 #define INLINE static inline __attribute__((always_inline))
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
 
+/* Code for x86-64-v3 (AVX2, FMA, BMI2) alone, run where the CPU has it. */
+#if defined(__x86_64__)
+#define HAVE_V3 1
+#define V3_INLINE static inline __attribute__((always_inline, target("arch=x86-64-v3")))
+#define V3 static __attribute__((target("arch=x86-64-v3")))
+static int have_v3; /* set at load time */
+static int use_v3;  /* the x86-64-v3 paths run: have_v3 unless switched off (``v3(False)``) */
+#else
+#define HAVE_V3 0
+static const int have_v3 = 0, use_v3 = 0;
+#endif
+
 /* Orders a kernel's streaming stores before whatever reads their values next. */
 INLINE void store_fence(void) {
 #if defined(__x86_64__)
@@ -885,14 +897,7 @@ INLINE void round_all(const struct grid *grid, struct rng16 *rng, float *y, size
     }
 }
 
-#if defined(__x86_64__)
-#define HAVE_V3 1
-#define V3_INLINE static inline __attribute__((always_inline, target("arch=x86-64-v3")))
-#define V3 static __attribute__((target("arch=x86-64-v3")))
-
-static int have_v3; /* set at load time where the CPU has x86-64-v3 (AVX2, FMA, BMI2) */
-static int use_paired; /* round_pairs4 runs (have_v3 unless ``paired(False)``) */
-
+#if HAVE_V3
 /* round_drawn for a small grid with AVX2's blends: each selection one instruction on the
    sign of its mask (GNU C's vectors make three of an and, andnot and or), and the clamps a
    max and a min, which give what the blends give (NaN and -0 become 0, as max returns its
@@ -990,8 +995,6 @@ V3 size_t quantize_pairs4(struct quantizer *q, float *y, size_t offset, size_t c
     return done;
 }
 #else
-#define HAVE_V3 0
-static const int have_v3 = 0, use_paired = 0;
 static size_t quantize_pairs4(struct quantizer *q, float *y, size_t offset, size_t count) {
     (void)q, (void)y, (void)offset, (void)count;
     return 0;
@@ -1001,7 +1004,7 @@ static size_t quantize_pairs4(struct quantizer *q, float *y, size_t offset, size
 /* Indices of y[0, count <= LEAF), packed at the place of coordinate `offset` (a multiple of 8). */
 MULTIVERSION static void quantize_leaf(void *state, float *y, size_t offset, size_t count) {
     struct quantizer *q = state;
-    if (use_paired && q->bits == 4 && q->grid.small && !q->strata.n && !q->rng.next) {
+    if (use_v3 && q->bits == 4 && q->grid.small && !q->strata.n && !q->rng.next) {
         size_t done = quantize_pairs4(q, y, offset, count);
         y += done, offset += done, count -= done;
         if (!count) return;
@@ -1256,9 +1259,54 @@ struct dequantizer {
     float a, c;
 };
 
+#if HAVE_V3
+/* dequantize_leaf's sums of w <= 8 bits read straight from the packed bytes, eight a step:
+   sum j of a group starts at bit w * j of the group's w bytes, so each 32-bit lane gathers the
+   two bytes it starts in (a byte shuffle of the group's eight bytes), shifts them down and
+   masks w bits: no unpacking pass and no byte array. Returns the coordinates done (a multiple
+   of 8 whose group's eight-byte load stays before `end`). */
+V3 size_t dequantize_v3(const struct dequantizer *d, float *y, size_t offset, size_t count) {
+    int w = d->w;
+    const uint8_t *in = d->in + offset / 8 * w;
+    size_t room = d->end > in ? (size_t)(d->end - in) : 0;
+    size_t groups = room < 8 ? 0 : MIN(count / 8, (room - 8) / (size_t)w + 1);
+    int8_t select[32];
+    int32_t shift[8];
+    for (int j = 0; j < 8; j++) {
+        int bit = w * j;
+        for (int b = 0; b < 4; b++) /* lane j's bytes (each 128-bit half shuffles its own) */
+            select[4 * j + b] = (int8_t)(b < 2 ? bit / 8 + b : -1);
+        shift[j] = bit % 8;
+    }
+    __m256i select_v = _mm256_loadu_si256((const __m256i *)select);
+    __m256i shift_v = _mm256_loadu_si256((const __m256i *)shift);
+    __m256i mask = _mm256_set1_epi32((1 << w) - 1);
+    f32x8 a = (f32x8){0} + d->a, c = (f32x8){0} + d->c;
+    for (size_t g = 0; g < groups; g++) {
+        uint64_t word;
+        memcpy(&word, in + g * (size_t)w, sizeof word);
+        __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi64x((long long)word), select_v);
+        v = _mm256_and_si256(_mm256_srlv_epi32(v, shift_v), mask);
+        f32x8 sums = __builtin_convertvector((i32x8)v, f32x8);
+        store(y + 8 * g, sums * a + c);
+    }
+    return groups * 8;
+}
+#else
+static size_t dequantize_v3(const struct dequantizer *d, float *y, size_t offset, size_t count) {
+    (void)d, (void)y, (void)offset, (void)count;
+    return 0;
+}
+#endif
+
 /* y[0, count <= LEAF) = a*S + c for the sums S of coordinates offset.. (offset a multiple of 8). */
 MULTIVERSION static void dequantize_leaf(void *state, float *y, size_t offset, size_t count) {
     const struct dequantizer *d = state;
+    if (use_v3 && d->w <= 8) {
+        size_t done = dequantize_v3(d, y, offset, count);
+        y += done, offset += done, count -= done;
+        if (!count) return;
+    }
     union {
         uint8_t narrow[LEAF];
         uint16_t wide[LEAF];
@@ -2232,24 +2280,25 @@ static PyObject *py_wide(PyObject *Py_UNUSED(self), PyObject *args) {
     return PyBool_FromLong(use_wide);
 }
 
-PyDoc_STRVAR(paired_doc,
-             "paired([on]) -> bool\n"
-             "Whether the AVX2 rounding of 4-bit indices (sixteen coordinates a step, packed in\n"
-             "registers) runs; with `on`, switches it on (where the CPU has AVX2) or off first:\n"
-             "tests compare it with the generic rounding bit for bit.");
+PyDoc_STRVAR(v3_doc,
+             "v3([on]) -> bool\n"
+             "Whether the x86-64-v3 (AVX2) paths run: the rounding of 4-bit indices (sixteen\n"
+             "coordinates a step, packed in registers) and the dequantization of sums of up to\n"
+             "8 bits (read from the packed bytes); with `on`, switches them on (where the CPU\n"
+             "has AVX2) or off first: tests compare them with the generic loops bit for bit.");
 
-static PyObject *py_paired(PyObject *Py_UNUSED(self), PyObject *args) {
+static PyObject *py_v3(PyObject *Py_UNUSED(self), PyObject *args) {
     int on = -1;
     if (!PyArg_ParseTuple(args, "|p", &on)) return NULL;
 #if HAVE_V3
-    if (on >= 0) use_paired = on && have_v3;
+    if (on >= 0) use_v3 = on && have_v3;
 #endif
-    return PyBool_FromLong(use_paired);
+    return PyBool_FromLong(use_v3);
 }
 
 static PyMethodDef methods[] = {
     {"wide", py_wide, METH_VARARGS, wide_doc},
-    {"paired", py_paired, METH_VARARGS, paired_doc},
+    {"v3", py_v3, METH_VARARGS, v3_doc},
     {"fwht", py_fwht, METH_VARARGS, fwht_doc},
     {"encode", py_encode, METH_VARARGS, encode_doc},
     {"rotate", py_rotate, METH_VARARGS, rotate_doc},
@@ -2280,7 +2329,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     __builtin_cpu_init();
     have_avx2 = __builtin_cpu_supports("avx2");
 #if HAVE_V3
-    use_paired = have_v3 = __builtin_cpu_supports("x86-64-v3");
+    use_v3 = have_v3 = __builtin_cpu_supports("x86-64-v3");
 #endif
 #if HAVE_WIDE
     have_vbmi = __builtin_cpu_supports("avx512vbmi");
