@@ -17,7 +17,9 @@ Packed layout is bits.py's: element j at bits [j*w, (j+1)*w) of a little-endian 
 
 Portability: plain C with GCC/Clang vector extensions, which compile to SSE2 anywhere on x86-64;
 the hot functions also get an AVX2 clone picked at load time (no -march flags). The nibble table
-lookup uses AVX2 intrinsics behind a runtime CPU check, with a scalar loop otherwise. Where the
+lookup uses AVX2 intrinsics behind a runtime CPU check, with a scalar loop otherwise; so do the
+4-bit rounding and the decode's dequantization of sums up to 8 bits, in loops compiled for
+x86-64-v3 alone (``v3(False)`` switches them off, for tests to compare). Where the
 CPU has AVX-512 (F, BW, DQ, VL), the transform passes, the rounding and (with VBMI) the decode's
 unpacking run sixteen floats wide instead, in functions compiled for x86-64-v4 alone; they give
 the eight-wide code's bits (``wide(False)`` switches them off, for tests to compare).
