@@ -155,7 +155,7 @@ INLINE f32x8 piece_factors(const struct source *in, size_t i, size_t *cursor) {
 /* Coordinates i..i+7 of the source; `finite` stays zero unless one of them is an Inf or NaN. */
 INLINE f32x8 source_load(const struct source *in, size_t i, f32x8 *finite, size_t *cursor) {
     f32x8 v;
-    if (i + LANES <= in->length) {
+    if (__builtin_expect(i + LANES <= in->length, 1)) { /* laid out inline: the tail is rare */
         v = load(in->src + i);
     } else {
         float tail[LANES] = {0};
@@ -353,7 +353,7 @@ WIDE_INLINE f32x16 piece_factors16(const struct source *in, size_t i, size_t *cu
 WIDE_INLINE f32x16 source_load16(const struct source *in, size_t i, f32x16 *finite,
                                  size_t *cursor) {
     f32x16 v;
-    if (i + WLANES <= in->length) {
+    if (__builtin_expect(i + WLANES <= in->length, 1)) {
         v = load16(in->src + i);
     } else {
         float tail[WLANES] = {0};
