@@ -913,15 +913,16 @@ V3_INLINE i32x8 round_drawn_v3(const struct grid *grid, const __m256i *parts, f3
     /* each part permuted by the cell's low three bits, then chosen by bits 3 and 4 */
     __m256 bit3 = _mm256_castsi256_ps(_mm256_slli_epi32(cell, 28));
     __m256 bit4 = _mm256_castsi256_ps(_mm256_slli_epi32(cell, 27));
-    __m256 low_parts = _mm256_blendv_ps(_mm256_castsi256_ps(_mm256_permutevar8x32_epi32(parts[0], cell)),
-                                        _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(parts[1], cell)), bit3);
-    __m256 high_parts = _mm256_blendv_ps(_mm256_castsi256_ps(_mm256_permutevar8x32_epi32(parts[2], cell)),
-                                         _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(parts[3], cell)), bit3);
-    u32x8 entry = (u32x8)_mm256_castps_si256(_mm256_blendv_ps(low_parts, high_parts, bit4));
-    f32x8 low = __builtin_convertvector((i32x8)(entry >> 8 & 0xFFF), f32x8);
+    __m256 part[SMALL_GRID / LANES];
+    for (int k = 0; k < SMALL_GRID / LANES; k++)
+        part[k] = _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(parts[k], cell));
+    __m256 low = _mm256_blendv_ps(part[0], part[1], bit3);
+    __m256 high = _mm256_blendv_ps(part[2], part[3], bit3);
+    u32x8 entry = (u32x8)_mm256_castps_si256(_mm256_blendv_ps(low, high, bit4));
+    f32x8 lower = __builtin_convertvector((i32x8)(entry >> 8 & 0xFFF), f32x8);
     f32x8 width = __builtin_convertvector((i32x8)(entry >> 20), f32x8);
-    i32x8 up = draw * width < u - low; /* -1 where it rounds up */
-    if (value) *value = low + (f32x8)((i32x8)width & up); /* the table value T[index] */
+    i32x8 up = draw * width < u - lower; /* -1 where it rounds up */
+    if (value) *value = lower + (f32x8)((i32x8)width & up); /* the table value T[index] */
     return (i32x8)(entry & 0xFF) - up;
 }
 
