@@ -837,6 +837,16 @@ INLINE f32x8 stratified(struct strata *strata, f32x8 jitter) {
     return blend(draw < top, draw, top);
 }
 
+/* The index of u (on the grid, in the cell whose entry is `entry`) rounded with threshold
+   `draw`; with `value`, its table value T[index]. */
+INLINE i32x8 round_in_cell(u32x8 entry, f32x8 u, f32x8 draw, f32x8 *value) {
+    f32x8 low = __builtin_convertvector((i32x8)(entry >> 8 & 0xFFF), f32x8);
+    f32x8 width = __builtin_convertvector((i32x8)(entry >> 20), f32x8);
+    i32x8 up = draw * width < u - low; /* -1 where it rounds up */
+    if (value) *value = low + (f32x8)((i32x8)width & up);
+    return (i32x8)(entry & 0xFF) - up;
+}
+
 /* The index of y's rounding with threshold `draw` (see round_to_table). */
 INLINE i32x8 round_drawn(const struct grid *grid, f32x8 y, f32x8 draw, int small, f32x8 *value) {
     f32x8 zero = {0}, g = zero + grid->g;
@@ -844,12 +854,7 @@ INLINE i32x8 round_drawn(const struct grid *grid, f32x8 y, f32x8 draw, int small
     u = blend(u > zero, u, zero); /* NaN -> 0 */
     u = blend(u < g, u, g);
     i32x8 cell = __builtin_convertvector(u, i32x8); /* truncation: floor, as u >= 0 */
-    u32x8 entry = cell_entries(grid, cell, small);
-    f32x8 low = __builtin_convertvector((i32x8)(entry >> 8 & 0xFFF), f32x8);
-    f32x8 width = __builtin_convertvector((i32x8)(entry >> 20), f32x8);
-    i32x8 up = draw * width < u - low; /* -1 where it rounds up */
-    if (value) *value = low + (f32x8)((i32x8)width & up); /* the table value T[index] */
-    return (i32x8)(entry & 0xFF) - up;
+    return round_in_cell(cell_entries(grid, cell, small), u, draw, value);
 }
 
 INLINE i32x8 round_to_table(const struct grid *grid, struct rng16 *rng, f32x8 y, int small,
@@ -919,11 +924,7 @@ V3_INLINE i32x8 round_drawn_v3(const struct grid *grid, const __m256i *parts, f3
     __m256 low = _mm256_blendv_ps(part[0], part[1], bit3);
     __m256 high = _mm256_blendv_ps(part[2], part[3], bit3);
     u32x8 entry = (u32x8)_mm256_castps_si256(_mm256_blendv_ps(low, high, bit4));
-    f32x8 lower = __builtin_convertvector((i32x8)(entry >> 8 & 0xFFF), f32x8);
-    f32x8 width = __builtin_convertvector((i32x8)(entry >> 20), f32x8);
-    i32x8 up = draw * width < u - lower; /* -1 where it rounds up */
-    if (value) *value = lower + (f32x8)((i32x8)width & up); /* the table value T[index] */
-    return (i32x8)(entry & 0xFF) - up;
+    return round_in_cell(entry, u, draw, value);
 }
 
 /* The packed bytes of sixteen 4-bit indices, a (coordinates 0-7) and b (8-15): a 64-bit lane
