@@ -400,14 +400,19 @@ def test_the_avx2_paths_give_the_generic_paths_bits(length, block, options):
     _assert_same_outputs(generic, v3)
 
 
-@pytest.mark.parametrize("pieces", [(1001, 17, 2982), (7, 1, 3992), (4000,), (3, 5, 3992)])
+@pytest.mark.parametrize(
+    "pieces",
+    [(1001, 17, 2982), (7, 1, 3992), (4000,), (3, 5, 3992),
+     (300_001, 7, 1, 748_000)],  # a default partition's rotation of 2**20, pieces mid-vector
+    ids=["mid-vector", "short", "one", "tiny", "at-scale"],
+)  # fmt: skip
 @pytest.mark.parametrize("block", [None, 1024])
 def test_the_tensor_scales_factors_reach_every_coordinate_of_their_piece(pieces, block):
     """The encode multiplies each piece by its factor a / divisor as its first pass reads x
     (no scaled copy): the payload is the one of x scaled beforehand, coordinate by coordinate,
     and encoded with the factor 1. Pieces end mid-vector and are shorter than a vector, where
     a factor found once for eight coordinates would give a neighbour's piece the wrong one.
-    (A rotation of 4096 or 1024 coordinates: sqrt(block) is a power of two, so 1 is exact.)"""
+    (Blocks of 4096, 2**20 or 1024 coordinates: sqrt(block) is a power of two, 1 is exact.)"""
     codec = THC(workers=2, rotation_block=block)
     length = sum(pieces)
     x = _random(length, seed=61)
@@ -415,7 +420,7 @@ def test_the_tensor_scales_factors_reach_every_coordinate_of_their_piece(pieces,
     root = math.sqrt(rotation.block)
     cells, g = codec._tables(x.device).cell_entries, codec.granularity
     ends = torch.cumsum(torch.tensor(pieces), 0)
-    divisors = torch.tensor([0.7, 3.0, 1.9, 0.05][: len(pieces)])
+    divisors = torch.tensor([0.7, 3.0, 1.9, 0.05, 0.3][: len(pieces)])
     a = 3.0
     # the kernel's factors: float32 of a / sqrt(block), over each divisor in float64
     scale = float(torch.tensor(a / root, dtype=torch.float32))
