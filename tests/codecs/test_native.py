@@ -507,3 +507,33 @@ def test_the_unrotated_encode_refuses_non_finite_values_in_either_width(width, w
         native.encode(x, *args, error=(error, 0.1, -1.5))
     with pytest.raises(NonFiniteGradientError, match=rf"\[{where}\]"):
         native.encode(x, *args)
+
+
+@pytest.mark.parametrize("scales", ["tensor", "partition"])
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
+def test_the_encode_into_a_send_buffer_writes_the_encodes_bytes_there(scales, native,
+                                                                      monkeypatch):  # fmt: skip
+    """A transport hands THC its send buffer (``encode_into``): the native kernel packs the
+    indices straight into it, and the payload's field is the buffer itself (no copy); the
+    torch path copies. Either way the bytes are the plain encode's, and nothing outside the
+    buffer is touched. Fails with a payload packed elsewhere and never copied, a buffer
+    written at the wrong offset, or an encode drawing other randomness than ``encode``."""
+    monkeypatch.setenv("GRADSUM_NATIVE", native)
+    shapes = [(700,), (30, 41), (1,), (1069,)]  # 3,000 coordinates, padded to 4,096
+    codec = THC(workers=2, scales=scales)
+    codec.describe("group", shapes)
+    codec.partitions("group", 3000, 1 << 20)
+    x = torch.cat([_random(math.prod(s), seed=i) * 10.0**i for i, s in enumerate(shapes)])
+    ctx = CodecContext(seed=5, worker=1, step=2, key=("group", 0))
+    shared = codec.summarize(x, ctx)
+    expected = codec.encode(x, ctx, shared).fields["indices"]
+    buffer = torch.full((expected.numel() + 16,), 0xAB, dtype=torch.uint8)
+    out = buffer[8 : 8 + expected.numel()]
+    payload = codec.encode_into(x, ctx, shared, out)
+    assert torch.equal(out, expected)
+    assert torch.equal(payload.fields["indices"], expected)
+    assert (buffer[:8] == 0xAB).all() and (buffer[-8:] == 0xAB).all()
+    if native == "1":
+        assert payload.fields["indices"].data_ptr() == out.data_ptr()
+    with pytest.raises(ValueError, match="payload bytes"):
+        codec.encode_into(x, ctx, shared, buffer[: expected.numel() - 1])

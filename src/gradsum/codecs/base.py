@@ -348,11 +348,15 @@ class Codec(ABC):
         one pass override it; the lane field of the payload returned may then be a view of
         ``out``, valid until the caller reuses it."""
         payload = self.encode(x, ctx, shared)
+        self.copy_lanes(payload, out)
+        return payload
+
+    def copy_lanes(self, payload: Payload, out: torch.Tensor) -> None:
+        """``payload``'s lane field's bytes into ``out`` (uint8, exactly their size)."""
         field = payload.fields[self.lane_fields[0]].contiguous().reshape(-1).view(torch.uint8)
         if field.numel() != out.numel():
             raise ValueError(f"{self.name}: {field.numel()} payload bytes for {out.numel()}")
         out.copy_(field)
-        return payload
 
     def joins(self, flats: Sequence[torch.Tensor], partition_elements: int) -> bool:
         """Whether a step's gradients ``flats`` go as one round of their concatenation, each

@@ -38,6 +38,7 @@ from ..base import (
 )
 from ..bits import bits_for, pack_bits, unpack_bits
 from ..buffers import Recycler
+from ..native_common import Empty
 from . import native, triton_kernels
 from .hadamard import Rotation, padded_length
 from .tables import (
@@ -190,16 +191,19 @@ class GridCodec(Codec):
         ctx: CodecContext,
         rotation: Rotation | None,
         length: int | None = None,
+        empty: Empty | None = None,
     ) -> Payload:
         """Payload of u = clamp(a*y + c, 0, g) rounded to table indices; y = x or x rotated.
-        ``length``: the input's, where x is already rotated and padded. NaN or Inf in x raises
-        NonFiniteGradientError."""
+        ``length``: the input's, where x is already rotated and padded; ``empty``: where the
+        native kernel's packed indices go (the recycler's buffers by default). NaN or Inf in x
+        raises NonFiniteGradientError."""
         lookups = self._tables(x.device)
         seed = ctx.worker_seed()
         g = self.granularity
         # the kernel draws thresholds of its own, independent or stratified
         packed = native.encode(x, rotation, a, c, g, lookups.cell_entries, seed, self.bits,
-                               empty=self._recycler.empty, strata=self._strata(ctx))  # fmt: skip
+                               empty=empty or self._recycler.empty,
+                               strata=self._strata(ctx))  # fmt: skip
         if packed is None:
             require_finite(x)
             a, c = _float32(a), _float32(c)
@@ -771,6 +775,25 @@ class THC(GridCodec):
     def encode(
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
     ) -> Payload:
+        return self._encode(x, ctx, shared)
+
+    def encode_into(self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None,
+                    out: torch.Tensor) -> Payload:  # fmt: skip
+        """The native kernel packs the indices straight into ``out`` (a transport's send
+        buffer): no payload buffer to fill and copy. Other paths copy, as every codec does."""
+
+        def into(count: int, dtype: torch.dtype) -> torch.Tensor:
+            fits = count == out.numel() and dtype == out.dtype and out.device.type == "cpu"
+            return out if fits else self._recycler.empty(count, dtype)
+
+        payload = self._encode(x, ctx, shared, into)
+        if payload.fields[UPSTREAM].data_ptr() != out.data_ptr():
+            self.copy_lanes(payload, out)
+        return payload
+
+    def _encode(self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None,
+                empty: Empty | None = None) -> Payload:  # fmt: skip
+        """``encode``; ``empty``: where the native kernel's packed indices go."""
         flat = x.reshape(-1).to(torch.float32)
         pieces = self._pieces(ctx)
         rotation = self._rotation(x.numel(), ctx, x.device)
@@ -780,13 +803,14 @@ class THC(GridCodec):
                 packed = native.encode(
                     flat, rotation, scalars.a, self.granularity / 2, self.granularity,
                     self._tables(flat.device).cell_entries, ctx.worker_seed(), self.bits,
-                    empty=self._recycler.empty, strata=self._strata(ctx),
+                    empty=empty or self._recycler.empty, strata=self._strata(ctx),
                     pieces=(self._ends(pieces, flat.device), scalars.divisor),
                 )  # fmt: skip
                 if packed is not None:
                     return Payload({UPSTREAM: packed}, x.numel())
             flat = self._scale_pieces(flat, pieces, scalars.divisor, divide=True)
-        return self._encode_grid(flat, scalars.a, self.granularity / 2, ctx, rotation)
+        return self._encode_grid(flat, scalars.a, self.granularity / 2, ctx, rotation,
+                                 empty=empty)  # fmt: skip
 
     def encode_and_reconstruct(
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None
