@@ -205,3 +205,32 @@ def test_round_trips_are_sampled_at_a_chunks_first_packet():
     stream.on_progress(0, 0.2)  # the path's round trip
     stream.on_result(0, 0.9)  # the last packet waited for another worker's recovery
     assert stream.rtt.srtt == pytest.approx(0.2)
+
+
+def _state(stream):
+    return (
+        sorted((c, o.deadline, o.retries, o.later, o.sampled)
+               for c, o in stream._outstanding.items()),
+        sorted(stream._held), stream._received, stream._last_result, stream.stats.as_dict(),
+        stream.rtt.srtt, stream.rtt.rttvar,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("ready", [40, 23])
+def test_a_batch_of_results_is_its_results_one_by_one(ready):
+    """``on_results`` (a transport's batch) decides what ``on_result`` decides result by result:
+    the same sends in the same order and the same state after, through a lost chunk overtaken
+    by later results, a duplicate, results out of order and window places held for payloads.
+    Fails with a batch that sends only its first result's next chunk, samples a round trip once
+    a batch, or checks for overtaken chunks once a batch."""
+    batches = [[1, 2, 3], [4, 4, 6, 5], [7, 9, 8, 10, 11, 12, 13], [0, 14, 15], [16, 17, 18, 19]]
+    one, many = (ChunkStream(first=0, count=40, slots=6, policy=POLICY) for _ in range(2))
+    for stream in (one, many):
+        stream.ready = ready
+        assert stream.start(0.0) == list(range(6))
+    for k, batch in enumerate(batches):
+        now = 0.1 * (k + 1)
+        singly = list(itertools.chain.from_iterable(one.on_result(c, now) for c in batch))
+        assert many.on_results(batch, now) == singly
+        assert _state(many) == _state(one)
+    assert one.stats.fast_retransmissions and one.stats.duplicate_results  # both exercised

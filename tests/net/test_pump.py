@@ -383,3 +383,32 @@ def test_a_worker_places_only_results_that_carry_its_jobs_token(path, monkeypatc
         sent = Header.pack(Header(Kind.DATA, 7, 0, 0, 0, Op.SUM, 0, 0, 8, 1, token))
         switch.settimeout(2)
         assert switch.recv(1 << 16)[:HEADER_SIZE] == sent  # the worker's packet carries it
+
+
+def test_a_run_of_placed_results_is_accepted_as_its_results_one_by_one():
+    """The pump loop hands a transfer each run of its placed results at once
+    (``Transfer.accept_placed``): the contributors, the partial flag and the chunks to send are
+    those of ``accept`` result by result. Fails with a run that records one count for all, or
+    drops a later result's flag."""
+    from gradsum.dataplane.packet import PARTIAL
+
+    def transfer():
+        layout = ChunkLayout(lanes=80, lanes_per_chunk=8, in_bits=32, out_bits=32)
+        up, down = np.zeros(80, np.int32), np.zeros(80, np.int32)
+        buffers = LaneBuffers(layout, memoryview(up).cast("B"), memoryview(down).cast("B"))
+        buffers.coded_natively = True
+        made = Transfer(job=7, worker=1, op=Op.SUM, first_chunk=4, slots=3, buffers=buffers,
+                        max_contributors=3)  # fmt: skip
+        made.start(0.0)
+        return made
+
+    placed = pump.PLACED
+    runs = [[(0, 4, 3, 0, placed), (0, 5, 2, PARTIAL, placed)],
+            [(0, 6, 3, 0, placed), (0, 7, 1, PARTIAL, placed), (0, 8, 3, 0, placed)]]  # fmt: skip
+    one, many = transfer(), transfer()
+    for k, run in enumerate(runs):
+        singly = [c for _, chunk, n, flags, _ in run for c in one.accept(chunk, n, flags, 0, k)]
+        assert many.accept_placed(run, k) == singly
+        assert many.contributors.tolist() == one.contributors.tolist()
+        assert many.partial == one.partial
+    assert one.contributors.tolist()[:5] == [3, 2, 3, 1, 3] and one.partial

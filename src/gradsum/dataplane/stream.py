@@ -25,6 +25,7 @@ Time is passed in; the shell owns sockets and clocks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 FAST_RETRANSMIT = 3  # results of later chunks that resend an outstanding one (TCP's dupthresh)
@@ -185,28 +186,39 @@ class ChunkStream:
 
     def on_result(self, chunk: int, now: float) -> list[int]:
         """A result arrived; return the chunks to send now (empty for a duplicate)."""
-        outstanding = self._outstanding
-        state = outstanding.pop(chunk, None)
-        if state is None:
-            self.stats.duplicate_results += 1
-            return []
-        self._sample_once(state, now)
-        if state.retries:
-            self.rtt.answered(now - state.last_sent)
-        self._received += 1
-        self._last_result = now
-        self._probed = False
-        self.stats.results += 1
-        # results come in chunk order unless something was lost: then no earlier chunk is out
-        # (a C-speed check that spares the per-result loop over the window)
-        earlier_out = outstanding and min(outstanding) < chunk
-        resend = self._overtaken(chunk, state.last_sent, now) if earlier_out else []
-        following = chunk + self.slots
-        if following < self._end and following >= self.ready:
-            self._held.append(following)
-        elif following < self._end:
-            self._send(following, now)
-            resend.append(following)
+        return self.on_results((chunk,), now)
+
+    def on_results(self, chunks: Sequence[int], now: float) -> list[int]:
+        """``on_result`` of each of ``chunks`` in turn, all arrived by ``now`` (a batch the
+        transport received together): the chunks to send now, in the order decided. One call a
+        batch keeps the per-result path to its few dict and arithmetic operations: every result
+        of every stream passes here."""
+        outstanding, stats = self._outstanding, self.stats
+        slots, end = self.slots, self._end
+        resend: list[int] = []
+        for chunk in chunks:
+            state = outstanding.pop(chunk, None)
+            if state is None:
+                stats.duplicate_results += 1
+                continue
+            self._sample_once(state, now)
+            if state.retries:
+                self.rtt.answered(now - state.last_sent)
+            self._received += 1
+            self._last_result = now
+            self._probed = False
+            stats.results += 1
+            # results come in chunk order unless something was lost: then no earlier chunk is
+            # out (a C-speed check that spares the per-result loop over the window)
+            if outstanding and min(outstanding) < chunk:
+                resend += self._overtaken(chunk, state.last_sent, now)
+            following = chunk + slots
+            if following < end:
+                if following >= self.ready:
+                    self._held.append(following)
+                else:
+                    self._send(following, now)
+                    resend.append(following)
         return resend
 
     def on_progress(self, chunk: int, now: float, holes: bool = False) -> list[int]:
@@ -340,12 +352,14 @@ class ChunkStream:
             self.rtt.sample(now - state.first_sent)
 
     def _send(self, chunk: int, now: float) -> None:
-        timeout = self.timeout
+        timeout = self.rtt.timeout(self.policy)  # ``timeout``'s, one call fewer a chunk
         self._outstanding[chunk] = _Outstanding(now + timeout, timeout, now, last_sent=now)
-        self._highest_sent = max(self._highest_sent, chunk)
+        if chunk > self._highest_sent:
+            self._highest_sent = chunk
         self._last_send = now
-        self.stats.packets_sent += 1
-        self.stats.chunks += 1
+        stats = self.stats
+        stats.packets_sent += 1
+        stats.chunks += 1
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ The shell peeks a result's header, asks ``destination(header, nbytes)`` where it
 from __future__ import annotations
 
 import hmac
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -201,6 +202,23 @@ class Transfer:
         self.partial |= bool(flags & PARTIAL)
         self.buffers.received(index, nbytes, contributors)
         return self.stream.on_result(chunk, now)
+
+    def accept_placed(self, events: Sequence[tuple[int, int, int, int, int]],
+                      now: float) -> list[int]:  # fmt: skip
+        """``accept`` of a run of the native pump's results (its events: route, chunk,
+        contributors, flags, kind), in order, each already placed where it landed (the pump
+        streams ``LaneBuffers``): the chunks to send next."""
+        first, counts, buffers = self.first, self.contributors, self.buffers
+        decode = buffers.coder is not None and not buffers.coded_natively
+        chunks = []
+        for _, chunk, contributors, flags, _ in events:
+            counts[chunk - first] = contributors
+            if flags & PARTIAL:
+                self.partial = True
+            if decode:
+                buffers.received(chunk - first, 0, contributors)
+            chunks.append(chunk)
+        return self.stream.on_results(chunks, now)
 
     def on_stale(self, header: Header) -> None:
         if header.job == self.job and header.token == self.token:

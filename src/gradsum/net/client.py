@@ -330,11 +330,16 @@ class UdpTransport:
             out = []
             if busy:
                 out += [(route_of[id(t)], c) for t, c in work.step(now)]
-            for r, chunk, contributors, flags, event in events:
+            i, count = 0, len(events)
+            while i < count:
+                r, chunk, _, _, event = events[i]
                 transfer = transfers[r]
-                if event == pump.PLACED:
-                    last_progress = now
-                    out += [(r, c) for c in transfer.accept(chunk, contributors, flags, 0, now)]
+                i += 1
+                if event == pump.PLACED:  # with the results of the same route that follow it
+                    last_progress, run = now, i - 1
+                    while i < count and events[i][4] == pump.PLACED and events[i][0] == r:
+                        i += 1
+                    out += [(r, c) for c in transfer.accept_placed(events[run:i], now)]
                 elif event == pump.PROGRESS or event == pump.HOLES:  # a packet of several
                     last_progress = now
                     holes = event == pump.HOLES
