@@ -509,9 +509,15 @@ def test_the_unrotated_encode_refuses_non_finite_values_in_either_width(width, w
         native.encode(x, *args)
 
 
+@pytest.mark.parametrize(
+    "shapes",
+    [[(700,), (30, 41), (1,), (1069,)],  # 3,000 coordinates, padded to 4,096
+     [(1000, 1000), (48_576,), (1003,)]],  # 2**20 + 1,003: a default partition's size, padded
+    ids=["small", "2^20+1003"],
+)  # fmt: skip
 @pytest.mark.parametrize("scales", ["tensor", "partition"])
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
-def test_the_encode_into_a_send_buffer_writes_the_encodes_bytes_there(scales, native,
+def test_the_encode_into_a_send_buffer_writes_the_encodes_bytes_there(shapes, scales, native,
                                                                       monkeypatch):  # fmt: skip
     """A transport hands THC its send buffer (``encode_into``): the native kernel packs the
     indices straight into it, and the payload's field is the buffer itself (no copy); the
@@ -519,10 +525,10 @@ def test_the_encode_into_a_send_buffer_writes_the_encodes_bytes_there(scales, na
     buffer is touched. Fails with a payload packed elsewhere and never copied, a buffer
     written at the wrong offset, or an encode drawing other randomness than ``encode``."""
     monkeypatch.setenv("GRADSUM_NATIVE", native)
-    shapes = [(700,), (30, 41), (1,), (1069,)]  # 3,000 coordinates, padded to 4,096
+    length = sum(math.prod(s) for s in shapes)
     codec = THC(workers=2, scales=scales)
     codec.describe("group", shapes)
-    codec.partitions("group", 3000, 1 << 20)
+    codec.partitions("group", length, 1 << 21)  # one partition of all of them
     x = torch.cat([_random(math.prod(s), seed=i) * 10.0**i for i, s in enumerate(shapes)])
     ctx = CodecContext(seed=5, worker=1, step=2, key=("group", 0))
     shared = codec.summarize(x, ctx)
