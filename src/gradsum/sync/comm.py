@@ -35,7 +35,12 @@ class CommunicationThread:
         self._jobs.put((fn, future, handoff))
         return future
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 1.0) -> None:
+        """Stop the thread once the jobs submitted before are done, waiting ``timeout`` seconds
+        at most. A run waits for every job it needs before it closes (the training loop waits
+        each round before its step), so a job still running here belongs to a run that is
+        failing, and is most likely a round waiting on a peer that is gone: the caller goes on
+        to tear its jobs down and exit rather than wait for it (the thread is a daemon)."""
         self._jobs.put(_STOP)
         self._thread.join(timeout)
 

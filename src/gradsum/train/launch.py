@@ -157,8 +157,10 @@ def _stop(processes) -> None:
     for process in processes:
         if process.is_alive():
             process.terminate()
+    deadline = time.monotonic() + 5  # one deadline for all: not 5 s more per worker
     for process in processes:
-        process.join(5)
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
         if process.is_alive():
             process.kill()
             process.join(5)
