@@ -84,7 +84,8 @@ def start_forkserver(needs: tuple[str, ...] = ()) -> bool:
     server = getattr(forkserver, "_forkserver", None)
     if getattr(server, "_forkserver_pid", None) is not None:
         return _ours  # started by other code, with its own environment, if not by us
-    multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, *needs])
+    preload = [*PRELOAD, *needs, "gradsum.forkserver_exit"]  # its exit handler after theirs
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     with worker_environment():
         forkserver.ensure_running()
     _ours = True

@@ -76,3 +76,58 @@ def _alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# A launcher whose forkserver preloads a module that registers an exit handler (as torch's
+# modules do), and forks one worker that ends as a local training worker does, with status 3.
+FINALIZED = textwrap.dedent(
+    """
+    import atexit, os, sys
+
+    def note():
+        with open(os.environ["MARKS"], "a") as f:
+            f.write(f"finalized {os.getpid()}\\n")
+
+    atexit.register(note)
+    """
+)
+
+EXITING = textwrap.dedent(
+    """
+    from gradsum import processes
+
+    def worker():
+        from gradsum.train.launch import _exit_worker
+
+        _exit_worker(3)  # a local worker's end: the exit handlers, then its status
+
+    if __name__ == "__main__":
+        assert processes.start_forkserver(("finalized_marker",))
+        ctx = processes.context()
+        child = processes.process(ctx, worker, ())
+        processes.start(child)
+        child.join()
+        from multiprocessing import forkserver
+        print(child.exitcode, forkserver._forkserver._forkserver_pid, flush=True)
+    """
+)
+
+
+def test_the_forkserver_ends_without_finalizing_and_its_workers_keep_their_status(tmp_path):
+    """The forkserver imported torch: finalizing that interpreter took 1.5 s after every run,
+    with the launcher's stderr held open. Its workers inherit its exit handler and must skip it:
+    one that ran it would end with status 0 whatever it exited with."""
+    (tmp_path / "finalized_marker.py").write_text(FINALIZED)
+    script, marks = tmp_path / "launcher.py", tmp_path / "marks"
+    script.write_text(EXITING)
+    environment = {**os.environ, "MARKS": str(marks),
+                   "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}  # fmt: skip
+    run = subprocess.run([sys.executable, str(script)], env=environment, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    status, server = (int(word) for word in run.stdout.split())
+    assert status == 3
+    _wait_for(lambda: not _alive(server), "the forkserver to exit")
+    finalized = marks.read_text().split() if marks.exists() else []
+    assert f"{server}" not in finalized  # the forkserver skipped the other exit handlers
+    assert len(finalized) == 2  # the worker ran them: "finalized <its pid>"
