@@ -94,11 +94,10 @@ static PyObject *fill(PyObject *self, PyObject *args) {
     Py_ssize_t *active = malloc(sizeof(Py_ssize_t) * (resources + 1));
     Py_ssize_t *list = malloc(sizeof(Py_ssize_t) * (resources + 1));
     double *share = malloc(sizeof(double) * (resources + 1));
-    unsigned char *changed = calloc(resources + 1, 1);
     Py_ssize_t *members = malloc(sizeof(Py_ssize_t) * (width * count + 1));
     unsigned char *frozen = calloc(count + 1, 1);
     if (!remaining || !counts || !freed || !first || !live || !active || !list || !share ||
-        !changed || !members || !frozen) {
+        !members || !frozen) {
         PyErr_NoMemory();
         goto release;
     }
@@ -112,6 +111,10 @@ static PyObject *fill(PyObject *self, PyObject *args) {
         else
             frozen[i] = 1;
     }
+    /* Which classes cross each resource (compressed rows), so a round touches only the
+       classes of the resources it saturates instead of scanning every live one. */
+    for (Py_ssize_t r = 0; r <= spare + 1; r++) first[r] = 0;
+    for (Py_ssize_t r = 0; r <= spare; r++) counts[r] = 0.0;
     for (Py_ssize_t j = 0; j < alive; j++)
         for (Py_ssize_t k = 0; k < width; k++) {
             int64_t r = slots[k * stride + live[j]];
@@ -120,14 +123,6 @@ static PyObject *fill(PyObject *self, PyObject *args) {
                              live[j], (long long)r, resources);
                 goto release;
             }
-        }
-    /* Which classes cross each resource (compressed rows), so a round touches only the
-       classes of the resources it saturates instead of scanning every live one. */
-    for (Py_ssize_t r = 0; r <= spare + 1; r++) first[r] = 0;
-    for (Py_ssize_t r = 0; r <= spare; r++) counts[r] = 0.0;
-    for (Py_ssize_t j = 0; j < alive; j++)
-        for (Py_ssize_t k = 0; k < width; k++) {
-            int64_t r = slots[k * stride + live[j]];
             if (r == spare) continue; /* an unused slot: the spare never saturates */
             first[r + 1]++;
             counts[r] += flows[live[j]];
@@ -180,10 +175,7 @@ static PyObject *fill(PyObject *self, PyObject *args) {
                 for (Py_ssize_t k = 0; k < width; k++) {
                     int64_t q = slots[k * stride + i];
                     if (q == spare) continue;
-                    if (!changed[q]) {
-                        changed[q] = 1;
-                        list[touched++] = q;
-                    }
+                    if (freed[q] == 0) list[touched++] = q; /* a live class's flows are > 0 */
                     freed[q] += flows[i];
                 }
             }
@@ -199,7 +191,6 @@ static PyObject *fill(PyObject *self, PyObject *args) {
             remaining[r] -= level * freed[r];
             counts[r] -= freed[r];
             freed[r] = 0;
-            changed[r] = 0;
         }
         Py_ssize_t kept = 0;
         for (Py_ssize_t a = 0; a < used; a++) {
@@ -220,7 +211,6 @@ release:
     free(active);
     free(list);
     free(share);
-    free(changed);
     free(members);
     free(frozen);
 done:
