@@ -350,17 +350,19 @@ WIDE_INLINE f32x16 piece_factors16(const struct source *in, size_t i, size_t *cu
     return d;
 }
 
+/* `pieces`: whether the source has pieces, a compile-time constant in each pass variant. The
+   tail is a masked load, not a copy through memory: a call to memcpy in the loop would keep the
+   whole column on the stack. */
 WIDE_INLINE f32x16 source_load16(const struct source *in, size_t i, f32x16 *finite,
-                                 size_t *cursor) {
+                                 size_t *cursor, int pieces) {
     f32x16 v;
     if (__builtin_expect(i + WLANES <= in->length, 1)) {
         v = load16(in->src + i);
     } else {
-        float tail[WLANES] = {0};
-        if (i < in->length) memcpy(tail, in->src + i, (in->length - i) * sizeof(float));
-        v = load16(tail);
+        size_t count = i < in->length ? in->length - i : 0; /* < WLANES */
+        v = (f32x16)_mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1), in->src + i);
     }
-    if (in->pieces) v *= piece_factors16(in, i, cursor);
+    if (pieces) v *= piece_factors16(in, i, cursor);
     *finite += v - v;
     return apply_signs16(v * in->scale, in->signs + i / 8);
 }
@@ -417,16 +419,20 @@ WIDE_INLINE void sink_store16(const struct sink *sink, size_t p, f32x16 v, size_
 }
 
 WIDE_INLINE void radix_pass16(float *x, size_t from, size_t n, size_t h, int k, int lanes,
-                              const struct source *in, f32x8 *finite,
+                              int pieces, const struct source *source, f32x8 *finite,
                               const uint8_t *out_signs, const struct sink *sink) {
     f32x16 clean = {0}, minus_one = (f32x16){0} + opaque_minus_one;
+    /* the source in locals, as radix_pass keeps it: read through the pointer, its fields would
+       be read again after every store to x, which could alias them */
+    struct source local = source ? *source : (struct source){0};
+    const struct source *in = source ? &local : NULL;
     size_t cursor[1 << WRADIX_LOG] = {0}; /* each column's piece (see piece_factors16) */
     for (size_t base = from; base < from + n; base += h << k)
         for (size_t j = base; j < base + h; j += WLANES) {
             f32x16 v[1 << WRADIX_LOG];
 #pragma GCC unroll 16
             for (int m = 0; m < 1 << k; m++)
-                v[m] = in ? source_load16(in, j + m * h, &clean, &cursor[m])
+                v[m] = in ? source_load16(in, j + m * h, &clean, &cursor[m], pieces)
                           : load16(x + j + m * h);
             if (lanes)
 #pragma GCC unroll 16
@@ -449,16 +455,27 @@ WIDE_INLINE void radix_pass16(float *x, size_t from, size_t n, size_t h, int k, 
     }
 }
 
+/* A compile-time radix, source/sink and in-vector stages, as for the eight-wide passes. */
+#define RADIX_PASS16_SIDES(k, lanes)                                                             \
+    do {                                                                                         \
+        if (in && in->pieces)                                                                    \
+            radix_pass16(x, from, n, h, k, lanes, 1, in, finite, NULL, NULL);                    \
+        else if (in)                                                                             \
+            radix_pass16(x, from, n, h, k, lanes, 0, in, finite, NULL, NULL);                    \
+        else if (sink)                                                                           \
+            radix_pass16(x, from, n, h, k, lanes, 0, NULL, NULL, out_signs, sink);               \
+        else if (out_signs)                                                                      \
+            radix_pass16(x, from, n, h, k, lanes, 0, NULL, NULL, out_signs, NULL);               \
+        else                                                                                     \
+            radix_pass16(x, from, n, h, k, lanes, 0, NULL, NULL, NULL, NULL);                    \
+    } while (0)
+
 #define RADIX_PASS16_VARIANTS(k)                                                                 \
     do {                                                                                         \
-        if (in)                                                                                  \
-            radix_pass16(x, from, n, h, k, lanes, in, finite, NULL, NULL);                       \
-        else if (sink)                                                                           \
-            radix_pass16(x, from, n, h, k, lanes, NULL, NULL, out_signs, sink);                  \
-        else if (out_signs)                                                                      \
-            radix_pass16(x, from, n, h, k, lanes, NULL, NULL, out_signs, NULL);                  \
+        if (lanes)                                                                               \
+            RADIX_PASS16_SIDES(k, 1);                                                            \
         else                                                                                     \
-            radix_pass16(x, from, n, h, k, lanes, NULL, NULL, NULL, NULL);                       \
+            RADIX_PASS16_SIDES(k, 0);                                                            \
     } while (0)
 
 WIDE void pass16(float *x, size_t from, size_t n, size_t h, int k, int lanes,
