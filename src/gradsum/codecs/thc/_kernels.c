@@ -152,17 +152,21 @@ INLINE f32x8 piece_factors(const struct source *in, size_t i, size_t *cursor) {
     return d;
 }
 
-/* Coordinates i..i+7 of the source; `finite` stays zero unless one of them is an Inf or NaN. */
-INLINE f32x8 source_load(const struct source *in, size_t i, f32x8 *finite, size_t *cursor) {
+/* Coordinates i..i+7 of the source; `finite` stays zero unless one of them is an Inf or NaN.
+   `pieces`: whether the source has pieces, a compile-time constant in each pass variant. The
+   tail is read lane by lane, not copied through memory: a call to memcpy in the loop would
+   keep the whole column on the stack. */
+INLINE f32x8 source_load(const struct source *in, size_t i, f32x8 *finite, size_t *cursor,
+                         int pieces) {
     f32x8 v;
     if (__builtin_expect(i + LANES <= in->length, 1)) { /* laid out inline: the tail is rare */
         v = load(in->src + i);
     } else {
-        float tail[LANES] = {0};
-        if (i < in->length) memcpy(tail, in->src + i, (in->length - i) * sizeof(float));
-        v = load(tail);
+        v = (f32x8){0};
+        for (int lane = 0; lane < LANES; lane++)
+            if (i + lane < in->length) v[lane] = in->src[i + lane];
     }
-    if (in->pieces) v *= piece_factors(in, i, cursor);
+    if (pieces) v *= piece_factors(in, i, cursor);
     *finite += v - v;
     return apply_signs(v * in->scale, in->signs[i / LANES]);
 }
@@ -194,7 +198,7 @@ INLINE void butterflies(f32x8 *v, int log_count, f32x8 minus_one) {
 /* The stages of strides h, 2h, ..., h << (k - 1) on every span of h << k coordinates of
    x[from, from + n) (h a multiple of LANES), plus the in-vector stages when `lanes` is set (then
    h == LANES). Loads come from `in` if given; stores apply `out_signs` if given. */
-INLINE void radix_pass(float *x, size_t from, size_t n, size_t h, int k, int lanes,
+INLINE void radix_pass(float *x, size_t from, size_t n, size_t h, int k, int lanes, int pieces,
                        const struct source *source, f32x8 *finite, const uint8_t *out_signs) {
     f32x8 clean = {0}, minus_one = (f32x8){0} + opaque_minus_one;
     /* the source in locals: the stores to x could alias its fields (a float scale among
@@ -207,7 +211,8 @@ INLINE void radix_pass(float *x, size_t from, size_t n, size_t h, int k, int lan
             f32x8 v[1 << RADIX_LOG];
 #pragma GCC unroll 8
             for (int m = 0; m < 1 << k; m++)
-                v[m] = in ? source_load(in, j + m * h, &clean, &cursor[m]) : load(x + j + m * h);
+                v[m] = in ? source_load(in, j + m * h, &clean, &cursor[m], pieces)
+                          : load(x + j + m * h);
             if (lanes)
 #pragma GCC unroll 8
                 for (int m = 0; m < 1 << k; m++) v[m] = lane_stages(v[m]);
@@ -226,12 +231,14 @@ INLINE void radix_pass(float *x, size_t from, size_t n, size_t h, int k, int lan
    loads more a column). */
 #define RADIX_PASS_SIDES(k, lanes)                                                               \
     do {                                                                                         \
-        if (in)                                                                                  \
-            radix_pass(x, from, n, h, k, lanes, in, finite, NULL);                               \
+        if (in && in->pieces)                                                                    \
+            radix_pass(x, from, n, h, k, lanes, 1, in, finite, NULL);                            \
+        else if (in)                                                                             \
+            radix_pass(x, from, n, h, k, lanes, 0, in, finite, NULL);                            \
         else if (out_signs)                                                                      \
-            radix_pass(x, from, n, h, k, lanes, NULL, NULL, out_signs);                          \
+            radix_pass(x, from, n, h, k, lanes, 0, NULL, NULL, out_signs);                       \
         else                                                                                     \
-            radix_pass(x, from, n, h, k, lanes, NULL, NULL, NULL);                               \
+            radix_pass(x, from, n, h, k, lanes, 0, NULL, NULL, NULL);                            \
     } while (0)
 
 #define RADIX_PASS_VARIANTS(k)                                                                   \
