@@ -340,15 +340,26 @@ WIDE_INLINE f32x16 apply_signs16(f32x16 v, const uint8_t *signs_at) {
                                          _mm512_set1_epi32(INT32_MIN));
 }
 
-/* The factors of coordinates i..i+15 (those past the last piece: 1). `cursor`: a
-   piece at or before i's; a pass reads each column's coordinates in increasing order, so it
-   keeps one per column and finds the piece in a compare or two, not a search. */
-WIDE_INLINE f32x16 piece_factors16(const struct source *in, size_t i, size_t *cursor) {
-    size_t c = *cursor;
+/* A column's place among the pieces: `c` a piece at or before its coordinates, and the factor
+   of whole vectors below `until` (those inside piece c: a compare a vector, no loads). */
+struct piece_run {
+    size_t c, until;
+    f32x16 factor;
+};
+
+/* The factors of coordinates i..i+15 (those past the last piece: 1). A pass reads each
+   column's coordinates in increasing order, so it keeps a run per column and finds the piece
+   in a compare or two, not a search. */
+WIDE_INLINE f32x16 piece_factors16(const struct source *in, size_t i, struct piece_run *run) {
+    if (__builtin_expect(i + WLANES <= run->until, 1)) return run->factor;
+    size_t c = run->c;
     while (c < in->pieces && (size_t)in->ends[c] <= i) c++;
-    *cursor = c;
-    if (c < in->pieces && (size_t)in->ends[c] >= i + WLANES)
-        return (f32x16){0} + in->factors[c];
+    run->c = c;
+    if (c < in->pieces && (size_t)in->ends[c] >= i + WLANES) {
+        run->until = (size_t)in->ends[c];
+        run->factor = (f32x16){0} + in->factors[c];
+        return run->factor;
+    }
     f32x16 d;
     for (int lane = 0; lane < WLANES; lane++) {
         while (c < in->pieces && (size_t)in->ends[c] <= i + lane) c++;
@@ -361,7 +372,7 @@ WIDE_INLINE f32x16 piece_factors16(const struct source *in, size_t i, size_t *cu
    tail is a masked load, not a copy through memory: a call to memcpy in the loop would keep the
    whole column on the stack. */
 WIDE_INLINE f32x16 source_load16(const struct source *in, size_t i, f32x16 *finite,
-                                 size_t *cursor, int pieces) {
+                                 struct piece_run *run, int pieces) {
     f32x16 v;
     if (__builtin_expect(i + WLANES <= in->length, 1)) {
         v = load16(in->src + i);
@@ -369,7 +380,7 @@ WIDE_INLINE f32x16 source_load16(const struct source *in, size_t i, f32x16 *fini
         size_t count = i < in->length ? in->length - i : 0; /* < WLANES */
         v = (f32x16)_mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1), in->src + i);
     }
-    if (pieces) v *= piece_factors16(in, i, cursor);
+    if (pieces) v *= piece_factors16(in, i, run);
     *finite += v - v;
     return apply_signs16(v * in->scale, in->signs + i / 8);
 }
@@ -398,10 +409,10 @@ WIDE_INLINE void butterflies16(f32x16 *v, int log_count, f32x16 minus_one) {
 }
 
 /* The sink's values of coordinates p.. (v: their final values) */
-WIDE_INLINE void sink_store16(const struct sink *sink, size_t p, f32x16 v, size_t *cursor) {
+WIDE_INLINE void sink_store16(const struct sink *sink, size_t p, f32x16 v, struct piece_run *run) {
     if (p + WLANES <= sink->length) { /* whole vectors, no masked loads and stores */
         f32x16 r = v;
-        if (sink->pieces.pieces) r = v * piece_factors16(&sink->pieces, p, cursor);
+        if (sink->pieces.pieces) r = v * piece_factors16(&sink->pieces, p, run);
         if (sink->minuend) {
             f32x16 m = load16(sink->minuend + p), one = (f32x16){0} + opaque_one;
             r = sink->pieces.pieces ? m - r * one : m - v;
@@ -416,7 +427,7 @@ WIDE_INLINE void sink_store16(const struct sink *sink, size_t p, f32x16 v, size_
     size_t count = MIN((size_t)WLANES, sink->length - p);
     __mmask16 keep = count == WLANES ? 0xFFFF : (__mmask16)((1u << count) - 1);
     f32x16 r = v;
-    if (sink->pieces.pieces) r = v * piece_factors16(&sink->pieces, p, cursor);
+    if (sink->pieces.pieces) r = v * piece_factors16(&sink->pieces, p, run);
     if (sink->minuend) {
         f32x16 m = (f32x16)_mm512_maskz_loadu_ps(keep, sink->minuend + p);
         f32x16 one = (f32x16){0} + opaque_one;
@@ -433,13 +444,13 @@ WIDE_INLINE void radix_pass16(float *x, size_t from, size_t n, size_t h, int k, 
        be read again after every store to x, which could alias them */
     struct source local = source ? *source : (struct source){0};
     const struct source *in = source ? &local : NULL;
-    size_t cursor[1 << WRADIX_LOG] = {0}; /* each column's piece (see piece_factors16) */
+    struct piece_run runs[1 << WRADIX_LOG] = {0}; /* each column's (see piece_factors16) */
     for (size_t base = from; base < from + n; base += h << k)
         for (size_t j = base; j < base + h; j += WLANES) {
             f32x16 v[1 << WRADIX_LOG];
 #pragma GCC unroll 16
             for (int m = 0; m < 1 << k; m++)
-                v[m] = in ? source_load16(in, j + m * h, &clean, &cursor[m], pieces)
+                v[m] = in ? source_load16(in, j + m * h, &clean, &runs[m], pieces)
                           : load16(x + j + m * h);
             if (lanes)
 #pragma GCC unroll 16
@@ -449,7 +460,7 @@ WIDE_INLINE void radix_pass16(float *x, size_t from, size_t n, size_t h, int k, 
             for (int m = 0; m < 1 << k; m++) {
                 f32x16 out = out_signs ? apply_signs16(v[m], out_signs + (j + m * h) / 8) : v[m];
                 if (sink)
-                    sink_store16(sink, j + m * h, out, &cursor[m]);
+                    sink_store16(sink, j + m * h, out, &runs[m]);
                 else
                     store16(x + j + m * h, out);
             }
