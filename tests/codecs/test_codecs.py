@@ -1,12 +1,14 @@
 """Behaviour every codec shares: shapes, determinism, edge inputs, bad input, wire widths."""
 
 import math
+import weakref
 
 import pytest
 import torch
 
 from gradsum.codecs import (
     CODEC_NAMES,
+    CodecContext,
     ErrorFeedback,
     NonFiniteGradientError,
     WidthOverflowError,
@@ -209,3 +211,31 @@ def test_parse_options():
     }
     with pytest.raises(ValueError, match="name=value"):
         parse_options("bits")
+
+
+def test_the_fp32_codec_hands_its_buffers_out_again_only_once_let_go():
+    """fp32's payloads, sums and averages come from a recycler (a fresh 4 MiB tensor faults in
+    every page, several times the copy itself). The bugs feared: a buffer handed out while a
+    payload or average still holds it (that payload overwritten), and a fresh buffer every call."""
+    codec = make_codec("none", workers=2)
+    ctx = CodecContext(worker=0, step=0)
+    first, second, third = gaussian_inputs(3, 1 << 20, seed=3)
+
+    held = codec.encode(first, ctx)
+    buffer = weakref.ref(held.fields["values"])
+    other = codec.encode(second, ctx)  # `held` still holds its buffer: a new one
+    assert other.fields["values"].data_ptr() != held.fields["values"].data_ptr()
+    assert torch.equal(held.fields["values"], first) and torch.equal(other.fields["values"], second)
+
+    total = codec.aggregate([held, other], ctx)
+    assert torch.equal(total.fields["values"], first + second)
+    average = codec.decode(total, ctx)
+    assert torch.equal(average, (first + second) / 2)
+    assert torch.equal(held.fields["values"], first)  # the sum and the average left it alone
+
+    del held
+    again = codec.encode(third, ctx)  # the first payload's buffer, let go, is handed out again
+    assert again.fields["values"] is buffer()  # the same tensor, not one the allocator reused
+    assert torch.equal(again.fields["values"], third)
+    assert torch.equal(average, (first + second) / 2)
+    assert torch.equal(other.fields["values"], second)
