@@ -239,3 +239,25 @@ def test_the_fp32_codec_hands_its_buffers_out_again_only_once_let_go():
     assert torch.equal(again.fields["values"], third)
     assert torch.equal(average, (first + second) / 2)
     assert torch.equal(other.fields["values"], second)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["positive", "negative"])
+def test_fp16_refuses_a_gradient_or_sum_beyond_its_range_on_either_side(sign):
+    """The check reads the payload's extremes: a value past ±65504 that became ±inf, at either
+    end, in a worker's payload or in the server's sum, is refused; one that rounds to ±65504 is
+    not."""
+    from gradsum.codecs import AGGREGATOR
+
+    codec = make_codec("fp16", workers=2)
+    ctx = CodecContext(worker=0, step=0)
+    x = torch.zeros(1000)
+    x[700] = sign * 65510.0  # rounds to the largest half
+    assert float(codec.encode(x, ctx).fields["values"][700]) == sign * 65504
+    x[300] = sign * 70000.0
+    with pytest.raises(WidthOverflowError, match="gradient exceeds the fp16 range"):
+        codec.encode(x, ctx)
+    half = torch.zeros(1000)
+    half[300] = sign * 40000.0
+    payload = codec.encode(half, ctx)
+    with pytest.raises(WidthOverflowError, match="sum exceeds the fp16 range"):
+        codec.aggregate([payload, payload], CodecContext(worker=AGGREGATOR))

@@ -13,6 +13,7 @@ from .base import (
     Payload,
     WidthOverflowError,
     check_same_length,
+    finite,
     require,
     require_finite,
 )
@@ -105,5 +106,8 @@ class FP16(DecodingCodec):
         def fail() -> None:
             raise WidthOverflowError(f"{what} exceeds the fp16 range (|x| > 65504)")
 
-        require(torch.isfinite(payload.fields["values"]).all(), fail)
+        values = payload.fields["values"]
+        if values.numel():  # the extremes: isfinite().all() on fp16 takes 17x as long on a CPU
+            low, high = torch.aminmax(values)
+            require(finite(low) & finite(high), fail)
         return payload
