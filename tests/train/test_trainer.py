@@ -5,7 +5,7 @@ workers both take their steps through it."""
 import pytest
 import torch
 
-from gradsum.train.trainer import Report, Schedule, Trainer
+from gradsum.train.trainer import EvaluationTimeout, Report, Schedule, Trainer
 
 
 class _Replicas:
@@ -115,6 +115,49 @@ def test_an_agreement_a_step_late_stops_a_step_later_and_the_guard_names_the_los
     with pytest.raises(DivergenceError, match=r"at step 8 .*\(the loss of step 7\)"):
         trainer.run()
     assert trainer.count == 7
+
+
+class _TimingOut(_Replicas):
+    """Replicas whose agreement number ``at`` fails as a collective that timed out does."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.agreements = at, 0
+
+    def agree(self, loss, stop):
+        self.agreements += 1
+        if self.agreements - 1 == self.at:
+            raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                               "120000ms for recv operation to complete")  # fmt: skip
+        return float(loss), stop
+
+
+@pytest.mark.parametrize("at", [3, 2], ids=["after-an-evaluation", "elsewhere"])
+def test_a_timeout_in_the_step_after_an_evaluation_says_worker_0_was_evaluating(at):
+    """The other workers wait for worker 0's evaluation in the next step's agreement: a
+    timeout there names the evaluation and the flags that bound it, not only Gloo's words; a
+    timeout anywhere else is left as it was."""
+    schedule = Schedule(max_steps=7, eval_every=3)  # evaluates at steps 0, 3 and 6
+    trainer = Trainer(_TimingOut(at), _Batches(10), _Recorded(), schedule)
+    with pytest.raises(RuntimeError) as raised:
+        trainer.run()
+    if at == 3:
+        assert isinstance(raised.value, EvaluationTimeout)
+        assert "after the evaluation at step 3" in str(raised.value)
+        assert "--eval-samples" in str(raised.value) and "--timeout" in str(raised.value)
+        assert "Timed out waiting" in str(raised.value.__cause__)
+    else:
+        assert not isinstance(raised.value, EvaluationTimeout)
+        assert "Timed out waiting" in str(raised.value)
+
+
+def test_a_step_based_run_evaluates_a_bounded_number_of_samples_by_default():
+    """All of stdlib's validation took a GPT longer than the collectives' timeout on one core
+    (the README's GPT command failed at its first evaluation on a 2-core machine)."""
+    from gradsum.train.config import TrainConfig
+
+    config = TrainConfig(model="gpt", dataset="stdlib", max_steps=10)
+    assert config.eval_samples is not None and config.eval_samples <= 1024
 
 
 def test_an_epoch_without_a_batch_is_an_error():

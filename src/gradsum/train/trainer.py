@@ -61,6 +61,19 @@ class Batches(Protocol):
         transfer is part of what it costs."""
 
 
+class EvaluationTimeout(RuntimeError):
+    """The step after an evaluation timed out waiting for the other workers: worker 0
+    evaluates while they wait for it in that step's agreement, within the collectives'
+    timeout."""
+
+    def __init__(self, step: int):
+        super().__init__(
+            f"timed out in the step after the evaluation at step {step}: worker 0 evaluates "
+            "while the other workers wait for it, within --timeout; evaluate fewer samples "
+            "(--eval-samples) or raise --timeout"
+        )
+
+
 class Report:
     """What a run records besides training; every hook does nothing unless overridden."""
 
@@ -205,7 +218,12 @@ class Trainer:
         warming = replicas.step < self.schedule.uncompressed_steps
         with replicas.uncompressed() if warming else contextlib.nullcontext():
             loss, outputs = replicas.forward(inputs, labels)
-            mean, stopping = replicas.agree(loss, stop)
+            try:
+                mean, stopping = replicas.agree(loss, stop)
+            except RuntimeError as error:  # the collectives' own words name no cause
+                if self._evaluated_at == self.count and "timed out" in str(error).lower():
+                    raise EvaluationTimeout(self.count) from error
+                raise
             if stopping:
                 return None
             problem = self._loss_problem(mean)
