@@ -120,9 +120,9 @@ def test_an_agreement_a_step_late_stops_a_step_later_and_the_guard_names_the_los
 class _TimingOut(_Replicas):
     """Replicas whose agreement number ``at`` fails as a collective that timed out does."""
 
-    def __init__(self, at):
+    def __init__(self, at, lag=0):
         super().__init__()
-        self.at, self.agreements = at, 0
+        self.at, self.agreements, self.agreement_lag = at, 0, lag
 
     def agree(self, loss, stop):
         self.agreements += 1
@@ -132,16 +132,21 @@ class _TimingOut(_Replicas):
         return float(loss), stop
 
 
-@pytest.mark.parametrize("at", [3, 2], ids=["after-an-evaluation", "elsewhere"])
-def test_a_timeout_in_the_step_after_an_evaluation_says_worker_0_was_evaluating(at):
-    """The other workers wait for worker 0's evaluation in the next step's agreement: a
-    timeout there names the evaluation and the flags that bound it, not only Gloo's words; a
-    timeout anywhere else is left as it was."""
+@pytest.mark.parametrize("at, lag, explained", [(3, 0, True), (2, 0, False), (4, 0, False),
+                                                (4, 1, True), (5, 1, False)],
+                         ids=["after-an-evaluation", "before", "a-step-later",
+                              "lagging-a-step-later", "lagging-two-steps-later"])  # fmt: skip
+def test_a_timeout_in_the_step_after_an_evaluation_says_worker_0_was_evaluating(at, lag,
+                                                                                explained):
+    """The other workers wait for worker 0's evaluation in the next step's agreement (under
+    local steps, whose agreements lag a step, the one after): a timeout there names the
+    evaluation and the flags that bound it, not only Gloo's words; a timeout anywhere else is
+    left as it was."""
     schedule = Schedule(max_steps=7, eval_every=3)  # evaluates at steps 0, 3 and 6
-    trainer = Trainer(_TimingOut(at), _Batches(10), _Recorded(), schedule)
+    trainer = Trainer(_TimingOut(at, lag), _Batches(10), _Recorded(), schedule)
     with pytest.raises(RuntimeError) as raised:
         trainer.run()
-    if at == 3:
+    if explained:
         assert isinstance(raised.value, EvaluationTimeout)
         assert "after the evaluation at step 3" in str(raised.value)
         assert "--eval-samples" in str(raised.value) and "--timeout" in str(raised.value)

@@ -221,8 +221,8 @@ class Trainer:
             try:
                 mean, stopping = replicas.agree(loss, stop)
             except RuntimeError as error:  # the collectives' own words name no cause
-                if self._evaluated_at == self.count and "timed out" in str(error).lower():
-                    raise EvaluationTimeout(self.count) from error
+                if self._waited_for_evaluation() and "timed out" in str(error).lower():
+                    raise EvaluationTimeout(self._evaluated_at) from error
                 raise
             if stopping:
                 return None
@@ -237,6 +237,13 @@ class Trainer:
             self.guard.accept(mean)
         self.count += 1
         return loss, outputs
+
+    def _waited_for_evaluation(self) -> bool:
+        """Whether this step's agreement is where the workers wait for worker 0's last
+        evaluation: the step after it, or the one after that where agreements lag a step."""
+        if self._evaluated_at is None:
+            return False
+        return 0 <= self.count - self._evaluated_at <= self.replicas.agreement_lag
 
     def _loss_problem(self, mean: float | None) -> str | None:
         if self.guard is None or mean is None:
