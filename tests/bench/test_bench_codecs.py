@@ -42,6 +42,9 @@ def test_bench_codecs_writes_rows_for_every_codec_and_input(tmp_path, capsys):
     assert plot.stat().st_size > 10_000
     table = capsys.readouterr().out
     assert "thc" in table and "copy=" in table
+    from gradsum.codecs.thc import native
+
+    assert f"THC's CPU path: {native.path()}" in table  # the path its times depend on
     gaussian = {r["codec"]: r for r in rows if r["input"] == "gaussian"}
     assert gaussian["thc"]["bits_up"] == pytest.approx(4.0, abs=0.01)
     assert gaussian["thc"]["bits_down"] == pytest.approx(7.0, abs=0.01)
@@ -129,3 +132,28 @@ def test_seeds_need_two_distinct_draws(text, capsys):
         main(["bench", "codecs", "--seeds", text])
     assert exit_info.value.code == 2
     assert "--seeds" in capsys.readouterr().err
+
+
+def test_the_thc_path_named_is_the_one_that_runs(monkeypatch):
+    """A benchmark's header names the path its THC times come from: the torch path where the
+    native one is switched off, and the widest native one the kernels run otherwise."""
+    from gradsum.codecs.thc import native
+
+    if not native.built():
+        assert native.path().startswith("torch")
+        return
+    kernels = native._kernels
+    was_wide, was_v3 = kernels.wide(), kernels.v3()
+    try:
+        kernels.wide(False)
+        kernels.v3(False)
+        assert native.path() == "C kernels, portable"
+        if kernels.v3(True):
+            assert native.path() == "C kernels, eight floats wide (AVX2)"
+        if kernels.wide(True):
+            assert native.path() == "C kernels, sixteen floats wide (AVX-512)"
+        monkeypatch.setenv("GRADSUM_NATIVE", "0")
+        assert native.path() == "torch (GRADSUM_NATIVE=0)"
+    finally:
+        kernels.wide(was_wide)
+        kernels.v3(was_v3)

@@ -138,6 +138,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.wall_clock:
         torch.set_num_threads(1)  # all work on this thread, so its CPU time is all the work
     seeds = args.seeds or [args.seed]
+    if args.device == "cpu":  # the same codec is several times faster on one path than another
+        from ..codecs.thc import native
+
+        print(f"THC's CPU path: {native.path()}")
     try:
         rows = [row for seed in seeds for row in _measure_all(inputs, codecs, args, clock, seed)]
     finally:

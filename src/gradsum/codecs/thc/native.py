@@ -44,6 +44,19 @@ def built() -> bool:
     return _kernels is not None
 
 
+def path() -> str:
+    """Which of THC's CPU paths runs here (what a benchmark's CPU times depend on most)."""
+    if not built():
+        return "torch (the C kernels are not built)"
+    if not available():
+        return "torch (GRADSUM_NATIVE=0)"
+    if _kernels.wide():
+        return "C kernels, sixteen floats wide (AVX-512)"
+    if _kernels.v3():
+        return "C kernels, eight floats wide (AVX2)"
+    return "C kernels, portable"
+
+
 def _ready(*tensors: tuple[torch.Tensor, torch.dtype]) -> bool:
     return available() and cpu_ready(*tensors)
 
