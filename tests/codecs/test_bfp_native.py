@@ -307,6 +307,18 @@ def test_a_dropped_buffer_is_handed_out_again(recycler):
     assert recycler.empty(4096, torch.float32).data_ptr() != address  # another dtype
 
 
+def test_empty_on_recycles_on_the_cpu_only(recycler):
+    """Another device's tensor is made there (the bug feared: a CPU buffer handed to a device
+    round, or a device tensor kept in the CPU's list)."""
+    first = recycler.empty_on(torch.device("cpu"), 4096, torch.float32)
+    address = first.data_ptr()
+    del first
+    assert recycler.empty_on(torch.device("cpu"), 4096, torch.float32).data_ptr() == address
+    elsewhere = recycler.empty_on(torch.device("meta"), 4096, torch.float32)
+    assert elsewhere.device.type == "meta" and elsewhere.numel() == 4096
+    assert all(t.device.type == "cpu" for t in recycler._kept)
+
+
 @pytest.mark.parametrize("holder", sorted(HOLDERS))
 def test_a_buffer_something_refers_to_is_not_handed_out(recycler, holder):
     first = recycler.empty(4096, torch.float32)

@@ -49,6 +49,13 @@ class Recycler:
         with self._lock:
             return self._take(count, dtype, max(self.budget, self.per_request * nbytes))
 
+    def empty_on(self, device: torch.device, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """``empty`` on the CPU; a fresh tensor on any other device (whose caching allocator
+        already hands memory out again without faulting it in)."""
+        if device.type == "cpu":
+            return self.empty(count, dtype)
+        return torch.empty(count, dtype=dtype, device=device)
+
     def _take(self, count: int, dtype: torch.dtype, budget: int) -> torch.Tensor:
         kept = self._kept
         for i in range(len(kept) - 1, -1, -1):

@@ -40,9 +40,7 @@ class NoCompression(Codec):
         return 32, 32
 
     def _empty_like(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":
-            return torch.empty(x.numel(), dtype=torch.float32, device=x.device)
-        return self._recycler.empty(x.numel(), torch.float32)
+        return self._recycler.empty_on(x.device, x.numel(), torch.float32)
 
     def encode(
         self, x: torch.Tensor, ctx: CodecContext, shared: torch.Tensor | None = None

@@ -518,8 +518,8 @@ class Prepared:
         """A fresh output for the round's average (recycled on the CPU for a round of one
         stage, whose caller copies it away)."""
         count, device = (self.bounds[-1][1] if self.bounds else 0), self.flat.device
-        if device.type == "cpu" and self.stages is None:
-            return _OUTPUTS.empty(count, torch.float32)
+        if self.stages is None:
+            return _OUTPUTS.empty_on(device, count, torch.float32)
         return torch.empty(count, dtype=torch.float32, device=device)
 
     def next_stage(self, phase: SumPhase) -> Prepared | None:
@@ -605,9 +605,7 @@ class Stages:
 
     def finish(self) -> torch.Tensor:
         """Every partition's average (``codec.finish``), in place in the round's output."""
-        count, device = self.flat.numel(), self.flat.device
-        out = (_OUTPUTS.empty(count, torch.float32) if device.type == "cpu"
-               else torch.empty(count, dtype=torch.float32, device=device))  # fmt: skip
+        out = _OUTPUTS.empty_on(self.flat.device, self.flat.numel(), torch.float32)
         for (a, b), x, ctx, averages in zip(self.bounds, self.inputs, self.contexts,
                                             self.averages, strict=True):  # fmt: skip
             out[a:b] = self.codec.finish(x, ctx, averages)
